@@ -1,0 +1,153 @@
+"""``unicron-run``: torchrun's command line, unicron's agent and rendezvous.
+
+Every torchrun flag works (the parser is ``torch.distributed.run``'s). The
+differences: ``--rdzv-backend`` defaults to ``unicron``; ``--standalone``
+starts a private etcd for the run (and removes it afterwards) instead of a
+c10d TCP store; the agent is :class:`~unicron_elastic.agent.UnicronAgent`.
+
+torchrun has no hook for a custom agent, so :func:`launch` rebuilds the short
+part of ``torch.distributed.launcher.api.launch_agent`` that creates the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from typing import Any
+
+import structlog
+from torch.distributed.elastic import events, metrics
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
+from torch.distributed.run import config_from_args, get_args_parser
+
+from unicron_elastic.agent import UnicronAgent
+from unicron_elastic.logging import configure_logging
+from unicron_elastic.store.embedded import EmbeddedEtcd
+
+log = structlog.get_logger(__name__)
+
+
+def get_parser() -> argparse.ArgumentParser:
+    """torchrun's argument parser with unicron's defaults and flags."""
+    parser = get_args_parser()
+    parser.prog = "unicron-run"
+    parser.description = (
+        "Launch distributed training with unicron's self-healing agent. Accepts every torchrun "
+        "flag; --rdzv-backend defaults to 'unicron' (etcd v3 at --rdzv-endpoint) and "
+        "--standalone starts a private etcd for the run."
+    )
+    parser.set_defaults(rdzv_backend="unicron")
+    parser.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default="auto",
+        help="Agent log format: JSON lines unless stderr is a TTY (auto), or forced.",
+    )
+    return parser
+
+
+def launch(config: LaunchConfig, entrypoint: Any, args: list[str]) -> dict[int, Any]:
+    """Run one node's agent until the job ends.
+
+    Args:
+        config: The launch configuration (from torchrun's ``config_from_args``).
+        entrypoint: Script path or callable of the workers.
+        args: Arguments of the entrypoint.
+
+    Returns:
+        The workers' return values by global rank.
+
+    Raises:
+        ChildFailedError: A worker failed and the agent gave up.
+    """
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+        log.warning("no_run_id_generated", run_id=config.run_id)
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(params)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = UnicronAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            raise ChildFailedError(name=str(entrypoint), failures=result.failures)
+        return result.return_values
+    except ChildFailedError:
+        raise
+    except Exception as exc:
+        # A signal must not close the rendezvous for the surviving nodes.
+        if type(exc).__name__ == "SignalException":
+            shutdown_rdzv = False
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point of ``unicron-run``.
+
+    Raises:
+        ChildFailedError: The training failed (torch's ``@record`` writes the
+            error file and the exit code is 1).
+    """
+    args = get_parser().parse_args(argv)
+    configure_logging(args.log_format)
+    etcd: EmbeddedEtcd | None = None
+    try:
+        if args.standalone:
+            etcd = EmbeddedEtcd().start()
+            args.rdzv_backend = "unicron"
+            args.rdzv_endpoint = etcd.endpoint
+            args.rdzv_id = str(uuid.uuid4())
+            log.info("standalone_etcd", endpoint=etcd.endpoint, rdzv_id=args.rdzv_id)
+        if args.master_port is None:
+            args.master_port = 29500
+        config, cmd, cmd_args = config_from_args(args)
+        launch(config, cmd, cmd_args)
+    finally:
+        if etcd is not None:
+            etcd.stop()
+
+
+if __name__ == "__main__":
+    main()

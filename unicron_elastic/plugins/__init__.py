@@ -1,0 +1,1 @@
+"""pluggy hook specifications and built-in detector plugins (agent issue)."""

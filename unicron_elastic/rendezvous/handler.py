@@ -1,0 +1,95 @@
+"""The ``unicron`` rendezvous handler that torchrun loads through ``torchrun.handlers``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
+from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate
+from unicron_elastic.rendezvous.options import BackendOptions, parse_options
+from unicron_elastic.store.c10d import EtcdC10dStore
+from unicron_elastic.store.client import StatusStore
+
+log = structlog.get_logger(__name__)
+
+
+class UnicronRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous, gated by the coordinator's plan.
+
+    Built by :func:`create_handler`; ``gate`` and ``task`` are set there.
+    """
+
+    gate: JoinGate = OpenGate()
+    task: str = ""
+    status_store: StatusStore | None = None
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Wait for the plan to admit this node, then join the next round."""
+        request = JoinRequest(
+            run_id=self.get_run_id(),
+            task=self.task,
+            node=str(self._this_node),
+            round=getattr(self._state_holder.state, "round", -1),
+        )
+        self.gate.admit(request)
+        info = super().next_rendezvous()
+        log.info(
+            "rendezvous_joined",
+            run_id=request.run_id,
+            task=self.task,
+            round=self._state_holder.state.round,
+            rank=info.rank,
+            nodes=info.world_size,
+        )
+        return info
+
+
+def create_handler(params: RendezvousParameters, gate: JoinGate | None = None) -> UnicronRendezvousHandler:
+    """Build the handler from torchrun's rendezvous parameters.
+
+    Args:
+        params: ``--rdzv-endpoint`` (etcd), ``--rdzv-id``, ``--nnodes`` and
+            ``--rdzv-conf`` as torchrun parsed them.
+        gate: Join gate; default admits everyone.
+
+    Returns:
+        The handler.
+
+    Raises:
+        ConfigError: A ``--rdzv-conf`` key or value is invalid (a ValueError).
+    """
+    options: BackendOptions = parse_options(params.endpoint, params.run_id, params.config)
+    store = StatusStore(options.etcd)
+    backend = UnicronRendezvousBackend(store, params.run_id)
+    c10d = EtcdC10dStore(store, store.keys.c10d(params.run_id), timeout=options.store_timeout)
+    timeout = RendezvousTimeout(
+        options.join_timeout, options.last_call_timeout, options.close_timeout, options.heartbeat_timeout
+    )
+    handler = UnicronRendezvousHandler.from_backend(
+        params.run_id,
+        c10d,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=options.keep_alive_interval,
+        keep_alive_max_attempt=options.keep_alive_max_attempt,
+    )
+    handler.gate = gate or OpenGate()
+    handler.task = options.task
+    handler.status_store = store
+    return handler
+
+
+def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point of group ``torchrun.handlers``: torchrun calls it with no arguments."""
+    return create_handler

@@ -1,0 +1,57 @@
+"""Workarounds for python3-etcd3 0.13 that the store layer owns (see DESIGN.md).
+
+1. ``etcd3/watch.py`` calls ``six.itervalues`` in the watch thread's ``finally``
+   block without importing ``six``; when a watch stream ends (etcd restarted,
+   client closed) the thread dies with ``NameError`` and no callback learns that
+   its watch is gone. :func:`patch_watch_module` gives the module the one
+   function it needs. ``tests/test_store.py`` shows the defect exists.
+2. After one failed request an ``Endpoint`` is marked failed for 300 s and the
+   client raises ``ValueError('Trying to use a failed node')`` until then, even
+   when etcd is back. The store never reuses a client after a connection
+   failure; :func:`new_client` is the single place clients are built.
+"""
+
+from __future__ import annotations
+
+import types
+
+import etcd3
+import etcd3.watch
+
+from unicron_elastic.api import EtcdConfig
+
+
+def patch_watch_module() -> bool:
+    """Give ``etcd3.watch`` the ``six.itervalues`` it uses but never imports.
+
+    Returns:
+        True if the module needed the patch, False if it already had ``six``.
+    """
+    if hasattr(etcd3.watch, "six"):
+        return False
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))
+    return True
+
+
+def new_client(config: EtcdConfig) -> etcd3.Etcd3Client:
+    """Build a fresh etcd v3 client for ``config``.
+
+    Args:
+        config: Where and how to connect.
+
+    Returns:
+        A new client with its own gRPC channel.
+    """
+    return etcd3.client(
+        host=config.host,
+        port=config.port,
+        ca_cert=config.ca_cert,
+        cert_key=config.cert_key,
+        cert_cert=config.cert_cert,
+        timeout=config.request_timeout,
+        user=config.user,
+        password=config.password,
+    )
+
+
+patch_watch_module()

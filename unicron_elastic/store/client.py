@@ -1,0 +1,305 @@
+"""A thin typed layer over the etcd v3 client: JSON values, CAS, reconnect.
+
+Every request goes through :meth:`StatusStore.call`, which retries a request that
+failed for connection reasons on a *fresh* client (python3-etcd3 refuses to
+reuse a client after one failure) with exponential back-off, until
+``EtcdConfig.reconnect_timeout`` has passed; then it raises
+:class:`~unicron_elastic.api.StoreUnavailableError`. A short etcd outage is thus
+invisible to callers, a long one is a clear error.
+
+Retried writes: a request whose reply was lost may have been applied. ``put``
+and ``delete`` are idempotent; a retried :meth:`StatusStore.cas` may report a
+conflict for a write of its own, which CAS callers handle anyway (they re-read).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import etcd3
+import etcd3.exceptions
+import grpc
+import structlog
+
+from unicron_elastic.api import (
+    EtcdConfig,
+    MalformedValueError,
+    StoreError,
+    StoreUnavailableError,
+)
+from unicron_elastic.store import _etcd3_compat
+from unicron_elastic.store.keys import Keys
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+_CONNECTION_ERRORS = (
+    etcd3.exceptions.ConnectionFailedError,
+    etcd3.exceptions.ConnectionTimeoutError,
+    etcd3.exceptions.NoServerAvailableError,
+    etcd3.exceptions.InternalServerError,
+)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return True
+    # python3-etcd3 raises this ValueError for an endpoint it marked failed.
+    if isinstance(exc, ValueError) and "failed node" in str(exc):
+        return True
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return False
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key read from the store.
+
+    Attributes:
+        key: The key.
+        value: The raw value.
+        mod_revision: Revision of the last write of the key (the CAS token).
+        create_revision: Revision that created the key.
+        lease: ID of the lease the key is attached to, 0 if none.
+    """
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class CasResult:
+    """Outcome of a compare-and-set.
+
+    Attributes:
+        succeeded: True if the write was applied.
+        current: The key as it is after the transaction (None if absent).
+    """
+
+    succeeded: bool
+    current: KeyValue | None
+
+
+def _kv(value: bytes, meta: Any) -> KeyValue:
+    key = meta.key.decode() if isinstance(meta.key, bytes) else str(meta.key)
+    return KeyValue(key, value, meta.mod_revision, meta.create_revision, meta.lease_id)
+
+
+class StatusStore:
+    """unicron's view of etcd: typed reads and writes under one cluster's prefix.
+
+    Args:
+        config: How to reach etcd.
+
+    Raises:
+        StoreUnavailableError: From any method, when etcd stays unreachable
+            longer than ``config.reconnect_timeout``.
+    """
+
+    def __init__(self, config: EtcdConfig) -> None:
+        self.config = config
+        self.keys = Keys(config.cluster)
+        self._lock = threading.Lock()
+        self._client: etcd3.Etcd3Client | None = None
+        self._closed = False
+
+    # -- connection management -------------------------------------------------
+    def _current_client(self) -> etcd3.Etcd3Client:
+        with self._lock:
+            if self._closed:
+                raise StoreError("the status store is closed")
+            if self._client is None:
+                self._client = _etcd3_compat.new_client(self.config)
+            return self._client
+
+    def _drop_client(self, client: etcd3.Etcd3Client) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - closing a broken channel may fail too
+            pass
+
+    def new_client(self) -> etcd3.Etcd3Client:
+        """Return a new client of the caller's own (for long-lived watches)."""
+        return _etcd3_compat.new_client(self.config)
+
+    def call(self, op: Callable[[etcd3.Etcd3Client], T], what: str = "request") -> T:
+        """Run ``op(client)``, reconnecting on connection errors.
+
+        Args:
+            op: The request, given a client.
+            what: Short description for logs and errors.
+
+        Returns:
+            What ``op`` returned.
+
+        Raises:
+            StoreUnavailableError: etcd was unreachable for longer than
+                ``reconnect_timeout``.
+            StoreError: etcd answered with an error that is not a connection
+                problem.
+        """
+        deadline = time.monotonic() + self.config.reconnect_timeout
+        delay = 0.05
+        attempt = 0
+        while True:
+            client = self._current_client()
+            try:
+                return op(client)
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not _is_connection_error(exc):
+                    if isinstance(exc, (etcd3.exceptions.Etcd3Exception, grpc.RpcError)):
+                        raise StoreError(f"etcd {what} failed: {exc!r}") from exc
+                    raise
+                self._drop_client(client)
+                attempt += 1
+                now = time.monotonic()
+                if now >= deadline:
+                    raise StoreUnavailableError(
+                        f"etcd at {self.config.endpoint} unreachable for "
+                        f"{self.config.reconnect_timeout:.1f}s during {what} "
+                        f"({attempt} attempts, last error: {type(exc).__name__})"
+                    ) from exc
+                if attempt == 1:
+                    log.warning("etcd_unreachable_retrying", endpoint=self.config.endpoint, what=what)
+                time.sleep(min(delay, max(0.0, deadline - now)))
+                delay = min(delay * 2, 1.0)
+
+    def close(self) -> None:
+        """Close the connection; later calls raise :class:`StoreError`."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> StatusStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- raw bytes -------------------------------------------------------------
+    def get(self, key: str) -> KeyValue | None:
+        """Read one key; None if absent."""
+        value, meta = self.call(lambda c: c.get(key), f"get {key}")
+        if meta is None:
+            return None
+        return _kv(value, meta)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        """Read every key under ``prefix``, sorted by key."""
+        items = self.call(lambda c: list(c.get_prefix(prefix, sort_order="ascend")), f"get {prefix}*")
+        return [_kv(v, m) for v, m in items]
+
+    def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
+        """Write a key; returns the revision of the write."""
+        resp = self.call(lambda c: c.put(key, value, lease=lease), f"put {key}")
+        return int(resp.header.revision)
+
+    def delete(self, key: str) -> bool:
+        """Delete a key; True if it existed."""
+        return bool(self.call(lambda c: c.delete(key), f"delete {key}"))
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix``."""
+        self.call(lambda c: c.delete_prefix(prefix), f"delete {prefix}*")
+
+    def cas(
+        self,
+        key: str,
+        value: bytes | str,
+        expected_mod_revision: int | None,
+        lease: int | None = None,
+    ) -> CasResult:
+        """Compare-and-set: write ``value`` only if the key is as expected.
+
+        Args:
+            key: The key.
+            value: The new value.
+            expected_mod_revision: The key's ``mod_revision`` the caller last
+                saw; None (or 0) means "only if the key does not exist".
+            lease: Lease to attach the key to.
+
+        Returns:
+            The outcome, with the key as it is now (read in the same
+            transaction when the comparison failed).
+        """
+
+        def op(c: etcd3.Etcd3Client) -> tuple[bool, list]:
+            if expected_mod_revision:
+                compare = [c.transactions.mod(key) == expected_mod_revision]
+            else:
+                compare = [c.transactions.version(key) == 0]
+            return c.transaction(
+                compare=compare,
+                success=[c.transactions.put(key, value, lease=lease), c.transactions.get(key)],
+                failure=[c.transactions.get(key)],
+            )
+
+        succeeded, responses = self.call(op, f"cas {key}")
+        rng = responses[-1]
+        current = _kv(*rng[0]) if rng else None
+        return CasResult(bool(succeeded), current)
+
+    # -- JSON ------------------------------------------------------------------
+    def get_json(self, key: str) -> Any | None:
+        """Read a JSON value; None if absent.
+
+        Raises:
+            MalformedValueError: The value is not valid JSON.
+        """
+        kv = self.get(key)
+        if kv is None:
+            return None
+        try:
+            return json.loads(kv.value)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MalformedValueError(f"value of {key} is not JSON: {kv.value[:80]!r}") from exc
+
+    def put_json(self, key: str, value: Any, lease: int | None = None) -> int:
+        """Write a JSON value; returns the revision of the write."""
+        return self.put(key, json.dumps(value, sort_keys=True), lease=lease)
+
+    def get_json_prefix(self, prefix: str) -> dict[str, Any]:
+        """Read every JSON value under ``prefix``; malformed ones are logged and skipped."""
+        out: dict[str, Any] = {}
+        for kv in self.get_prefix(prefix):
+            try:
+                out[kv.key] = json.loads(kv.value)
+            except (ValueError, UnicodeDecodeError):
+                log.warning("malformed_value_skipped", key=kv.key, value=kv.value[:80])
+        return out
+
+    # -- misc ------------------------------------------------------------------
+    def revision(self) -> int:
+        """The store's current revision."""
+        resp = self.call(lambda c: c.kvstub.Range(
+            etcd3.etcdrpc.RangeRequest(key=b"\0", limit=1), c.timeout,
+            credentials=c.call_credentials, metadata=c.metadata,
+        ), "revision")
+        return int(resp.header.revision)
+
+    def healthy(self) -> bool:
+        """One quick status request without retries."""
+        client = _etcd3_compat.new_client(self.config)
+        try:
+            client.status()
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not healthy"
+            return False
+        finally:
+            client.close()

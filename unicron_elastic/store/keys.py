@@ -1,0 +1,99 @@
+"""The one place that knows unicron's etcd key layout (see DESIGN.md).
+
+::
+
+    /unicron/<cluster>/nodes/<node>            node info, attached to the node's lease
+    /unicron/<cluster>/events/<seq>            ErrorEvent JSON
+    /unicron/<cluster>/tasks/<task>/spec       TaskSpec JSON
+    /unicron/<cluster>/tasks/<task>/status     task status JSON
+    /unicron/<cluster>/plan                    Plan JSON
+    /unicron/<cluster>/commands/<node>/<seq>   actions for one agent
+    /unicron/<cluster>/rdzv/<run_id>           DynamicRendezvous state bytes
+    /unicron/<cluster>/c10d/<run_id>/<key>     c10d store keys of one run
+    /unicron/<cluster>/leader/<name>           leader election
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unicron_elastic.api import ConfigError
+
+ROOT = "/unicron"
+
+
+def _check_part(kind: str, value: str) -> str:
+    if not value or "/" in value:
+        raise ConfigError(f"{kind} {value!r} must be non-empty and contain no '/'")
+    return value
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Typed helpers that build the keys of one cluster.
+
+    Args:
+        cluster: Cluster name (no ``/``).
+    """
+
+    cluster: str
+
+    def __post_init__(self) -> None:
+        _check_part("cluster", self.cluster)
+
+    @property
+    def prefix(self) -> str:
+        """Prefix of every key of this cluster, ending in ``/``."""
+        return f"{ROOT}/{self.cluster}/"
+
+    def nodes(self) -> str:
+        """Prefix of the node records."""
+        return f"{self.prefix}nodes/"
+
+    def node(self, node: str) -> str:
+        """Key of one node record."""
+        return self.nodes() + _check_part("node", node)
+
+    def events(self) -> str:
+        """Prefix of the error events."""
+        return f"{self.prefix}events/"
+
+    def event(self, seq: int) -> str:
+        """Key of one event; zero-padded so keys sort by sequence number."""
+        return f"{self.events()}{seq:020d}"
+
+    def task(self, task: str) -> str:
+        """Prefix of one task's keys."""
+        return f"{self.prefix}tasks/{_check_part('task', task)}/"
+
+    def task_spec(self, task: str) -> str:
+        """Key of a task's specification."""
+        return self.task(task) + "spec"
+
+    def task_status(self, task: str) -> str:
+        """Key of a task's status."""
+        return self.task(task) + "status"
+
+    def plan(self) -> str:
+        """Key of the global plan."""
+        return f"{self.prefix}plan"
+
+    def commands(self, node: str) -> str:
+        """Prefix of the commands sent to one agent."""
+        return f"{self.prefix}commands/{_check_part('node', node)}/"
+
+    def command(self, node: str, seq: int) -> str:
+        """Key of one command."""
+        return f"{self.commands(node)}{seq:020d}"
+
+    def rdzv(self, run_id: str) -> str:
+        """Key holding the rendezvous state of a run."""
+        return f"{self.prefix}rdzv/{_check_part('run_id', run_id)}"
+
+    def c10d(self, run_id: str) -> str:
+        """Prefix of the c10d store of a run."""
+        return f"{self.prefix}c10d/{_check_part('run_id', run_id)}/"
+
+    def leader(self, name: str = "coordinator") -> str:
+        """Key of a leader election."""
+        return f"{self.prefix}leader/{_check_part('election', name)}"

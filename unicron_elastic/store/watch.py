@@ -1,0 +1,137 @@
+"""Prefix watches that survive etcd restarts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import etcd3.events
+import structlog
+
+from unicron_elastic.store.client import StatusStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by a watch.
+
+    Attributes:
+        kind: ``"put"`` or ``"delete"``.
+        key: The key that changed.
+        value: The new value (empty for a delete).
+        revision: The revision of the change.
+    """
+
+    kind: str
+    key: str
+    value: bytes
+    revision: int
+
+
+class PrefixWatch:
+    """Calls ``callback`` for every change under ``prefix``, across reconnects.
+
+    The watch owns its own client. When its stream ends (etcd restarted or
+    unreachable) it builds a new client and resumes from the revision after the
+    last event it delivered, so no change is lost or delivered twice (unless
+    etcd compacted those revisions meanwhile, which is logged).
+
+    Args:
+        store: The status store (for configuration and fresh clients).
+        prefix: The key prefix to watch.
+        callback: Called with each :class:`WatchEvent`, from the watch thread.
+        start_revision: First revision to deliver; default: changes after now.
+    """
+
+    def __init__(
+        self,
+        store: StatusStore,
+        prefix: str,
+        callback: Callable[[WatchEvent], None],
+        start_revision: int | None = None,
+    ) -> None:
+        self._store = store
+        self.prefix = prefix
+        self._callback = callback
+        self._next_revision = start_revision if start_revision else store.revision() + 1
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._client = None
+        self._watch_id = None
+        self.reconnects = 0
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        delay = 0.05
+        while True:
+            with self._lock:
+                if self._cancelled:
+                    return
+                start = self._next_revision
+            client = self._store.new_client()
+            try:
+                watch_id = client.add_watch_prefix_callback(self.prefix, self._on_response, start_revision=start)
+            except Exception as exc:  # noqa: BLE001 - etcd down: retry below
+                client.close()
+                log.debug("watch_subscribe_retry", prefix=self.prefix, error=type(exc).__name__)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            with self._lock:
+                self._client, self._watch_id = client, watch_id
+                if not self._cancelled:
+                    return
+            client.close()
+            return
+
+    def _on_response(self, response: object) -> None:
+        if response is None or isinstance(response, Exception):
+            self._resubscribe(response)
+            return
+        for event in response.events:
+            kind = "delete" if isinstance(event, etcd3.events.DeleteEvent) else "put"
+            key = event.key.decode()
+            item = WatchEvent(kind, key, bytes(event.value), int(event.mod_revision))
+            with self._lock:
+                if self._cancelled:
+                    return
+                self._next_revision = max(self._next_revision, item.revision + 1)
+            try:
+                self._callback(item)
+            except Exception:  # noqa: BLE001 - a bad callback must not end the watch
+                log.exception("watch_callback_failed", prefix=self.prefix, key=key)
+
+    def _resubscribe(self, error: object) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            old, self._client = self._client, None
+        self.reconnects += 1
+        log.warning("watch_stream_ended", prefix=self.prefix, error=repr(error), resume_at=self._next_revision)
+        # The old client's watch thread is the caller; close it from elsewhere.
+        if old is not None:
+            threading.Thread(target=old.close, daemon=True).start()
+        threading.Thread(target=self._subscribe, name="unicron-watch-resubscribe", daemon=True).start()
+
+    def cancel(self) -> None:
+        """Stop the watch; no callback runs after this returns (bar one in flight)."""
+        with self._lock:
+            self._cancelled = True
+            client, self._client = self._client, None
+            watch_id = self._watch_id
+        if client is not None:
+            try:
+                client.cancel_watch(watch_id)
+            except Exception:  # noqa: BLE001 - etcd may be gone
+                pass
+            client.close()
+
+    def __enter__(self) -> PrefixWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()

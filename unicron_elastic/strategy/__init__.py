@@ -1,0 +1,1 @@
+"""The ``unicron_megatron`` Lightning strategy (strategy issue)."""
