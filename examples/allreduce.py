@@ -6,7 +6,8 @@ Run it on one machine with::
 
 With ``--out DIR`` every rank writes ``DIR/rank<R>.json`` with its world size
 and the reduced value (the tests read these). ``--steps N --sleep S`` repeat
-the all-reduce N times with S seconds between (so a test can kill a node).
+the all-reduce N times with S seconds between (so a test can kill a node);
+after each step a rank writes ``DIR/progress<R>`` (step and world size).
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     value = 0.0
-    for _ in range(args.steps):
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    for step in range(args.steps):
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         value = float(t.item())
+        if args.out is not None:
+            (args.out / f"progress{rank}").write_text(f"{step} {world}")
         time.sleep(args.sleep)
     expected = world * (world + 1) / 2
     if value != expected:
@@ -41,7 +46,6 @@ def main() -> None:
     if rank == 0:
         print(f"all-reduce over {world} ranks = {value} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')})")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         record = {
             "rank": rank,
             "world_size": world,

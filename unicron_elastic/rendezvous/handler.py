@@ -40,6 +40,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             round=getattr(self._state_holder.state, "round", -1),
         )
         self.gate.admit(request)
+        self._forget_agent_store()
         info = super().next_rendezvous()
         log.info(
             "rendezvous_joined",
@@ -50,6 +51,21 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             nodes=info.world_size,
         )
         return info
+
+
+    def _forget_agent_store(self) -> None:
+        """Make the next round start a fresh agent TCPStore (pytorch/pytorch#135712).
+
+        Workers assume "a new TCPStore for every retry" (torch's
+        ``_create_c10d_store``) and add no per-round prefix, but torch 2.13's
+        handler keeps the rank-0 node's TCPStore server across rounds; workers
+        of round N+1 then read round N's gloo addresses and fail to connect.
+        Dropping the cached server makes rank 0 of every round bind a new one
+        and publish its port through the (per-round) etcd store.
+        ``tests/test_rendezvous.py`` pins these private attributes.
+        """
+        self._shared_tcp_store_server = None
+        self._bootstrap_store_info = None
 
 
 def create_handler(params: RendezvousParameters, gate: JoinGate | None = None) -> UnicronRendezvousHandler:
