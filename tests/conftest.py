@@ -1,0 +1,51 @@
+"""Shared fixtures: a real etcd per session (and per test where it is restarted)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from unicron_elastic.api import EtcdConfig
+from unicron_elastic.store import EmbeddedEtcd, StatusStore
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[EmbeddedEtcd]:
+    """One private etcd for the whole session (tests isolate by cluster name)."""
+    server = EmbeddedEtcd().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def private_etcd() -> Iterator[EmbeddedEtcd]:
+    """An etcd of the test's own, for tests that stop or restart it."""
+    server = EmbeddedEtcd().start()
+    yield server
+    server.stop()
+
+
+def _cluster_name(request: pytest.FixtureRequest) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]
+
+
+@pytest.fixture()
+def etcd_config(etcd: EmbeddedEtcd, request: pytest.FixtureRequest) -> EtcdConfig:
+    """Config for the session etcd with a cluster name unique to the test."""
+    return EtcdConfig(host="127.0.0.1", port=etcd.client_port, cluster=_cluster_name(request), reconnect_timeout=10)
+
+
+@pytest.fixture()
+def store(etcd_config: EtcdConfig) -> Iterator[StatusStore]:
+    """A status store on the session etcd, closed after the test."""
+    s = StatusStore(etcd_config)
+    yield s
+    s.close()

@@ -1,0 +1,230 @@
+"""The unicron rendezvous backend: torch's backend contract case by case, options, registration."""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from importlib.metadata import entry_points
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+from unicron_elastic.api import ConfigError, EtcdConfig
+from unicron_elastic.rendezvous import (
+    KNOWN_KEYS,
+    UnicronRendezvousBackend,
+    UnicronRendezvousHandler,
+    create_handler,
+    parse_options,
+)
+from unicron_elastic.store import StatusStore
+from unicron_elastic.store.c10d import EtcdC10dStore
+
+
+@pytest.fixture()
+def backend(store: StatusStore) -> UnicronRendezvousBackend:
+    return UnicronRendezvousBackend(store, "run1")
+
+
+def test_backend_name_is_unicron(backend: UnicronRendezvousBackend) -> None:
+    assert backend.name == "unicron"
+
+
+def test_get_state_is_none_when_absent(backend: UnicronRendezvousBackend) -> None:
+    assert backend.get_state() is None
+
+
+def test_set_state_without_token_creates(backend: UnicronRendezvousBackend) -> None:
+    state, token, has_set = backend.set_state(b"s1")
+    assert (state, has_set) == (b"s1", True)
+    assert backend.get_state() == (b"s1", token)
+
+
+def test_set_state_without_token_when_present_returns_current(backend: UnicronRendezvousBackend) -> None:
+    _, token, _ = backend.set_state(b"s1")
+    assert backend.set_state(b"s2") == (b"s1", token, False)
+
+
+def test_set_state_with_current_token_sets_and_returns_new_token(backend: UnicronRendezvousBackend) -> None:
+    _, token, _ = backend.set_state(b"s1")
+    state, new_token, has_set = backend.set_state(b"s2", token)
+    assert (state, has_set) == (b"s2", True) and new_token != token
+    assert backend.get_state() == (b"s2", new_token)
+
+
+def test_set_state_with_old_token_returns_current(backend: UnicronRendezvousBackend) -> None:
+    _, old, _ = backend.set_state(b"s1")
+    _, current, _ = backend.set_state(b"s2", old)
+    assert backend.set_state(b"s3", old) == (b"s2", current, False)
+
+
+@pytest.mark.parametrize("token", ["not-a-number", -5, 0, object()])
+def test_set_state_with_invalid_token_returns_current(backend: UnicronRendezvousBackend, token) -> None:
+    _, current, _ = backend.set_state(b"s1")
+    assert backend.set_state(b"s2", token) == (b"s1", current, False)
+
+
+def test_set_state_with_token_when_absent_returns_none(backend: UnicronRendezvousBackend) -> None:
+    assert backend.set_state(b"s1", 12345) is None
+    assert backend.get_state() is None
+
+
+def test_token_of_a_deleted_and_recreated_state_is_stale(backend: UnicronRendezvousBackend, store) -> None:
+    _, token, _ = backend.set_state(b"s1")
+    store.delete(backend.key)
+    _, new_token, _ = backend.set_state(b"s2")
+    assert backend.set_state(b"s3", token) == (b"s2", new_token, False)
+
+
+@pytest.mark.parametrize("raw", [b"garbage", b'{"format": "other", "state": ""}', b'{"format": "torch-dynamic-rendezvous/v1", "state": "!!"}'])
+def test_corrupt_state_raises_state_error(backend: UnicronRendezvousBackend, store, raw: bytes) -> None:
+    store.put(backend.key, raw)
+    with pytest.raises(RendezvousStateError, match="corrupt"):
+        backend.get_state()
+
+
+def test_state_is_stored_as_json_not_pickle(backend: UnicronRendezvousBackend, store) -> None:
+    backend.set_state(pickle.dumps({"round": 3}))
+    assert store.get_json(backend.key)["format"] == "torch-dynamic-rendezvous/v1"
+
+
+def test_unreachable_etcd_is_a_rendezvous_connection_error() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from unicron_elastic.store import free_port
+
+    store = StatusStore(EtcdConfig(port=free_port(), reconnect_timeout=0.5, request_timeout=0.5))
+    with pytest.raises(RendezvousConnectionError, match="unreachable"):
+        UnicronRendezvousBackend(store, "r").get_state()
+
+
+# -- options -------------------------------------------------------------------
+
+
+def test_options_defaults_and_torchrun_timeout() -> None:
+    opts = parse_options("127.0.0.1:1234", "job", {"timeout": 900})
+    assert (opts.etcd.host, opts.etcd.port, opts.etcd.cluster) == ("127.0.0.1", 1234, "default")
+    assert opts.task == "job" and opts.join_timeout == timedelta(seconds=900)
+    assert parse_options("h", "job", {}).etcd.port == 2379
+
+
+def test_options_all_known_keys_parse() -> None:
+    conf = {
+        "cluster": "c", "task": "t", "request_timeout": "2.5", "reconnect_timeout": "4",
+        "store_timeout": "9", "join_timeout": "10", "last_call_timeout": "1", "close_timeout": "3",
+        "heartbeat_timeout": "2", "keep_alive_interval": "1", "keep_alive_max_attempt": "2",
+        "user": "u", "password": "p", "timeout": "900", "rank": "0",
+    }
+    opts = parse_options("[::1]:2380", "job", conf)
+    assert (opts.etcd.host, opts.etcd.port, opts.etcd.user) == ("::1", 2380, "u")
+    assert opts.join_timeout == timedelta(seconds=10) and opts.keep_alive_interval == 1
+    assert opts.etcd.request_timeout == 2.5 and opts.store_timeout == timedelta(seconds=9)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "conf", "match"),
+    [
+        ("h:1", {"bogus": "1"}, "unknown --rdzv-conf key.*bogus"),
+        ("h:1", {"join_timeout": "soon"}, "join_timeout='soon' is not an integer"),
+        ("h:1", {"request_timeout": "-1"}, "request_timeout='-1' must be > 0"),
+        ("h:1", {"cluster": "a/b"}, "cluster"),
+        ("h:1", {"cert_key": "k.pem"}, "cert_key and cert_cert"),
+        ("h:port", {}, "port 'port' is not a number"),
+        ("", {}, "--rdzv-endpoint"),
+    ],
+)
+def test_options_bad_input_names_key_and_value(endpoint: str, conf: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        parse_options(endpoint, "job", conf)
+    assert isinstance(info.value, ConfigError)
+
+
+def test_every_known_key_is_documented_in_the_readme() -> None:
+    from conftest import REPO
+
+    readme = open(f"{REPO}/docs/rendezvous.md").read()
+    missing = [k for k in KNOWN_KEYS if f"`{k}`" not in readme]
+    assert not missing, missing
+
+
+# -- handler and registration ----------------------------------------------------
+
+
+def _params(etcd_config: EtcdConfig, **conf) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="unicron",
+        endpoint=f"{etcd_config.host}:{etcd_config.port}",
+        run_id="job",
+        min_nodes=1,
+        max_nodes=2,
+        cluster=etcd_config.cluster,
+        **conf,
+    )
+
+
+def test_entry_point_is_registered_for_torchrun() -> None:
+    names = {ep.name: ep.value for ep in entry_points(group="torchrun.handlers")}
+    assert names["unicron"] == "unicron_elastic.rendezvous.handler:handler_factory"
+
+
+def test_torch_registry_builds_our_handler(etcd_config: EtcdConfig) -> None:
+    rdzv_registry._register_out_of_tree_handlers()
+    handler = rdzv_registry.get_rendezvous_handler(_params(etcd_config))
+    assert isinstance(handler, UnicronRendezvousHandler)
+    assert handler.get_backend() == "unicron" and handler.get_run_id() == "job"
+
+
+def test_bad_rdzv_conf_surfaces_as_value_error_from_registry(etcd_config: EtcdConfig) -> None:
+    rdzv_registry._register_out_of_tree_handlers()
+    with pytest.raises(ValueError, match="bogus"):
+        rdzv_registry.get_rendezvous_handler(_params(etcd_config, bogus="1"))
+
+
+def test_single_node_rendezvous_completes_through_etcd(etcd_config: EtcdConfig, store: StatusStore) -> None:
+    handler = create_handler(_params(etcd_config, last_call_timeout="1", join_timeout="20"))
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert store.get(store.keys.rdzv("job")) is not None
+    info.store.set("k", b"v")
+    assert info.store.get("k") == b"v"
+    handler.shutdown()
+
+
+def test_torch_still_caches_the_agent_store_that_we_drop() -> None:
+    """Pins torch 2.13 internals behind UnicronRendezvousHandler._forget_agent_store."""
+    import inspect
+
+    source = inspect.getsource(DynamicRendezvousHandler.next_rendezvous)
+    assert "self._bootstrap_store_info is None" in source
+    assert "self._shared_tcp_store_server" in source
+
+
+# -- c10d store ---------------------------------------------------------------
+
+
+def test_c10d_store_semantics(store: StatusStore) -> None:
+    s = EtcdC10dStore(store, store.keys.c10d("job"), timeout=timedelta(seconds=2))
+    s.set("a", "1")
+    assert s.get("a") == b"1"
+    assert s.add("n", 2) == 2 and s.add("n", 3) == 5
+    assert s.check(["a", "n"]) and not s.check(["a", "missing"])
+    assert s.compare_set("a", "1", "2") == b"2"
+    assert s.compare_set("a", "1", "3") == b"2"
+    assert s.compare_set("new", "", "x") == b"x"
+    assert s.num_keys() == 3
+    assert s.delete_key("a") and not s.check(["a"])
+    with pytest.raises(LookupError, match="missing"):
+        s.wait(["missing"], timedelta(milliseconds=200))
+
+
+def test_c10d_store_works_through_torch_apis(store: StatusStore) -> None:
+    """multi_get/multi_set go through the pybind trampoline to our get/set."""
+    import torch.distributed as dist
+
+    s = EtcdC10dStore(store, store.keys.c10d("job2"), timeout=timedelta(seconds=2))
+    prefixed = dist.PrefixStore("round0", s)
+    prefixed.multi_set(["x", "y"], [b"1", b"2"])
+    assert prefixed.multi_get(["x", "y"]) == [b"1", b"2"]
+    assert s.get("round0/x") == b"1"
