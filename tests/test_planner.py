@@ -1,0 +1,233 @@
+"""Planner: throughput model, cost model, exact solver, evaluator, one-step table."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unicron_elastic.api import ConfigError
+from unicron_elastic.planner import (
+    GPU_TYPES,
+    MODELS,
+    CostModel,
+    Event,
+    GptModel,
+    OneStepTable,
+    PlannerError,
+    PlanTask,
+    Problem,
+    ThroughputModel,
+    estimate,
+    evaluate,
+    gpu_type,
+    solve,
+    solve_plain,
+)
+
+A800 = GPU_TYPES["A800-80GB"]
+
+
+# -- throughput model ----------------------------------------------------------
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", SC'21, Table 1 (A100 80GB, seq 2048, vocab 51200):
+# (name, layers, hidden, heads, global batch, GPUs, achieved TFLOP/s per GPU).
+MEGATRON_SC21 = [
+    ("1.7B", 24, 2304, 24, 512, 32, 137),
+    ("3.6B", 30, 3072, 32, 512, 64, 138),
+    ("7.5B", 36, 4096, 32, 512, 128, 142),
+    ("18.4B", 40, 6144, 48, 1024, 256, 135),
+    ("39.1B", 48, 8192, 64, 1536, 512, 138),
+    ("76.1B", 60, 10240, 80, 1792, 1024, 140),
+    ("145.6B", 80, 12288, 96, 2304, 1536, 148),
+    ("310.1B", 96, 16384, 128, 2160, 1920, 155),
+    ("529.6B", 105, 20480, 128, 2520, 2520, 163),
+    ("1T", 128, 25600, 160, 3072, 3072, 163),
+]
+
+
+@pytest.mark.parametrize(("name", "layers", "hidden", "heads", "batch", "gpus", "published"), MEGATRON_SC21)
+def test_throughput_model_tracks_published_megatron(name, layers, hidden, heads, batch, gpus, published) -> None:
+    m = GptModel(name, layers, hidden, heads, global_batch=batch)
+    est = estimate(m, GPU_TYPES["A100-80GB"], gpus)
+    assert est.feasible
+    ours = est.hardware_flops / gpus / 1e12  # Megatron reports FLOPs incl. recomputation
+    assert 0.7 <= ours / published <= 1.4, (ours, published, est.config)
+    assert est.memory_bytes <= GPU_TYPES["A100-80GB"].memory_bytes
+
+
+def test_throughput_is_jagged_and_sometimes_non_monotonic() -> None:
+    tm = ThroughputModel(A800)
+    m = MODELS["1.3B"]
+    sizes = tm.candidates(m, 4096)
+    values = [tm.flops(m, x) for x in sizes]
+    assert tm.flops(MODELS["7B"], 24) == 0.0 and tm.flops(MODELS["7B"], 32) > 0  # infeasible sizes
+    drops = [(a, b) for (a, fa), (b, fb) in itertools.pairwise(zip(sizes, values)) if fb < fa]
+    assert drops, "more GPUs should sometimes give less throughput"
+    per_gpu = [v / x for x, v in zip(sizes, values)]
+    assert per_gpu[-1] < 0.5 * max(per_gpu)  # strongly sub-linear
+
+
+def test_calibration_overrides_model(tmp_path) -> None:
+    path = tmp_path / "cal.csv"
+    path.write_text("model,gpus,flops\n7B,24,1e15\n7B,32,0\n")
+    tm = ThroughputModel(A800, ThroughputModel.load_calibration(path))
+    assert tm.flops(MODELS["7B"], 24) == 1e15 and tm.flops(MODELS["7B"], 32) == 0
+    assert 24 in tm.candidates(MODELS["7B"], 64) and 32 not in tm.candidates(MODELS["7B"], 64)
+
+
+@pytest.mark.parametrize("content", ["model,gpus\n7B,8\n", "model,gpus,flops\n7B,-1,5\n", "model,gpus,flops\n7B,x,5\n"])
+def test_malformed_calibration_is_a_clear_error(tmp_path, content: str) -> None:
+    path = tmp_path / "cal.csv"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match="calibration file"):
+        ThroughputModel.load_calibration(path)
+
+
+def test_unknown_gpu_type_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="unknown GPU type 'B300'.*A100-80GB"):
+        gpu_type("B300")
+
+
+# -- cost model ----------------------------------------------------------------
+
+
+def _table_model(tables: list[list[float]]) -> tuple[ThroughputModel, list[GptModel]]:
+    models = [GptModel(f"m{i}", 2, 64, 2) for i in range(len(tables))]
+    calibration = {(m.name, x + 1): v for m, table in zip(models, tables) for x, v in enumerate(table)}
+    return ThroughputModel(A800, calibration), models
+
+
+def test_task_below_its_minimum_gets_zero_waf() -> None:
+    tm, (m,) = _table_model([[1.0, 2.0, 3.0, 4.0]])
+    cost = CostModel(tm)
+    task = PlanTask("t", m, weight=2.0, min_gpus=3)
+    assert cost.waf(task, 2) == 0 and cost.waf(task, 3) == 6.0
+    plan = solve(Problem((task,), 2, cost))
+    assert plan.assignment == {"t": 0}
+
+
+def test_transition_penalty_stops_needless_reconfiguration() -> None:
+    # moving one GPU from a to b gains 0.5% WAF
+    tm, (ma, mb) = _table_model([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.02, 4.0]])
+    a = PlanTask("a", ma, current=2)
+    b = PlanTask("b", mb, current=2)
+    cheap = CostModel(tm, failure_rate=1e-3, d_transition=0.0)
+    costly = CostModel(tm, failure_rate=1e-3, d_transition=600.0)
+    assert solve(Problem((a, b), 4, cheap)).assignment == {"a": 1, "b": 3}
+    assert solve(Problem((a, b), 4, costly)).assignment == {"a": 2, "b": 2}
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda m: PlanTask("t", m, weight=-1.0), "weight"),
+        (lambda m: PlanTask("t", m, weight=0.0), "weight"),
+        (lambda m: PlanTask("", m), "name"),
+        (lambda m: PlanTask("t", m, current=-1), "current"),
+    ],
+)
+def test_bad_tasks_are_clear_errors(build, match: str) -> None:
+    with pytest.raises(PlannerError, match=match):
+        build(MODELS["7B"])
+
+
+def test_no_gpus_is_a_clear_error() -> None:
+    cost = CostModel(ThroughputModel(A800))
+    with pytest.raises(PlannerError, match=r"n'=0"):
+        Problem((PlanTask("t", MODELS["7B"]),), 0, cost)
+    with pytest.raises(ValueError, match="failure_rate"):
+        CostModel(ThroughputModel(A800), failure_rate=0)
+
+
+# -- solver vs brute force -------------------------------------------------------
+
+
+def brute_force(problem: Problem) -> float:
+    best = -float("inf")
+    ranges = [range(problem.n + 1)] * len(problem.tasks)
+    for sizes in itertools.product(*ranges):
+        if sum(sizes) <= problem.n:
+            best = max(best, evaluate(problem, {t.name: k for t, k in zip(problem.tasks, sizes)}))
+    return best
+
+
+@st.composite
+def problems(draw):
+    n = draw(st.integers(1, 9))
+    m = draw(st.integers(1, 3))
+    tables = [
+        draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.5, 5.0, 8.0, 9.0]), min_size=n + 2, max_size=n + 2))
+        for _ in range(m)
+    ]
+    tm, models = _table_model(tables)
+    tasks = tuple(
+        PlanTask(
+            f"t{i}",
+            models[i],
+            weight=draw(st.sampled_from([0.5, 1.0, 1.7, 2.0])),
+            min_gpus=draw(st.integers(0, 3)),
+            current=draw(st.integers(0, n + 1)),
+            faulted=draw(st.booleans()),
+        )
+        for i in range(m)
+    )
+    cost = CostModel(tm, failure_rate=draw(st.sampled_from([1e-3, 1e-2, 0.1])), d_transition=draw(st.sampled_from([0.0, 5.0, 50.0])))
+    return Problem(tasks, n, cost)
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_solver_optimum_equals_brute_force(problem: Problem) -> None:
+    plan = solve(problem)
+    expected = brute_force(problem)
+    assert plan.value == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert solve_plain(problem).value == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert evaluate(problem, plan.assignment) == pytest.approx(plan.value, rel=1e-9, abs=1e-9)
+    assert plan.gpus_used <= problem.n
+    assert all(k >= 0 for k in plan.assignment.values())
+
+
+def test_evaluator_rejects_infeasible_assignments() -> None:
+    tm, (m,) = _table_model([[1.0, 2.0]])
+    problem = Problem((PlanTask("t", m),), 2, CostModel(tm))
+    with pytest.raises(PlannerError, match="uses 3 GPUs"):
+        evaluate(problem, {"t": 3})
+    with pytest.raises(PlannerError, match="no entry"):
+        evaluate(problem, {})
+
+
+def test_fast_solver_equals_plain_dp_on_real_models() -> None:
+    cost = CostModel(ThroughputModel(A800))
+    tasks = tuple(PlanTask(f"t{i}", MODELS[name], weight=w) for i, (name, w) in enumerate(
+        [("1.3B", 2.0), ("7B", 1.1), ("13B", 0.5), ("1.3B", 1.4)]))
+    problem = Problem(tasks, 128, cost)
+    fast, plain = solve(problem), solve_plain(problem)
+    assert fast.value == pytest.approx(plain.value, rel=1e-12)
+    assert evaluate(problem, fast.assignment) == pytest.approx(fast.value, rel=1e-12)
+
+
+# -- one-step table --------------------------------------------------------------
+
+
+def test_one_step_table_matches_direct_solves() -> None:
+    cost = CostModel(ThroughputModel(A800))
+    base = tuple(PlanTask(f"t{i}", MODELS[n]) for i, n in enumerate(["1.3B", "7B", "13B"]))
+    plan = solve(Problem(base, 64, cost))
+    tasks = tuple(replace(t, current=plan.assignment[t.name]) for t in base)
+    queued = (PlanTask("new", MODELS["1.3B"], weight=2.0),)
+    table = OneStepTable(Problem(tasks, 64, cost), gpus_per_node=8, queued=queued)
+    victim = table.owners[0]
+    faulted = tuple(replace(t, faulted=t.name in victim) for t in tasks)
+    assert table.on_node_lost(0) == solve(Problem(faulted, 56, cost))
+    assert table.lookup(Event("node_joined")) == solve(Problem(tasks, 72, cost))
+    rest = tasks[1:]
+    assert table.lookup(Event("task_finished", frozenset({"t0"}))) == solve(Problem(rest, 64, cost))
+    launched = table.lookup(Event("task_launched", frozenset({"new"})))
+    assert launched == solve(Problem((*tasks, queued[0]), 64, cost))
+    with pytest.raises(PlannerError):
+        OneStepTable(Problem(tasks, 64, cost), gpus_per_node=0)

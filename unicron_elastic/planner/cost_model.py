@@ -1,0 +1,114 @@
+"""The cost model of paper section 5.1 (WAF and reward G), apart from the solver.
+
+    F(t, x)   = w(t) * T(t, x)   if x meets t's minimum requirement, else 0
+    G(t, x')  = F(t, x') * D_running(n')
+                - F(t, x) * 1(t, x -> x') * D_transition
+    1(t, x -> x') = 1 if x != x' or a worker of t faulted, else 0
+    D_running(n') = 1 / (lambda * n')       expected time to the next failure
+                                            of n' GPUs with failure rate lambda
+
+Units: FLOP/s for F, seconds for D, so G is in (weighted) FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from unicron_elastic.api import ConfigError
+from unicron_elastic.planner.throughput import GptModel, ThroughputModel
+
+
+class PlannerError(ConfigError):
+    """The planning problem is malformed (a ValueError naming the culprit)."""
+
+
+@dataclass(frozen=True)
+class PlanTask:
+    """A task as the planner sees it.
+
+    Attributes:
+        name: Unique task name.
+        model: The GPT model it trains.
+        weight: w(t), the priority or price of its FLOP/s (> 0; the paper
+            recommends 0.5 to 2.0).
+        min_gpus: T_necessary as a number of GPUs: below it, F = 0.
+        current: x, the GPUs it holds now.
+        faulted: A worker of this task faulted (forces the indicator to 1).
+    """
+
+    name: str
+    model: GptModel
+    weight: float = 1.0
+    min_gpus: int = 1
+    current: int = 0
+    faulted: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise PlannerError("task name must not be empty")
+        if not self.weight > 0:
+            raise PlannerError(f"task {self.name!r}: weight {self.weight!r} must be > 0")
+        if self.min_gpus < 0 or self.current < 0:
+            raise PlannerError(f"task {self.name!r}: min_gpus and current must be >= 0")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """F and G for one cluster.
+
+    Attributes:
+        throughput: T(t, x).
+        failure_rate: lambda, failures per GPU per second.
+        d_transition: Seconds a reconfigured task loses (D_transition).
+    """
+
+    throughput: ThroughputModel
+    failure_rate: float = 1.0 / (128 * 7 * 86400 / 4)  # 4 failures a week on 128 GPUs
+    d_transition: float = 60.0
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.failure_rate > 0:
+            raise PlannerError(f"failure_rate {self.failure_rate!r} must be > 0")
+        if self.d_transition < 0:
+            raise PlannerError(f"d_transition {self.d_transition!r} must be >= 0")
+
+    def waf(self, task: PlanTask, x: int) -> float:
+        """F(t, x): weighted achieved FLOP/s, 0 below the minimum requirement."""
+        if x < max(1, task.min_gpus):
+            return 0.0
+        return task.weight * self.throughput.flops(task.model, x)
+
+    def d_running(self, n: int) -> float:
+        """D_running(n'): expected seconds until one of n' GPUs fails.
+
+        Raises:
+            PlannerError: n' < 1.
+        """
+        if n < 1:
+            raise PlannerError(f"no GPUs available (n'={n}): nothing to plan")
+        return 1.0 / (self.failure_rate * n)
+
+    def reward(self, task: PlanTask, x_new: int, n: int) -> float:
+        """G(t, x'): reward of giving ``x_new`` GPUs to ``task`` in a cluster of n' GPUs."""
+        changed = x_new != task.current or task.faulted
+        penalty = self.waf(task, task.current) * self.d_transition if changed else 0.0
+        return self.waf(task, x_new) * self.d_running(n) - penalty
+
+    def candidates(self, task: PlanTask, n: int) -> np.ndarray:
+        """Sizes worth considering for ``task`` in a cluster of n' GPUs.
+
+        Only sizes where F > 0, plus 0 and the current size: any other k has
+        F(t, k) = 0 and the same penalty as k = 0, so k = 0 dominates it (same
+        reward, fewer GPUs). This is what makes the solver exact while only
+        looking at a few sizes per task.
+        """
+        key = (task.model, task.min_gpus, n)
+        sizes = self._cache.get(key)
+        if sizes is None:
+            feasible = [k for k in self.throughput.candidates(task.model, n) if k >= task.min_gpus]
+            sizes = self._cache[key] = tuple(feasible)
+        extra = [0] + ([task.current] if 0 < task.current <= n else [])
+        return np.unique(np.array(extra + list(sizes), dtype=np.int64))
