@@ -97,6 +97,16 @@ class CostModel:
         penalty = self.waf(task, task.current) * self.d_transition if changed else 0.0
         return self.waf(task, x_new) * self.d_running(n) - penalty
 
+    def _feasible(self, task: PlanTask, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sizes <= n with F > 0 for the task's model and minimum, and T at them (cached)."""
+        key = (task.model, task.min_gpus, n)
+        hit = self._cache.get(key)
+        if hit is None:
+            sizes = [k for k in self.throughput.candidates(task.model, n) if k >= max(1, task.min_gpus)]
+            flops = [self.throughput.flops(task.model, k) for k in sizes]
+            hit = self._cache[key] = (np.array(sizes, dtype=np.int64), np.array(flops, dtype=np.float64))
+        return hit
+
     def candidates(self, task: PlanTask, n: int) -> np.ndarray:
         """Sizes worth considering for ``task`` in a cluster of n' GPUs.
 
@@ -105,10 +115,24 @@ class CostModel:
         reward, fewer GPUs). This is what makes the solver exact while only
         looking at a few sizes per task.
         """
-        key = (task.model, task.min_gpus, n)
-        sizes = self._cache.get(key)
-        if sizes is None:
-            feasible = [k for k in self.throughput.candidates(task.model, n) if k >= task.min_gpus]
-            sizes = self._cache[key] = tuple(feasible)
-        extra = [0] + ([task.current] if 0 < task.current <= n else [])
-        return np.unique(np.array(extra + list(sizes), dtype=np.int64))
+        return self.rewards(task, n)[0]
+
+    def rewards(self, task: PlanTask, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Candidate sizes of ``task`` and G(t, k) at each, vectorised.
+
+        Returns:
+            ``(sizes, gains)``: the current size first (if it is a candidate),
+            then 0, then the feasible sizes ascending.
+        """
+        sizes, flops = self._feasible(task, n)
+        head = [task.current] if 0 < task.current <= n else []
+        head_flops = [self.waf(task, task.current) / task.weight] if head else []
+        head += [0]
+        head_flops += [0.0]
+        rest = sizes != task.current
+        all_sizes = np.concatenate([np.array(head, dtype=np.int64), sizes[rest]])
+        all_flops = np.concatenate([np.array(head_flops), flops[rest]])
+        changed = (all_sizes != task.current) | task.faulted
+        penalty = self.waf(task, task.current) * self.d_transition
+        gains = task.weight * all_flops * self.d_running(n) - changed * penalty
+        return all_sizes, gains

@@ -60,36 +60,49 @@ class Plan:
         return sum(self.assignment.values())
 
 
-def _rewards(problem: Problem, task: PlanTask, sizes: np.ndarray) -> np.ndarray:
-    return np.array([problem.cost.reward(task, int(k), problem.n) for k in sizes])
+def _all_rewards(problem: Problem, task: PlanTask) -> np.ndarray:
+    """G(t, k) for every k in 0..n' (vectorised, so the plain DP times only its recurrence)."""
+    sizes, gains = problem.cost.rewards(task, problem.n)
+    everything = np.full(problem.n + 1, gains[sizes == 0][0])  # F = 0 and k != x: same as k = 0
+    everything[sizes] = gains
+    return everything
 
 
 def solve(problem: Problem) -> Plan:
-    """Exact optimum of Eq. opt-simplified over candidate sizes (vectorised DP)."""
+    """Exact optimum of Eq. opt-simplified over candidate sizes (vectorised DP).
+
+    The forward pass keeps only a running maximum per row (two numpy operations
+    per candidate size); the back-pointer k*(i, j) is recovered while tracing
+    back as the first candidate (current size first, so ties keep a task where
+    it is) whose ``S(i-1, j-k) + G(t_i, k)`` equals ``S(i, j)`` - the same
+    floating-point sum the forward pass took the maximum of.
+    """
     n = problem.n
-    columns = np.arange(n + 1)
-    best = np.zeros(n + 1)  # S(0, j) = 0
-    back: list[np.ndarray] = []
+    rows = [np.zeros(n + 1)]  # S(0, j) = 0
+    options = []
+    scratch = np.empty(n + 1)
     for task in problem.tasks:
-        sizes = problem.cost.candidates(task, n)
-        # current size first: on ties argmax keeps the task where it is
-        order = np.argsort(sizes != task.current, kind="stable")
-        sizes = sizes[order]
-        gains = _rewards(problem, task, sizes)
-        table = np.full((len(sizes), n + 1), -np.inf)
-        for row, (k, gain) in enumerate(zip(sizes, gains)):
-            table[row, k:] = best[: n + 1 - k] + gain
-        choice = np.argmax(table, axis=0)
-        best = table[choice, columns]
-        back.append(sizes[choice])
+        sizes, gains = problem.cost.rewards(task, n)
+        keep = sizes <= n
+        sizes, gains = sizes[keep], gains[keep]
+        best, new = rows[-1], np.full(n + 1, -np.inf)
+        for k, gain in zip(sizes.tolist(), gains.tolist()):
+            width = n + 1 - k
+            np.add(best[:width], gain, out=scratch[:width])  # S(i-1, j-k) + G(t_i, k), j = k..n
+            np.maximum(new[k:], scratch[:width], out=new[k:])
+        rows.append(new)
+        options.append((sizes, gains))
     assignment: dict[str, int] = {}
     j = n
-    for task, pointers in zip(reversed(problem.tasks), reversed(back)):
-        k = int(pointers[j])
-        assignment[task.name] = k
+    for i in range(len(problem.tasks), 0, -1):
+        sizes, gains = options[i - 1]
+        fits = sizes <= j
+        totals = rows[i - 1][j - sizes[fits]] + gains[fits]
+        k = int(sizes[fits][np.flatnonzero(totals == rows[i][j])[0]])
+        assignment[problem.tasks[i - 1].name] = k
         j -= k
     ordered = {t.name: assignment[t.name] for t in problem.tasks}
-    return Plan(ordered, float(best[n]))
+    return Plan(ordered, float(rows[-1][n]))
 
 
 def solve_plain(problem: Problem) -> Plan:
@@ -101,7 +114,7 @@ def solve_plain(problem: Problem) -> Plan:
     best = np.zeros(n + 1)
     back = []
     for task in problem.tasks:
-        gains = _rewards(problem, task, np.arange(n + 1))
+        gains = _all_rewards(problem, task)
         new = np.empty(n + 1)
         pointers = np.empty(n + 1, dtype=np.int64)
         for j in range(n + 1):

@@ -1,0 +1,94 @@
+"""Planner speed, measured side by side in one run.
+
+Prints: the paper's plain O(m n^2) DP vs our candidate-size DP on 64 tasks x
+4096 GPUs (targets: ours <= 50 ms and >= 100x faster, same optimum), the
+one-step lookup time (target <= 1 ms), and how both grow with m and n.
+
+    python benchmarks/planner.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import replace
+
+from unicron_elastic.planner import (
+    GPU_TYPES,
+    MODELS,
+    CostModel,
+    OneStepTable,
+    PlanTask,
+    Problem,
+    ThroughputModel,
+    solve,
+    solve_plain,
+)
+
+
+def make_problem(m: int, n: int, seed: int = 0) -> Problem:
+    rng = random.Random(seed)
+    cost = CostModel(ThroughputModel(GPU_TYPES["A800-80GB"]))
+    names = list(MODELS)
+    tasks = tuple(PlanTask(f"t{i}", MODELS[rng.choice(names)], weight=round(rng.uniform(0.5, 2.0), 2)) for i in range(m))
+    return Problem(tasks, n, cost)
+
+
+def timed(fn, repeat: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="skip the slow plain-DP growth rows")
+    args = parser.parse_args()
+
+    problem = make_problem(64, 4096)
+    solve(problem)  # warm the T(t, x) caches: both solvers then time only the DP
+    solve_plain(make_problem(64, 4096))
+    fast_t, fast = timed(lambda: solve(problem), 5)
+    plain_t, plain = timed(lambda: solve_plain(problem), 1)
+    same = abs(fast.value - plain.value) <= 1e-9 * abs(plain.value) and fast.assignment == plain.assignment
+    print("== 64 tasks x 4096 GPUs ==")
+    print(f"plain O(m n^2) DP : {plain_t * 1e3:9.1f} ms")
+    print(f"ours (candidates) : {fast_t * 1e3:9.1f} ms   target <= 50 ms: {'met' if fast_t <= 0.05 else 'NOT met'}")
+    print(f"speed-up          : {plain_t / fast_t:9.0f}x   target >= 100x: {'met' if plain_t / fast_t >= 100 else 'NOT met'}")
+    print(f"same optimum      : {same} (value {fast.value:.6e})")
+
+    current = tuple(replace(t, current=fast.assignment[t.name]) for t in problem.tasks)
+    start = time.perf_counter()
+    table = OneStepTable(Problem(current, 4096, problem.cost), gpus_per_node=8)
+    build = time.perf_counter() - start
+    lookups = 100_000
+    start = time.perf_counter()
+    for i in range(lookups):
+        table.on_node_lost(i % 512)
+    lookup = (time.perf_counter() - start) / lookups
+    print("\n== one-step table (64 tasks, 4096 GPUs, 8 per node) ==")
+    print(f"plans precomputed : {len(table)} in {build:.2f} s")
+    print(f"lookup            : {lookup * 1e6:9.2f} us   target <= 1 ms: {'met' if lookup <= 1e-3 else 'NOT met'}")
+    print(f"vs solving anew   : {fast_t / lookup:9.0f}x faster")
+
+    print("\n== growth ==")
+    print(f"{'m':>4} {'n':>6} {'ours ms':>9} {'plain ms':>10}")
+    for m, n in [(8, 512), (16, 512), (32, 512), (64, 512), (64, 1024), (64, 2048), (64, 4096), (128, 4096), (64, 8192)]:
+        p = make_problem(m, n)
+        solve(p)
+        t_fast, _ = timed(lambda: solve(p), 3)
+        plain_ms = "-"
+        if not args.quick and n <= 2048:
+            solve_plain(p)
+            t_plain, _ = timed(lambda: solve_plain(p), 1)
+            plain_ms = f"{t_plain * 1e3:.0f}"
+        print(f"{m:>4} {n:>6} {t_fast * 1e3:>9.1f} {plain_ms:>10}")
+
+
+if __name__ == "__main__":
+    main()
