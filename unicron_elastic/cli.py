@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from unicron_elastic.logging import configure_logging
 
@@ -25,6 +26,56 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cost_model(args: argparse.Namespace, failure_rate: float):
+    from unicron_elastic.planner import CostModel, ThroughputModel, gpu_type
+
+    calibration = ThroughputModel.load_calibration(args.calibration) if args.calibration else {}
+    return CostModel(ThroughputModel(gpu_type(args.gpu), calibration), failure_rate, args.d_transition)
+
+
+def _run_multitask(args: argparse.Namespace) -> str:
+    from unicron_elastic.sim import CASES, case_tasks, compare
+    from unicron_elastic.sim.report import multitask_table
+
+    if args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus} must be >= 1")
+    cost = _cost_model(args, failure_rate=1.0 / (128 * 7 * 86400 / 4))
+    rows = [compare(case, case_tasks(case), args.gpus, cost) for case in sorted(CASES)]
+    return f"Multi-task WAF on {args.gpus} x {args.gpu} (weighted PFLOP/s, no failures)\n\n" + multitask_table(rows)
+
+
+def _run_trace(args: argparse.Namespace, which: str) -> str:
+    from tqdm import tqdm
+
+    from unicron_elastic.sim import case_tasks, load_trace, simulate, trace_a, trace_b
+    from unicron_elastic.sim.engine import policy
+    from unicron_elastic.sim.report import plot, save_json, trace_table
+
+    trace = {"trace-a": trace_a, "trace-b": trace_b}[which](args.seed) if which in ("trace-a", "trace-b") else load_trace(which)
+    cost = _cost_model(args, failure_rate=trace.failure_rate())
+    policies = ["unicron", *[p for p in args.policies.split(",") if p and p != "unicron"]]
+    results = {}
+    with tqdm(total=len(trace.events) * len(policies), desc=trace.name, unit="event", disable=None) as bar:
+        for name in policies:
+            results[name] = simulate(trace, case_tasks(args.case), cost, policy(name), progress=bar.update)
+    text = trace_table(trace, results)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plot(out / f"{trace.name}.png", trace, results)
+        save_json(out / f"{trace.name}.json", trace, results)
+        text += f"\n\nwrote {out / (trace.name + '.png')} and {out / (trace.name + '.json')}"
+    return text
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    experiments = ["multitask", "trace-a", "trace-b"] if args.experiment == "all" else [args.experiment]
+    for experiment in experiments:
+        text = _run_multitask(args) if experiment == "multitask" else _run_trace(args, experiment)
+        print(text, end="\n\n", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``unicron`` argument parser with all sub-commands."""
     parser = argparse.ArgumentParser(prog="unicron", description=__doc__)
@@ -33,14 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
     etcd = sub.add_parser("etcd", help="run a private etcd on a free loopback port until Ctrl-C")
     etcd.add_argument("--cluster", default="default")
     etcd.set_defaults(func=_cmd_etcd)
+    sim = sub.add_parser(
+        "simulate",
+        help="regenerate the paper's evaluation: multi-task table and trace-a/trace-b",
+        description="Trace-driven cluster simulation. EXPERIMENT is multitask, trace-a, trace-b, all, "
+        "or the path of a trace file (CSV time_s,kind,node,repair_s or JSON).",
+    )
+    sim.add_argument("experiment", help="multitask | trace-a | trace-b | all | PATH")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the generated traces")
+    sim.add_argument("--case", type=int, default=5, help="workload case of Table tasks for traces (1-5)")
+    sim.add_argument("--gpus", type=int, default=128, help="cluster size for multitask")
+    sim.add_argument("--gpu", default="A800-80GB", help="GPU type")
+    sim.add_argument("--calibration", default=None, help="CSV/JSON of measured T (model,gpus,flops)")
+    sim.add_argument("--d-transition", type=float, default=60.0, help="D_transition of the cost model (s)")
+    sim.add_argument("--policies", default="megatron,oobleck,bamboo,varuna")
+    sim.add_argument("--out", default=None, help="folder for PNG plots and JSON results")
+    sim.set_defaults(func=_cmd_simulate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point of ``unicron``."""
-    args = build_parser().parse_args(argv)
+    """Console entry point of ``unicron``; bad input exits 2 with one clear line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     configure_logging(args.log_format)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # ConfigError and friends: the message names the culprit
+        parser.exit(2, f"unicron: error: {exc}\n")
 
 
 if __name__ == "__main__":
