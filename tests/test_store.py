@@ -15,6 +15,7 @@ from unicron_elastic.api import (
     EtcdConfig,
     MalformedValueError,
     NotLeaderError,
+    StoreError,
     StoreUnavailableError,
 )
 from unicron_elastic.store import (
@@ -229,3 +230,26 @@ def test_missing_etcd_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setenv("UNICRON_ETCD_BINARY", str(tmp_path / "nope"))
     with pytest.raises(EtcdBinaryNotFoundError, match="not an executable"):
         EmbeddedEtcd()
+
+
+def test_user_password_authentication(private_etcd: EmbeddedEtcd) -> None:
+    from pathlib import Path
+
+    etcdctl = str(Path(private_etcd.binary).with_name("etcdctl"))
+    ctl = [etcdctl, f"--endpoints={private_etcd.endpoint}"]
+    for args in (["user", "add", "root:rootpw"], ["user", "add", "unicron:s3cret"], ["user", "grant-role", "unicron", "root"], ["auth", "enable"]):
+        subprocess.run(ctl + args, check=True, capture_output=True, timeout=20)
+    good = StatusStore(EtcdConfig(port=private_etcd.client_port, user="unicron", password="s3cret", reconnect_timeout=2))
+    good.put("/auth", "ok")
+    assert good.get("/auth").value == b"ok"
+    good.close()
+    bad = StatusStore(EtcdConfig(port=private_etcd.client_port, user="unicron", password="wrong", reconnect_timeout=2))
+    with pytest.raises(StoreError, match="authentication failed, invalid user ID or password"):
+        bad.get("/auth")
+    anonymous = StatusStore(EtcdConfig(port=private_etcd.client_port, reconnect_timeout=2))
+    with pytest.raises(StoreError, match="user name is empty"):
+        anonymous.get("/auth")
+
+
+def test_config_repr_hides_the_password() -> None:
+    assert "s3cret" not in repr(EtcdConfig(user="u", password="s3cret"))

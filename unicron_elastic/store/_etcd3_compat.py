@@ -9,6 +9,12 @@
    client raises ``ValueError('Trying to use a failed node')`` until then, even
    when etcd is back. The store never reuses a client after a connection
    failure; :func:`new_client` is the single place clients are built.
+3. With user/password the client attaches the auth token twice: as gRPC call
+   credentials and as plain metadata. gRPC refuses call credentials on a
+   plaintext channel ("Established channel does not have a sufficient security
+   level to transfer call credential"), so every request fails. Without TLS,
+   :func:`new_client` drops the call credentials; the metadata still carries the
+   token, which is what etcd reads. ``test_user_password_authentication`` shows it.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def new_client(config: EtcdConfig) -> etcd3.Etcd3Client:
     Returns:
         A new client with its own gRPC channel.
     """
-    return etcd3.client(
+    client = etcd3.client(
         host=config.host,
         port=config.port,
         ca_cert=config.ca_cert,
@@ -52,6 +58,9 @@ def new_client(config: EtcdConfig) -> etcd3.Etcd3Client:
         user=config.user,
         password=config.password,
     )
+    if config.ca_cert is None:
+        client.call_credentials = None  # the token travels as metadata (see 3.)
+    return client
 
 
 patch_watch_module()

@@ -55,8 +55,20 @@ def _is_connection_error(exc: BaseException) -> bool:
         return True
     if isinstance(exc, grpc.RpcError):
         code = exc.code() if callable(getattr(exc, "code", None)) else None
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            # etcd's simple auth tokens expire: a fresh client authenticates again
+            details = exc.details() if callable(getattr(exc, "details", None)) else ""
+            return "invalid auth token" in (details or "")
         return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     return False
+
+
+def _describe(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    if callable(details) and details():
+        code = exc.code().name if callable(getattr(exc, "code", None)) else ""
+        return f"{code}: {details()}"
+    return repr(exc)
 
 
 @dataclass(frozen=True)
@@ -156,15 +168,17 @@ class StatusStore:
         delay = 0.05
         attempt = 0
         while True:
-            client = self._current_client()
+            client = None
             try:
+                client = self._current_client()  # authenticates when user/password are set
                 return op(client)
             except Exception as exc:  # noqa: BLE001 - classified below
                 if not _is_connection_error(exc):
                     if isinstance(exc, (etcd3.exceptions.Etcd3Exception, grpc.RpcError)):
-                        raise StoreError(f"etcd {what} failed: {exc!r}") from exc
+                        raise StoreError(f"etcd {what} failed: {_describe(exc)}") from exc
                     raise
-                self._drop_client(client)
+                if client is not None:
+                    self._drop_client(client)
                 attempt += 1
                 now = time.monotonic()
                 if now >= deadline:
