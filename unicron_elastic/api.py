@@ -7,7 +7,11 @@ without importing the modules that do I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+V = TypeVar("V")
 
 
 class UnicronError(Exception):
@@ -40,6 +44,18 @@ class EtcdBinaryNotFoundError(UnicronError, FileNotFoundError):
 
 class EtcdStartError(UnicronError, RuntimeError):
     """A private etcd server did not become healthy."""
+
+
+def lookup(catalogue: Mapping[str, V], kind: str, name: str) -> V:
+    """``catalogue[name]``, or a :class:`ConfigError` that lists the known names.
+
+    Raises:
+        ConfigError: ``name`` is not in the catalogue.
+    """
+    try:
+        return catalogue[name]
+    except KeyError:
+        raise ConfigError(f"unknown {kind} {name!r}; known: {', '.join(catalogue)}") from None
 
 
 @dataclass(frozen=True)

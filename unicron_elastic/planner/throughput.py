@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from unicron_elastic.api import ConfigError
+from unicron_elastic.api import ConfigError, lookup
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,7 @@ def gpu_type(name: str) -> GpuType:
     Raises:
         ConfigError: The name is unknown; the message lists the known ones.
     """
-    try:
-        return GPU_TYPES[name]
-    except KeyError:
-        raise ConfigError(f"unknown GPU type {name!r}; known: {', '.join(sorted(GPU_TYPES))}") from None
+    return lookup(GPU_TYPES, "GPU type", name)
 
 
 @dataclass(frozen=True)
@@ -159,10 +156,7 @@ def model(name: str) -> GptModel:
     Raises:
         ConfigError: The name is unknown.
     """
-    try:
-        return MODELS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+    return lookup(MODELS, "model", name)
 
 
 @dataclass(frozen=True)

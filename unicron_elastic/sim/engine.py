@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from unicron_elastic.api import ConfigError
+from unicron_elastic.api import lookup
 from unicron_elastic.planner.cost_model import CostModel, PlanTask
 from unicron_elastic.planner.solver import Problem, solve
 from unicron_elastic.sim.trace import Trace
@@ -77,10 +77,7 @@ def policy(name: str) -> Policy:
     Raises:
         ConfigError: Unknown name.
     """
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+    return lookup(POLICIES, "policy", name)
 
 
 @dataclass
