@@ -1,0 +1,129 @@
+"""Pure detection logic: the severity table, events, the statistical monitor."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from unicron_elastic.api import ConfigError, MalformedValueError
+from unicron_elastic.detection.hang import HangThresholds, IterationMonitor
+from unicron_elastic.detection.severity import SEVERITY_TABLE, classify
+from unicron_elastic.events import Classification, ErrorEvent, Severity
+
+# Table 1 of the paper, row by row, with messages as torch/CUDA/gloo print them.
+TABLE_1 = [
+    ("RuntimeError", "Connection refused by peer 10.0.0.2:29500", Severity.SEV3, "connection_reset"),
+    ("RuntimeError", "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8588", Severity.SEV3, "connection_reset"),
+    ("RuntimeError", "ECONNRESET while receiving", Severity.SEV3, "connection_reset"),
+    ("RuntimeError", "CUDA error: an illegal memory access was encountered", Severity.SEV2, "illegal_memory_access"),
+    ("RuntimeError", "CUDA error: uncorrectable ECC error encountered", Severity.SEV1, "ecc"),
+    ("RuntimeError", "NCCL WARN Invalid DMA mapping", Severity.SEV1, "invalid_dma_mapping"),
+    ("RuntimeError", "CUDA error: out of memory", Severity.SEV2, "cuda"),
+    ("RuntimeError", "NVLink error on link 3", Severity.SEV1, "nvlink"),
+    ("RuntimeError", "CUDA driver version is insufficient for CUDA runtime version", Severity.SEV1, "gpu_driver"),
+    ("RuntimeError", "GPU has fallen off the bus", Severity.SEV1, "gpu_driver"),
+    ("RuntimeError", "NCCL error: unhandled system error, socket timed out", Severity.SEV3, "network"),
+    ("ConnectionError", "host unreachable", Severity.SEV3, "network"),
+    ("ValueError", "shapes (3,4) and (5,) not aligned", Severity.SEV2, "software"),
+    ("KeyError", "'lr'", Severity.SEV2, "software"),
+]
+
+
+@pytest.mark.parametrize(("exc_type", "message", "severity", "kind"), TABLE_1)
+def test_severity_table(exc_type: str, message: str, severity: Severity, kind: str) -> None:
+    assert classify(exc_type, message) == Classification(severity, kind)
+
+
+def test_every_table_row_is_exercised() -> None:
+    kinds = {row[3] for row in TABLE_1}
+    assert {rule.kind for rule in SEVERITY_TABLE} <= kinds
+
+
+def test_event_json_round_trip_and_malformed() -> None:
+    event = ErrorEvent(Severity.SEV2, "exited_abnormally", "process", "node-a", rank=3, task="t",
+                       message="exit -9", occurred_at=10.0, detected_at=10.25)
+    back = ErrorEvent.from_json(event.to_json())
+    assert back == event and back.latency == pytest.approx(0.25)
+    assert '"severity": "SEV2"' in event.to_json()
+    for raw in (b"{}", b"nope", b'{"severity": "SEV9"}'):
+        with pytest.raises(MalformedValueError):
+            ErrorEvent.from_json(raw)
+
+
+# -- statistical monitor ------------------------------------------------------
+
+
+def _run(monitor: IterationMonitor, durations: list[float], start: float = 0.0) -> tuple[float, list]:
+    now, findings = start, []
+    for d in durations:
+        deadline = monitor.deadline()
+        if deadline is not None and now + d > deadline:
+            findings.append(monitor.check(now + d))
+        now += d
+        finding = monitor.heartbeat(now, d)
+        if finding:
+            findings.append(finding)
+    return now, findings
+
+
+def test_no_false_alarm_over_200_iterations_with_10_percent_jitter() -> None:
+    rng = random.Random(7)
+    monitor = IterationMonitor()
+    _, findings = _run(monitor, [0.1 * rng.uniform(0.9, 1.1) for _ in range(200)])
+    assert findings == []
+    assert monitor.count == 200 and monitor.mean == pytest.approx(0.1, rel=0.05)
+
+
+def test_hang_is_reported_just_after_three_times_the_mean() -> None:
+    monitor = IterationMonitor()
+    now, _ = _run(monitor, [0.2] * 20)
+    assert monitor.check(now + 0.59) is None
+    finding = monitor.check(now + 0.61)
+    assert (finding.severity, finding.kind) == (Severity.SEV2, "task_hang")
+    assert finding.since == now
+    assert monitor.check(now + 5) is None  # reported once
+    monitor.heartbeat(now + 6, 6.0)
+    assert monitor.deadline() is not None  # armed again after recovery
+
+
+def test_stall_inside_a_collective_is_sev3() -> None:
+    monitor = IterationMonitor()
+    now, _ = _run(monitor, [0.2] * 10)
+    monitor.set_state(now, in_collective=True)
+    finding = monitor.check(now + 1.0)
+    assert (finding.severity, finding.kind) == (Severity.SEV3, "collective_timeout")
+
+
+def test_no_alarm_during_warmup_or_checkpoint_pause() -> None:
+    monitor = IterationMonitor(HangThresholds(warmup=5))
+    now, _ = _run(monitor, [0.2] * 4)
+    assert monitor.check(now + 100) is None  # still warming up
+    now, _ = _run(monitor, [0.2] * 6, start=now)
+    monitor.set_state(now, paused=True)  # checkpoint
+    assert monitor.check(now + 100) is None
+    monitor.set_state(now + 100, paused=False)
+    assert monitor.check(now + 100.5) is None  # the pause does not count
+    assert monitor.check(now + 100.7).kind == "task_hang"
+
+
+def test_statistics_reset_per_configuration() -> None:
+    monitor = IterationMonitor()
+    now, _ = _run(monitor, [0.1] * 20)
+    monitor.reset("dp=3", now)  # reconfigured: iterations now take 0.4 s
+    now, findings = _run(monitor, [0.4] * 20, start=now)
+    assert findings == [] and monitor.mean == pytest.approx(0.4)
+
+
+def test_link_flapping_after_a_run_of_slow_iterations() -> None:
+    monitor = IterationMonitor(HangThresholds(flap_window=4))
+    now, _ = _run(monitor, [0.1] * 20)
+    _, findings = _run(monitor, [0.1, 0.2, 0.2, 0.2, 0.1, 0.2, 0.2, 0.2, 0.2], start=now)
+    assert [(f.severity, f.kind) for f in findings] == [(Severity.SEV3, "link_flapping")]
+    assert monitor.noise >= 7
+
+
+@pytest.mark.parametrize("kwargs", [{"noise_factor": 1.0}, {"hang_factor": 1.2}, {"warmup": 0}, {"flap_window": 0}])
+def test_bad_thresholds_are_rejected(kwargs: dict) -> None:
+    with pytest.raises(ConfigError):
+        HangThresholds(**kwargs)

@@ -1,0 +1,160 @@
+"""Online statistical monitoring of iteration time (paper section 4.1), pure.
+
+One :class:`IterationMonitor` per worker. Workers send a heartbeat per
+iteration (step and duration); the monitor keeps running statistics of the
+durations *of the current configuration* (Welford mean), and ``check(now)``
+decides:
+
+* an iteration above ``noise_factor`` x mean is noise: counted, no event;
+* ``flap_window`` consecutive iterations above ``flap_factor`` x mean: link
+  flapping, SEV3;
+* no heartbeat for more than ``hang_factor`` x mean since the last one: a hang;
+  SEV3 (``collective_timeout``) if the worker said it is inside a collective,
+  else SEV2 (``task_hang``).
+
+No alarm during the first ``warmup`` iterations of a configuration, while the
+worker declared a pause (checkpoint), or after a reconfiguration until the new
+configuration has warmed up (statistics are reset per configuration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unicron_elastic.api import ConfigError
+from unicron_elastic.events import Severity
+
+
+@dataclass(frozen=True)
+class HangThresholds:
+    """Thresholds of the statistical monitor (all configurable).
+
+    Raises:
+        ConfigError: A factor is not above 1 or a count is below 1.
+    """
+
+    noise_factor: float = 1.1
+    hang_factor: float = 3.0
+    flap_factor: float = 1.5
+    flap_window: int = 5
+    warmup: int = 5
+
+    def __post_init__(self) -> None:
+        if not 1.0 < self.noise_factor <= self.flap_factor < self.hang_factor:
+            raise ConfigError(
+                f"need 1 < noise_factor ({self.noise_factor}) <= flap_factor ({self.flap_factor}) "
+                f"< hang_factor ({self.hang_factor})"
+            )
+        if self.flap_window < 1 or self.warmup < 1:
+            raise ConfigError("flap_window and warmup must be >= 1")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A failure the monitor found.
+
+    Attributes:
+        severity: SEV2 or SEV3.
+        kind: ``task_hang``, ``collective_timeout`` or ``link_flapping``.
+        message: Detail with the measured times.
+        since: Monotonic time the problem started (last heartbeat for hangs).
+    """
+
+    severity: Severity
+    kind: str
+    message: str
+    since: float
+
+
+class IterationMonitor:
+    """Running iteration-time statistics of one worker and the hang decision.
+
+    Args:
+        thresholds: The thresholds.
+    """
+
+    def __init__(self, thresholds: HangThresholds | None = None) -> None:
+        self.thresholds = thresholds or HangThresholds()
+        self.config_id: str | None = None
+        self.reset("initial", now=0.0)
+
+    def reset(self, config_id: str, now: float) -> None:
+        """Start fresh statistics for a new configuration (reconfiguration, restart)."""
+        self.config_id = config_id
+        self.count = 0
+        self.mean = 0.0
+        self._m2 = 0.0
+        self.last_beat = now
+        self.noise = 0
+        self._slow_run = 0
+        self._slow_since = now
+        self.paused = False
+        self.in_collective = False
+        self._reported_hang = False
+
+    @property
+    def stddev(self) -> float:
+        """Standard deviation of the durations seen (0 before two)."""
+        return (self._m2 / (self.count - 1)) ** 0.5 if self.count > 1 else 0.0
+
+    def heartbeat(self, now: float, duration: float) -> Finding | None:
+        """Record one finished iteration of ``duration`` seconds at ``now``.
+
+        Returns:
+            A link-flapping finding when the slow run reaches the window.
+        """
+        t = self.thresholds
+        finding = None
+        if self.count >= t.warmup and self.mean > 0:
+            if duration > t.noise_factor * self.mean:
+                self.noise += 1
+            if duration > t.flap_factor * self.mean:
+                if self._slow_run == 0:
+                    self._slow_since = now - duration
+                self._slow_run += 1
+                if self._slow_run == t.flap_window:
+                    finding = Finding(
+                        Severity.SEV3,
+                        "link_flapping",
+                        f"{t.flap_window} iterations slower than {t.flap_factor}x the mean {self.mean:.3f}s",
+                        self._slow_since,
+                    )
+            else:
+                self._slow_run = 0
+        self.count += 1
+        delta = duration - self.mean
+        self.mean += delta / self.count
+        self._m2 += delta * (duration - self.mean)
+        self.last_beat = now
+        self.in_collective = False
+        self._reported_hang = False
+        return finding
+
+    def set_state(self, now: float, *, paused: bool | None = None, in_collective: bool | None = None) -> None:
+        """The worker entered or left a pause (checkpoint) or a collective."""
+        if paused is not None:
+            if self.paused and not paused:
+                self.last_beat = now  # the pause does not count towards a hang
+            self.paused = paused
+        if in_collective is not None:
+            self.in_collective = in_collective
+
+    def deadline(self) -> float | None:
+        """Monotonic time after which silence is a hang (None: no alarm possible now)."""
+        if self.paused or self.count < self.thresholds.warmup or self.mean <= 0 or self._reported_hang:
+            return None
+        return self.last_beat + self.thresholds.hang_factor * self.mean
+
+    def check(self, now: float) -> Finding | None:
+        """A hang finding if the worker has been silent too long (reported once per hang)."""
+        deadline = self.deadline()
+        if deadline is None or now <= deadline:
+            return None
+        self._reported_hang = True
+        silent = now - self.last_beat
+        if self.in_collective:
+            return Finding(Severity.SEV3, "collective_timeout",
+                           f"stuck in a collective for {silent:.2f}s (mean iteration {self.mean:.3f}s)", self.last_beat)
+        return Finding(Severity.SEV2, "task_hang",
+                       f"no iteration for {silent:.2f}s (> {self.thresholds.hang_factor}x mean {self.mean:.3f}s)",
+                       self.last_beat)

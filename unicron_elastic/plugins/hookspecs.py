@@ -1,0 +1,52 @@
+"""Every pluggy hook of unicron_elastic (hooks are named ``unicron_*``).
+
+Third-party plugins register through the entry-point group ``unicron_elastic``
+and implement any of these with ``@unicron_elastic.plugins.hookimpl``. Every
+hook is documented in docs/hooks.md (a test enforces it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from unicron_elastic.events import Classification, ErrorEvent
+
+PROJECT = "unicron_elastic"
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+@hookspec(firstresult=True)
+def unicron_classify_exception(exc_type: str, message: str, traceback: str) -> Classification | None:
+    """Classify an exception a worker reported (exception propagation, Table 1).
+
+    The first plugin that returns a classification wins; the built-in severity
+    table is registered ``trylast``, so plugins extend or override it.
+
+    Args:
+        exc_type: Type name of the exception.
+        message: Its message.
+        traceback: The formatted traceback (may be empty).
+    """
+
+
+@hookspec
+def unicron_event(event: ErrorEvent) -> None:
+    """Called for every error event the agent detects, after it was published.
+
+    Args:
+        event: The event.
+    """
+
+
+@hookspec
+def unicron_action(action: str, event: ErrorEvent, detail: dict) -> None:
+    """Called when the agent takes an action (reattempt, restart_worker, give_up ...).
+
+    Args:
+        action: The action's name.
+        event: The event that caused it.
+        detail: Action-specific data (rank, attempt, ...).
+    """
