@@ -1,0 +1,177 @@
+"""The worker's side of unicron: tell the local agent how training goes.
+
+Use it from a training script (the Lightning strategy does it for you)::
+
+    from unicron_elastic.worker import get_worker
+
+    w = get_worker()                  # no-op when not started by unicron-run
+    w.hello(resumable=True)           # I can be restarted alone (state from a peer)
+    for step in range(steps):
+        t0 = time.monotonic()
+        loss = w.run_step(lambda: train_step(step), step)   # SEV3 -> retried in place
+        w.heartbeat(step, time.monotonic() - t0)
+
+Messages are JSON datagrams on the UNIX socket named by ``UNICRON_AGENT_SOCKET``.
+Sending never blocks: if the agent is gone, messages are dropped (counted in
+``dropped``). An uncaught exception is reported before the process dies
+(:meth:`WorkerChannel.install_excepthook`; ``get_worker`` installs it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+SOCKET_ENV = "UNICRON_AGENT_SOCKET"
+T = TypeVar("T")
+_MAX_TRACEBACK = 8000
+
+
+class WorkerChannel:
+    """A worker's connection to its agent (inactive without ``UNICRON_AGENT_SOCKET``).
+
+    Args:
+        agent_path: The agent's socket; default from the environment.
+        rank: Global rank; default ``$RANK``.
+    """
+
+    def __init__(self, agent_path: str | None = None, rank: int | None = None) -> None:
+        self.agent_path = agent_path if agent_path is not None else os.environ.get(SOCKET_ENV, "")
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.dropped = 0
+        self.active = bool(self.agent_path)
+        self._sock: socket.socket | None = None
+        self.reply_path = ""
+        if self.active:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
+            directory = os.path.dirname(self.agent_path)
+            self.reply_path = os.path.join(directory, f"w{self.rank}-{os.getpid()}.sock")
+            self._sock.bind(self.reply_path)
+            atexit.register(self.close)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if not self.active or self._sock is None:
+            return
+        msg["rank"] = self.rank
+        try:
+            self._sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), self.agent_path)
+        except OSError:  # agent gone, socket buffer full: never block training
+            self.dropped += 1
+
+    def hello(self, resumable: bool = False) -> None:
+        """Introduce this worker; ``resumable`` lets the agent restart it alone."""
+        self._send({"t": "hello", "pid": os.getpid(), "resumable": bool(resumable), "reply": self.reply_path})
+
+    def heartbeat(self, step: int, duration: float) -> None:
+        """One iteration finished after ``duration`` seconds."""
+        self._send({"t": "beat", "step": int(step), "dur": float(duration)})
+
+    def progress(self, step: int, micro_batch: int) -> None:
+        """Micro-batch ``micro_batch`` of ``step`` is done."""
+        self._send({"t": "progress", "step": int(step), "mb": int(micro_batch)})
+
+    @contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """A pause (checkpoint, evaluation) that must not count as a hang."""
+        self._send({"t": "state", "paused": True})
+        try:
+            yield
+        finally:
+            self._send({"t": "state", "paused": False})
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """Inside a collective: a stall here is a collective timeout (SEV3)."""
+        self._send({"t": "state", "collective": True})
+        try:
+            yield
+        finally:
+            self._send({"t": "state", "collective": False})
+
+    def report_exception(self, exc: BaseException, step: int = -1, fatal: bool = True) -> None:
+        """Send an exception to the agent for classification."""
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-_MAX_TRACEBACK:]
+        self._send({"t": "exc", "type": type(exc).__name__, "msg": str(exc)[:2000], "tb": tb,
+                    "step": int(step), "fatal": bool(fatal)})
+
+    def wait_verdict(self, timeout: float) -> dict[str, Any] | None:
+        """Wait up to ``timeout`` seconds for the agent's verdict on a reported exception."""
+        if not self.active or self._sock is None:
+            return None
+        self._sock.settimeout(timeout)
+        try:
+            return json.loads(self._sock.recv(65536))
+        except (OSError, ValueError):
+            return None
+        finally:
+            self._sock.setblocking(False)
+
+    def run_step(self, fn: Callable[[], T], step: int, verdict_timeout: float = 5.0) -> T:
+        """Run ``fn``; on an exception ask the agent and retry while it says ``reattempt``.
+
+        Raises:
+            Exception: The step's exception when the agent does not say reattempt
+                (or is absent); the process then dies and the agent handles it.
+        """
+        while True:
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - the agent decides
+                if not self.active:
+                    raise
+                self._drain()
+                self.report_exception(exc, step, fatal=False)
+                verdict = self.wait_verdict(verdict_timeout)
+                if not verdict or verdict.get("action") != "reattempt":
+                    raise
+
+    def _drain(self) -> None:
+        if self._sock is None:
+            return
+        while True:
+            try:
+                self._sock.recv(65536)
+            except OSError:
+                return
+
+    def install_excepthook(self) -> None:
+        """Report an uncaught exception to the agent before the default hook runs."""
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+            if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                self.report_exception(exc.with_traceback(tb), fatal=True)
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+
+    def close(self) -> None:
+        """Close and remove this worker's socket."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            try:
+                os.unlink(self.reply_path)
+            except OSError:
+                pass
+
+
+_WORKER: WorkerChannel | None = None
+
+
+def get_worker() -> WorkerChannel:
+    """This process's channel (created on first use, with the exception hook installed)."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = WorkerChannel()
+        if _WORKER.active:
+            _WORKER.install_excepthook()
+    return _WORKER
