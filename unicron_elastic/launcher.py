@@ -25,6 +25,10 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser
 
 from unicron_elastic.agent import UnicronAgent
+from unicron_elastic.agent.agent import ALL_DETECTORS, AgentConfig, NodeGaveUp
+from unicron_elastic.agent.decide import LadderPolicy
+from unicron_elastic.api import ConfigError
+from unicron_elastic.detection.hang import HangThresholds
 from unicron_elastic.logging import configure_logging
 from unicron_elastic.store.embedded import EmbeddedEtcd
 
@@ -41,6 +45,15 @@ def get_parser() -> argparse.ArgumentParser:
         "--standalone starts a private etcd for the run."
     )
     parser.set_defaults(rdzv_backend="unicron")
+    group = parser.add_argument_group("unicron agent")
+    group.add_argument("--detectors", default=",".join(ALL_DETECTORS),
+                       help="comma-separated detectors to run (default: %(default)s)")
+    group.add_argument("--hang-factor", type=float, default=3.0,
+                       help="silence longer than this many mean iterations is a hang (default 3)")
+    group.add_argument("--max-reattempts", type=int, default=3, help="SEV3 reattempts per step before SEV2")
+    group.add_argument("--max-worker-restarts", type=int, default=3,
+                       help="single-worker restarts per rank before the node gives up (SEV1)")
+    group.add_argument("--node-ttl", type=int, default=2, help="lease TTL of this node in etcd (seconds)")
     parser.add_argument(
         "--log-format",
         choices=("auto", "json", "console"),
@@ -50,7 +63,23 @@ def get_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def launch(config: LaunchConfig, entrypoint: Any, args: list[str]) -> dict[int, Any]:
+def agent_config(args: argparse.Namespace) -> AgentConfig:
+    """The agent settings from ``unicron-run`` flags.
+
+    Raises:
+        ConfigError: A threshold or bound is invalid.
+    """
+    return AgentConfig(
+        detectors=tuple(d.strip() for d in args.detectors.split(",") if d.strip()),
+        hang=HangThresholds(hang_factor=args.hang_factor),
+        ladder=LadderPolicy(args.max_reattempts, args.max_worker_restarts),
+        node_ttl=args.node_ttl,
+    )
+
+
+def launch(
+    config: LaunchConfig, entrypoint: Any, args: list[str], agent: AgentConfig | None = None
+) -> dict[int, Any]:
     """Run one node's agent until the job ends.
 
     Args:
@@ -63,6 +92,8 @@ def launch(config: LaunchConfig, entrypoint: Any, args: list[str]) -> dict[int, 
 
     Raises:
         ChildFailedError: A worker failed and the agent gave up.
+        NodeGaveUp: A SEV1 failure: this node leaves (the rendezvous stays open
+            for the others).
     """
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
@@ -94,8 +125,9 @@ def launch(config: LaunchConfig, entrypoint: Any, args: list[str]) -> dict[int, 
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
-    agent = UnicronAgent(
+    elastic_agent = UnicronAgent(
         spec=spec,
+        config=agent,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
@@ -104,18 +136,18 @@ def launch(config: LaunchConfig, entrypoint: Any, args: list[str]) -> dict[int, 
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
-        result = agent.run()
-        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        result = elastic_agent.run()
+        events.record(elastic_agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
             raise ChildFailedError(name=str(entrypoint), failures=result.failures)
         return result.return_values
     except ChildFailedError:
         raise
     except Exception as exc:
-        # A signal must not close the rendezvous for the surviving nodes.
-        if type(exc).__name__ == "SignalException":
+        # A signal or a node giving up must not close the rendezvous for the others.
+        if isinstance(exc, NodeGaveUp) or type(exc).__name__ == "SignalException":
             shutdown_rdzv = False
-        events.record(agent.get_event_failed(), config.event_log_handler)
+        events.record(elastic_agent.get_event_failed(), config.event_log_handler)
         raise
     finally:
         if shutdown_rdzv:
@@ -130,8 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         ChildFailedError: The training failed (torch's ``@record`` writes the
             error file and the exit code is 1).
     """
-    args = get_parser().parse_args(argv)
+    parser = get_parser()
+    args = parser.parse_args(argv)
     configure_logging(args.log_format)
+    try:
+        unicron = agent_config(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
     etcd: EmbeddedEtcd | None = None
     try:
         if args.standalone:
@@ -143,7 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.master_port is None:
             args.master_port = 29500
         config, cmd, cmd_args = config_from_args(args)
-        launch(config, cmd, cmd_args)
+        launch(config, cmd, cmd_args, unicron)
+    except NodeGaveUp as exc:
+        log.error("node_gave_up", reason=str(exc), exit_code=exc.exit_code)
+        raise SystemExit(exc.exit_code) from None
     finally:
         if etcd is not None:
             etcd.stop()

@@ -58,3 +58,97 @@ def kill_node(launcher_pid: int, sig: int = signal.SIGKILL) -> list[int]:
         except ProcessLookupError:
             pass
     return tree
+
+
+# -- faults as data -------------------------------------------------------------
+
+import json  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+
+FAULTS_ENV = "UNICRON_FAULTS"
+FAULT_LOG_ENV = "UNICRON_FAULT_LOG"
+FAULT_KINDS = ("kill", "exit", "raise", "hang")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure.
+
+    Attributes:
+        rank: Global rank that fails.
+        step: Training step at which it fails.
+        micro_batch: Micro-batch within the step (None: at the start of the step).
+        kind: ``kill`` (SIGKILL itself), ``exit`` (exit code 3), ``raise``
+            (raise ``RuntimeError(message)``) or ``hang`` (sleep forever).
+        message: Exception message for ``raise`` (chooses the severity).
+        times: Fire at most this many times, all in the rank's first
+            incarnation (a restarted worker is spared); None: every time the
+            point is reached, in every incarnation.
+    """
+
+    rank: int
+    step: int
+    micro_batch: int | None = None
+    kind: str = "kill"
+    message: str = ""
+    times: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {self.kind!r} is not one of {FAULT_KINDS}")
+        if self.times is not None and self.times < 1:
+            raise ValueError(f"fault times={self.times} must be >= 1 or None")
+
+
+def fail_at(rank: int, step: int, micro_batch: int | None = None, kind: str = "kill",
+            message: str = "", times: int | None = 1) -> Fault:
+    """Describe a failure of ``rank`` at ``step`` (and ``micro_batch``)."""
+    return Fault(rank, step, micro_batch, kind, message, times)
+
+
+def faults_env(faults: list[Fault], log_path: str | None = None) -> dict[str, str]:
+    """Environment variables that carry ``faults`` to the workers."""
+    env = {FAULTS_ENV: json.dumps([asdict(f) for f in faults])}
+    if log_path:
+        env[FAULT_LOG_ENV] = log_path
+    return env
+
+
+def _first_incarnation() -> bool:
+    return os.environ.get("UNICRON_WORKER_RESTARTS", "0") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+_FIRED: dict[int, int] = {}
+
+
+def maybe_fail(rank: int, step: int, micro_batch: int | None = None) -> None:
+    """Fire the fault planned for this point, if any (workers call this).
+
+    Each firing is appended to ``$UNICRON_FAULT_LOG`` (one JSON line) first, so a
+    test can assert that the fault really happened.
+    """
+    raw = os.environ.get(FAULTS_ENV)
+    if not raw:
+        return
+    for index, spec in enumerate(json.loads(raw)):
+        fault = Fault(**spec)
+        if (fault.rank, fault.step, fault.micro_batch) != (rank, step, micro_batch):
+            continue
+        if fault.times is not None and (not _first_incarnation() or _FIRED.get(index, 0) >= fault.times):
+            continue
+        _FIRED[index] = _FIRED.get(index, 0) + 1
+        log_path = os.environ.get(FAULT_LOG_ENV)
+        if log_path:
+            with open(log_path, "a") as f:
+                f.write(json.dumps({**spec, "pid": os.getpid(), "time": time.time()}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "exit":
+            os._exit(3)
+        elif fault.kind == "raise":
+            raise RuntimeError(fault.message or "injected failure")
+        elif fault.kind == "hang":
+            time.sleep(3600)

@@ -154,8 +154,9 @@ class WorkerChannel:
         sys.excepthook = hook
 
     def close(self) -> None:
-        """Close and remove this worker's socket."""
+        """Say goodbye (no more heartbeats to expect), close and remove this worker's socket."""
         if self._sock is not None:
+            self._send({"t": "state", "paused": True, "exiting": True})
             self._sock.close()
             self._sock = None
             try:

@@ -1,44 +1,339 @@
-"""``UnicronAgent``: torchrun's local agent plus unicron's per-node duties.
+"""``UnicronAgent``: torchrun's local agent with in-band detection and the ladder.
 
-This first version keeps ``LocalElasticAgent``'s supervision (restart-all on a
-worker failure, up to ``--max-restarts``) and adds what later issues build on:
-structlog context bound per rendezvous round and a restart *generation*
-exported to workers as ``UNICRON_GENERATION``.
+On top of ``LocalElasticAgent`` it
+
+* opens the worker channel (``UNICRON_AGENT_SOCKET``) and runs the detectors
+  (``unicron_detectors`` hook; built-ins in ``detectors.py``);
+* turns every detection into one :class:`~unicron_elastic.events.ErrorEvent`,
+  published to etcd (when the ``unicron`` rendezvous gives it a store), to the
+  log and to the ``unicron_event`` hook;
+* executes :func:`~unicron_elastic.agent.decide.decide`: SEV3 reattempt in
+  place, SEV2 restart of only the failed worker (resumable workers), SEV1 give
+  up the node (:class:`NodeGaveUp`, exit code 75). Plain scripts keep torchrun's
+  restart-all behaviour.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from subprocess import Popen
 from typing import Any
 
 import structlog
-from torch.distributed.elastic.agent.server.api import WorkerGroup
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from unicron_elastic.agent import _torch_compat
+from unicron_elastic.agent.channel import AgentChannel
+from unicron_elastic.agent.decide import EXIT_GIVE_UP, Action, Decision, LadderPolicy, RankHistory, decide
+from unicron_elastic.agent.detectors import Detector
+from unicron_elastic.api import StoreError, UnicronError
+from unicron_elastic.detection.hang import Finding, HangThresholds
+from unicron_elastic.events import Classification, ErrorEvent, Severity
+from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
+from unicron_elastic.store.client import StatusStore
+from unicron_elastic.worker import SOCKET_ENV
 
 log = structlog.get_logger(__name__)
 
 GENERATION_ENV = "UNICRON_GENERATION"
+ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
+
+
+class NodeGaveUp(UnicronError):
+    """The node gave up its assignment (SEV1); ``unicron-run`` exits with 75."""
+
+    exit_code = EXIT_GIVE_UP
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """unicron's agent settings (``unicron-run`` flags).
+
+    Attributes:
+        detectors: Names of the detectors to run.
+        hang: Thresholds of the statistical monitor.
+        ladder: Bounds of the escalation ladder.
+        node_ttl: Lease TTL of the node in etcd (seconds).
+        node: This node's name.
+    """
+
+    detectors: tuple[str, ...] = ALL_DETECTORS
+    hang: HangThresholds = field(default_factory=HangThresholds)
+    ladder: LadderPolicy = field(default_factory=LadderPolicy)
+    node_ttl: int = 2
+    node: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
 
 class UnicronAgent(LocalElasticAgent):
-    """The agent ``unicron-run`` builds (see ``LocalElasticAgent`` for arguments)."""
+    """The agent ``unicron-run`` builds (``LocalElasticAgent`` arguments plus ``config``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, config: AgentConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.config = config or AgentConfig()
+        self.node = self.config.node
         self.generation = 0
+        self.events: list[ErrorEvent] = []
+        self.actions: list[tuple[str, int]] = []
+        self._lock = threading.RLock()
+        self._history: dict[int, RankHistory] = {}
+        self._replies: dict[int, str] = {}
+        self._fatal: dict[int, Classification] = {}
+        self._expected_exit: dict[int, Decision] = {}
+        self._handled_pids: set[int] = set()
+        self._give_up: Decision | None = None
+        self._stopping = False  # torch is stopping the workers: their exits are not failures
+        self._pm = plugin_manager()
+        self._dir = tempfile.mkdtemp(prefix="unicron-")
+        self._channel = AgentChannel(self._dir, self._on_message)
+        os.environ[SOCKET_ENV] = self._channel.path
+        self._detectors = self._make_detectors()
+        self._started = False
+
+    # -- set-up ----------------------------------------------------------------
+    @property
+    def store(self) -> StatusStore | None:
+        """The etcd status store of the ``unicron`` rendezvous, if that is the backend."""
+        return getattr(self._worker_group.spec.rdzv_handler, "status_store", None)
+
+    @property
+    def task(self) -> str:
+        return getattr(self._worker_group.spec.rdzv_handler, "task", "") or self._worker_group.spec.rdzv_handler.get_run_id()
+
+    def _make_detectors(self) -> list[Detector]:
+        provided: dict[str, Detector] = {}
+        for batch in call_isolated(self._pm, "unicron_detectors", config=self.config):
+            for detector in batch:
+                provided.setdefault(detector.name, detector)
+        chosen = []
+        for name in self.config.detectors:
+            if name in provided:
+                chosen.append(provided[name])
+            else:
+                log.error("unknown_detector", detector=name, known=sorted(provided))
+        return chosen
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         self.generation += 1
         structlog.contextvars.bind_contextvars(
             run_id=worker_group.spec.rdzv_handler.get_run_id(),
+            node=self.node,
             group_rank=worker_group.group_rank,
-            group_world_size=worker_group.group_world_size,
             generation=self.generation,
         )
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
         log.info("agent_rendezvous_complete", world_size=world_size)
+        if not self._started:
+            self._started = True
+            for detector in self._detectors:
+                try:
+                    detector.start(self)
+                except Exception:  # noqa: BLE001 - a broken detector must not stop the agent
+                    log.exception("detector_start_failed", detector=detector.name)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        with self._lock:
+            self._stopping = True
+        super()._stop_workers(worker_group)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ[GENERATION_ENV] = str(self.generation)
-        return super()._start_workers(worker_group)
+        with self._lock:
+            self._stopping = False
+        ids = super()._start_workers(worker_group)
+        self._notify_started(list(ids), f"gen{self.generation}")
+        return ids
+
+    def _notify_started(self, local_ranks: list[int], generation: str) -> None:
+        for detector in self._detectors:
+            try:
+                detector.on_workers_started(local_ranks, generation)
+            except Exception:  # noqa: BLE001
+                log.exception("detector_failed", detector=detector.name)
+
+    # -- DetectorContext -------------------------------------------------------
+    def workers(self) -> dict[int, tuple[int, Popen]]:
+        procs = _torch_compat.worker_processes(self._pcontext)
+        ranks = {w.local_rank: w.global_rank for w in self._worker_group.workers}
+        return {lr: (ranks[lr], proc) for lr, proc in procs.items() if lr in ranks}
+
+    def classify(self, exc_type: str, message: str, traceback: str) -> Classification:
+        return classify_exception(self._pm, exc_type, message, traceback)
+
+    def _local_rank(self, rank: int) -> int | None:
+        return next((w.local_rank for w in self._worker_group.workers if w.global_rank == rank), None)
+
+    def publish(self, event: ErrorEvent) -> None:
+        """Record, log, store and announce one event."""
+        self.events.append(event)
+        log.warning("error_event", severity=event.severity.name, kind=event.kind, detector=event.detector,
+                    rank=event.rank, detected_at=event.detected_at, message=event.message[:200])
+        store = self.store
+        if store is not None:
+            try:
+                seq = time.time_ns()
+                while not store.cas(store.keys.event(seq), event.to_json(), None).succeeded:
+                    seq += 1
+            except StoreError as exc:
+                log.error("event_publish_failed", error=str(exc))
+        call_isolated(self._pm, "unicron_event", event=event)
+
+    def report(self, event: ErrorEvent) -> None:
+        self.publish(event)
+        if event.severity is Severity.SEV1 and event.node == self.node:
+            self._act(-1, Decision(Action.GIVE_UP, Severity.SEV1, RankHistory(), event.kind), event)
+
+    def lost_own_lease(self) -> None:
+        self.report(ErrorEvent(Severity.SEV1, "lost_connection", "node", self.node, message="own lease expired"))
+
+    def _event(self, severity: Severity, kind: str, detector: str, rank: int, message: str, occurred: float) -> ErrorEvent:
+        return ErrorEvent(severity, kind, detector, self.node, rank=rank, task=self.task, message=message,
+                          occurred_at=occurred, detected_at=time.time())
+
+    def worker_exited(self, local_rank: int, pid: int, exitcode: int, detected_at: float) -> None:
+        with self._lock:
+            if pid in self._handled_pids:
+                return
+            self._handled_pids.add(pid)
+            if self._stopping or self._give_up is not None:
+                return
+            rank = dict((lr, r) for lr, (r, _) in self.workers().items()).get(local_rank, -1)
+            expected = self._expected_exit.pop(rank, None)
+            if expected is not None:  # we killed it (hang): the decision is already made
+                self._execute(rank, expected, None)
+                return
+            fatal = self._fatal.pop(rank, None)
+            severity = Severity.SEV1 if fatal and fatal.severity is Severity.SEV1 else Severity.SEV2
+            kind = fatal.kind if severity is Severity.SEV1 else "exited_abnormally"
+            event = self._event(severity, kind, "process", rank, f"pid {pid} exited with {exitcode}", detected_at)
+            event = replace(event, detected_at=detected_at)
+            self.publish(event)
+            self._decide(rank, event, responsive=False)
+
+    def exception(self, rank: int, msg: dict[str, Any], classification: Classification, received: float) -> None:
+        event = self._event(classification.severity, classification.kind, "exception", rank,
+                            f"{msg['type']}: {msg['msg']}"[:500], time.time() - (time.monotonic() - received))
+        self.publish(event)
+        with self._lock:
+            if msg["fatal"]:
+                self._fatal[rank] = classification  # acted on when the process exits
+                return
+            self._decide(rank, event, responsive=True, step=int(msg["step"]))
+
+    def hang(self, rank: int, finding: Finding) -> None:
+        local_rank = self._local_rank(rank)
+        entry = self.workers().get(local_rank) if local_rank is not None else None
+        if entry is None or entry[1].poll() is not None:
+            return  # finished or already dead: process supervision has it
+        occurred = time.time() - (time.monotonic() - finding.since)
+        event = self._event(finding.severity, finding.kind, "hang", rank, finding.message, occurred)
+        self.publish(event)
+        if finding.kind == "link_flapping":
+            return  # SEV3 noise: observed, nothing to retry
+        with self._lock:
+            self._decide(rank, event, responsive=False)
+
+    # -- decisions -------------------------------------------------------------
+    def _decide(self, rank: int, event: ErrorEvent, responsive: bool, step: int = -1) -> None:
+        history = replace(self._history.get(rank, RankHistory()), responsive=responsive)
+        decision = decide(self.config.ladder, history, event, step)
+        self._history[rank] = decision.history
+        self._act(rank, decision, event)
+
+    def _act(self, rank: int, decision: Decision, event: ErrorEvent) -> None:
+        log.info("agent_action", action=decision.action.value, rank=rank, reason=decision.reason)
+        call_isolated(self._pm, "unicron_action", action=decision.action.value, event=event,
+                      detail={"rank": rank, "reason": decision.reason})
+        local_rank = self._local_rank(rank)
+        alive = local_rank is not None and self.workers().get(local_rank, (0, None))[1] is not None \
+            and self.workers()[local_rank][1].poll() is None
+        if decision.action is Action.REATTEMPT:
+            self.actions.append((decision.action.value, rank))
+            self._channel.send(self._replies.get(rank, ""), {"t": "verdict", "action": "reattempt"})
+        elif alive and decision.action in (Action.RESTART_WORKER, Action.RESTART_ALL):
+            # still running (hung, or told to stop): stop it, act on its exit
+            self._expected_exit[rank] = decision
+            self._channel.send(self._replies.get(rank, ""), {"t": "verdict", "action": "exit"})
+            os.kill(self.workers()[local_rank][1].pid, signal.SIGKILL)
+        else:
+            self._execute(rank, decision, local_rank)
+
+    def _execute(self, rank: int, decision: Decision, local_rank: int | None) -> None:
+        self.actions.append((decision.action.value, rank))
+        local_rank = self._local_rank(rank) if local_rank is None else local_rank
+        if decision.action is Action.RESTART_WORKER and local_rank is not None:
+            if _torch_compat.supports_per_rank_restart(self._pcontext):
+                self._respawn(local_rank)
+                return
+            decision = replace(decision, action=Action.RESTART_ALL)
+        if decision.action is Action.GIVE_UP:
+            self._give_up = decision
+        # RESTART_ALL: torch's monitor sees the failed process and restarts the group
+
+    def _respawn(self, local_rank: int) -> None:
+        worker = self._worker_group.workers[local_rank]
+        restarts = self._history.get(worker.global_rank, RankHistory()).restarts
+        env = {GENERATION_ENV: f"{self.generation}.{restarts}", "UNICRON_WORKER_RESTARTS": str(restarts)}
+        started = time.monotonic()
+        pid = _torch_compat.respawn(self._pcontext, local_rank, env)  # type: ignore[arg-type]
+        worker.id = pid
+        self._replies.pop(worker.global_rank, None)
+        log.info("worker_restarted", rank=worker.global_rank, local_rank=local_rank, pid=pid,
+                 seconds=round(time.monotonic() - started, 4))
+        self._notify_started([local_rank], env[GENERATION_ENV])
+
+    # -- messages and monitoring -------------------------------------------------
+    def _on_message(self, msg: dict[str, Any], received: float) -> None:
+        if msg["t"] == "hello":
+            with self._lock:
+                self._replies[msg["rank"]] = str(msg["reply"])
+                history = self._history.get(msg["rank"], RankHistory())
+                self._history[msg["rank"]] = replace(history, resumable=bool(msg["resumable"]))
+        for detector in self._detectors:
+            try:
+                detector.on_message(msg, received)
+            except Exception:  # noqa: BLE001 - isolate plugin detectors
+                log.exception("detector_failed", detector=detector.name)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        with self._lock:
+            if self._give_up is not None:
+                self._stopping = True
+                raise NodeGaveUp(f"node {self.node} gives up its assignment: {self._give_up.reason}")
+            procs = _torch_compat.worker_processes(self._pcontext)
+            for local_rank, proc in procs.items():
+                code = proc.poll()
+                if code not in (None, 0) and proc.pid not in self._handled_pids:
+                    self.worker_exited(local_rank, proc.pid, code, time.time())
+            if self._give_up is not None:
+                self._stopping = True
+                raise NodeGaveUp(f"node {self.node} gives up its assignment: {self._give_up.reason}")
+            procs = _torch_compat.worker_processes(self._pcontext)
+            codes = [proc.poll() for proc in procs.values()]
+            if procs and all(code is None or code == 0 for code in codes) and any(code is None for code in codes):
+                return RunResult(state=WorkerState.HEALTHY)
+            return super()._monitor_workers(worker_group)
+
+    def run(self, role: str = "default") -> RunResult:
+        """Run the workers until done; detectors and the channel close at the end."""
+        try:
+            return super().run(role)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for detector in self._detectors:
+            try:
+                detector.stop()
+            except Exception:  # noqa: BLE001
+                log.exception("detector_stop_failed", detector=detector.name)
+        self._channel.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

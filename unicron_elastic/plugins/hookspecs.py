@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from unicron_elastic.agent.agent import AgentConfig
+    from unicron_elastic.agent.detectors import Detector
     from unicron_elastic.events import Classification, ErrorEvent
 
 PROJECT = "unicron_elastic"
@@ -29,6 +31,19 @@ def unicron_classify_exception(exc_type: str, message: str, traceback: str) -> C
         exc_type: Type name of the exception.
         message: Its message.
         traceback: The formatted traceback (may be empty).
+    """
+
+
+@hookspec
+def unicron_detectors(config: AgentConfig) -> list[Detector]:
+    """Provide detectors for the agent; it runs those named in ``--detectors``.
+
+    The default plugin provides ``node``, ``process``, ``exception``, ``hang``
+    and ``nvml``. A plugin adds its own (with new names) and the user enables
+    them with ``--detectors``.
+
+    Args:
+        config: The agent's configuration (thresholds, node name, ...).
     """
 
 

@@ -1,0 +1,199 @@
+"""The unicron agent under unicron-run: every detector and every edge of the ladder.
+
+Real ``unicron-run`` subprocesses with a private etcd, real worker processes,
+faults injected as data (``fail_at``); each test asserts that the fault fired,
+the event (severity, kind) and the action taken.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, EXAMPLES
+from unicron_elastic.agent.decide import EXIT_GIVE_UP
+from unicron_elastic.store import EmbeddedEtcd, StatusStore
+from unicron_elastic.testing import Fault, fail_at, faults_env, kill_node
+
+pytestmark = pytest.mark.slow
+WORKER = os.path.join(EXAMPLES, "resilient_worker.py")
+
+
+class Run:
+    def __init__(self, tmp: Path, proc: subprocess.CompletedProcess) -> None:
+        self.tmp, self.proc = tmp, proc
+        self.logs = []
+        for line in proc.stderr.splitlines():
+            if line.startswith("{"):
+                try:
+                    self.logs.append(json.loads(line))
+                except ValueError:
+                    pass
+
+    def of(self, event: str) -> list[dict]:
+        return [entry for entry in self.logs if entry.get("event") == event]
+
+    def starts(self, rank: int) -> list[dict]:
+        path = self.tmp / "out" / f"rank{rank}.jsonl"
+        return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "start"]
+
+    def done(self, rank: int) -> bool:
+        path = self.tmp / "out" / f"rank{rank}.jsonl"
+        return any(json.loads(line)["event"] == "done" for line in path.read_text().splitlines())
+
+    def fired(self) -> list[dict]:
+        path = self.tmp / "faults.log"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run(tmp: Path, faults: list[Fault], *flags: str, steps: int = 30, step_time: float = 0.05,
+        worker_args: tuple[str, ...] = ()) -> Run:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.update(faults_env(faults, str(tmp / "faults.log")))
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", "--monitor-interval=0.05",
+           "--log-format=json", *flags, WORKER, "--steps", str(steps), "--step-time", str(step_time),
+           "--out", str(tmp / "out"), *worker_args]
+    return Run(tmp, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=100))
+
+
+def events(r: Run) -> list[tuple[str, str, int]]:
+    return [(e["severity"], e["kind"], e["rank"]) for e in r.of("error_event")]
+
+
+def actions(r: Run) -> list[tuple[str, int]]:
+    return [(a["action"], a["rank"]) for a in r.of("agent_action")]
+
+
+@pytest.mark.timeout(120)
+def test_sev2_process_exit_restarts_only_the_failed_rank(tmp_path: Path) -> None:
+    r = run(tmp_path, [fail_at(rank=1, step=8, kind="kill")])
+    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
+    assert [f["rank"] for f in r.fired()] == [1]
+    assert events(r) == [("SEV2", "exited_abnormally", 1)]
+    assert actions(r) == [("restart_worker", 1)]
+    survivor, failed = r.starts(0), r.starts(1)
+    assert len(survivor) == 1  # rank 0: never restarted, same PID throughout
+    assert len(failed) == 2 and failed[0]["pid"] != failed[1]["pid"] and failed[1]["step"] == 8
+    assert r.fired()[0]["pid"] == failed[0]["pid"]
+    assert r.done(0) and r.done(1)
+    latency = r.of("error_event")[0]["detected_at"] - r.fired()[0]["time"]
+    assert latency <= 0.3, latency
+
+
+@pytest.mark.timeout(120)
+def test_sev3_exception_is_reattempted_in_place(tmp_path: Path) -> None:
+    r = run(tmp_path, [fail_at(rank=0, step=4, kind="raise", message="Connection reset by peer")])
+    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
+    assert len(r.fired()) == 1
+    assert events(r) == [("SEV3", "connection_reset", 0)]
+    assert actions(r) == [("reattempt", 0)]
+    assert len(r.starts(0)) == 1 and len(r.starts(1)) == 1  # nobody restarted
+    latency = r.of("error_event")[0]["detected_at"] - r.fired()[0]["time"]
+    assert latency <= 0.1, latency
+
+
+@pytest.mark.timeout(120)
+def test_sev3_that_keeps_failing_escalates_to_a_sev2_restart(tmp_path: Path) -> None:
+    fault = fail_at(rank=1, step=4, kind="raise", message="Connection reset by peer", times=3)
+    r = run(tmp_path, [fault], "--max-reattempts=2")
+    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
+    assert len(r.fired()) == 3  # first try + 2 reattempts, all in the first incarnation
+    assert actions(r)[:3] == [("reattempt", 1), ("reattempt", 1), ("restart_worker", 1)]
+    assert len(r.starts(1)) == 2 and len(r.starts(0)) == 1
+
+
+@pytest.mark.timeout(120)
+def test_hang_is_detected_and_the_worker_restarted(tmp_path: Path) -> None:
+    r = run(tmp_path, [fail_at(rank=1, step=12, kind="hang")], step_time=0.1)
+    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
+    assert len(r.fired()) == 1
+    assert events(r)[0] == ("SEV2", "task_hang", 1)
+    assert ("restart_worker", 1) in actions(r)
+    assert len(r.starts(1)) == 2 and len(r.starts(0)) == 1
+    latency = r.of("error_event")[0]["detected_at"] - r.fired()[0]["time"]
+    assert latency <= 3 * 0.1 + 0.5, latency  # 3 x D_iter + 0.5 s
+
+
+@pytest.mark.timeout(120)
+def test_repeated_sev2_escalates_to_sev1_and_the_node_gives_up(tmp_path: Path) -> None:
+    r = run(tmp_path, [fail_at(rank=1, step=5, kind="exit", times=None)], "--max-worker-restarts=1")
+    assert r.proc.returncode == EXIT_GIVE_UP, r.proc.stderr[-3000:]
+    assert len(r.fired()) == 2
+    assert actions(r) == [("restart_worker", 1), ("give_up", 1)]
+    assert r.of("node_gave_up")
+
+
+@pytest.mark.timeout(120)
+def test_sev1_exception_gives_up_the_node(tmp_path: Path) -> None:
+    r = run(tmp_path, [fail_at(rank=0, step=3, kind="raise", message="CUDA error: uncorrectable ECC error encountered")])
+    assert r.proc.returncode == EXIT_GIVE_UP, r.proc.stderr[-3000:]
+    assert events(r)[0] == ("SEV1", "ecc", 0)
+    assert actions(r) == [("give_up", 0)]
+
+
+@pytest.mark.timeout(120)
+def test_plain_script_keeps_torchrun_restart_all(tmp_path: Path) -> None:
+    r = run(tmp_path, [fail_at(rank=1, step=5, kind="kill")], "--max-restarts=1", worker_args=("--plain",))
+    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
+    assert actions(r) == [("restart_all", 1)]
+    assert len(r.starts(0)) == 2 and len(r.starts(1)) == 2  # everybody restarted
+
+
+@pytest.mark.timeout(120)
+def test_unknown_detector_is_logged_and_the_run_goes_on(tmp_path: Path) -> None:
+    r = run(tmp_path, [], "--detectors=process,bogus", steps=5)
+    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
+    unknown = r.of("unknown_detector")
+    assert unknown and unknown[0]["detector"] == "bogus" and "hang" in unknown[0]["known"]
+
+
+@pytest.mark.timeout(60)
+def test_bad_agent_flags_are_clear_errors(tmp_path: Path) -> None:
+    r = run(tmp_path, [], "--hang-factor=1.0", steps=1)
+    assert r.proc.returncode == 2 and "hang_factor" in r.proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_node_loss_is_published_as_sev1_by_a_peer(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    conf = "--rdzv-conf=cluster=nodeloss,keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", "--rdzv-id=nodeloss",
+           "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", "--node-ttl=1", conf, "--log-format=json",
+           WORKER, "--steps", "200", "--step-time", "0.05", "--out", str(tmp_path / "out")]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    store = StatusStore(etcd.config.__class__(port=etcd.client_port, cluster="nodeloss"))
+    deadline = time.monotonic() + 60
+    while len(store.get_prefix(store.keys.nodes())) < 2 or len(list((tmp_path / "out").glob("*.step"))) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    victim = next(iter(store.get_json_prefix(store.keys.nodes())))
+    victim_pid = int(victim.rsplit("-", 1)[-1])
+    killed_at = time.time()
+    kill_node(victim_pid)
+    deadline = time.monotonic() + 30
+    found = []
+    while not found and time.monotonic() < deadline:
+        found = [json.loads(kv.value) for kv in store.get_prefix(store.keys.events())
+                 if json.loads(kv.value)["kind"] == "lost_connection"]
+        time.sleep(0.05)
+    for p in nodes:
+        p.kill()
+        p.wait()
+    assert found, "no SEV1 event for the lost node"
+    event = found[0]
+    assert event["severity"] == "SEV1" and event["node"] == victim.rsplit("/", 1)[-1]
+    assert event["detected_at"] - killed_at <= 2 * 1 + 0.5  # <= 2 x lease TTL (+ watch slack)
+
+
+def test_torch_private_fields_used_by_per_rank_restart_exist() -> None:
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    source = inspect.getsource(SubprocessContext)
+    for name in ("subprocess_handlers", "_running_local_ranks", "_failures", "_numa_options"):
+        assert f"self.{name}" in source, name

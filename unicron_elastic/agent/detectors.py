@@ -1,0 +1,289 @@
+"""The built-in detectors (paper Table 1): node health, process supervision,
+exception propagation, statistical monitoring, and NVML hardware checks.
+
+A detector watches one thing and tells its :class:`DetectorContext` (the agent)
+what it saw; the agent turns that into an event and an action. Detectors are
+provided through the ``unicron_detectors`` hook; these are the default plugin's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC
+from subprocess import Popen
+from typing import Any, Protocol
+
+import structlog
+
+from unicron_elastic.api import StoreError
+from unicron_elastic.detection.hang import Finding, HangThresholds, IterationMonitor
+from unicron_elastic.events import Classification, ErrorEvent, Severity
+from unicron_elastic.store.client import StatusStore
+from unicron_elastic.store.lease import KeptLease
+from unicron_elastic.store.watch import PrefixWatch, WatchEvent
+
+log = structlog.get_logger(__name__)
+
+
+class DetectorContext(Protocol):
+    """What a detector may ask of the agent."""
+
+    node: str
+    store: StatusStore | None
+
+    def workers(self) -> dict[int, tuple[int, Popen]]:
+        """``local_rank -> (global rank, process)`` of the running workers."""
+
+    def worker_exited(self, local_rank: int, pid: int, exitcode: int, detected_at: float) -> None:
+        """A worker process ended with a non-zero exit code."""
+
+    def exception(self, rank: int, msg: dict[str, Any], classification: Classification, received: float) -> None:
+        """A worker reported an exception."""
+
+    def hang(self, rank: int, finding: Finding) -> None:
+        """The statistical monitor found a hang or flapping."""
+
+    def report(self, event: ErrorEvent) -> None:
+        """Publish an event that needs no worker action (e.g. another node lost)."""
+
+    def lost_own_lease(self) -> None:
+        """This node's lease expired: peers consider it dead."""
+
+    def classify(self, exc_type: str, message: str, traceback: str) -> Classification:
+        """Classify an exception through the plugins."""
+
+
+class Detector(ABC):  # noqa: B024 - every method has a sensible default
+    """A detector; override what you need.
+
+    Attributes:
+        name: Name used in ``--detectors``.
+    """
+
+    name = "detector"
+
+    def start(self, ctx: DetectorContext) -> None:
+        """Start watching (called once, after the first rendezvous)."""
+        self.ctx = ctx
+
+    def stop(self) -> None:
+        """Stop watching."""
+
+    def on_message(self, msg: dict[str, Any], received: float) -> None:
+        """A worker message arrived (heartbeat, state, exception ...)."""
+
+    def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
+        """Workers were (re)started: ``local_ranks`` have fresh processes."""
+
+
+class ProcessDetector(Detector):
+    """Process supervision: one thread per local worker, polling every ``interval`` s."""
+
+    name = "process"
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self._stop = threading.Event()
+        self._threads: dict[int, threading.Thread] = {}
+        self._reported: set[int] = set()
+
+    def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
+        for local_rank in local_ranks:
+            if local_rank not in self._threads:
+                thread = threading.Thread(target=self._watch, args=(local_rank,), daemon=True,
+                                          name=f"unicron-supervise-{local_rank}")
+                self._threads[local_rank] = thread
+                thread.start()
+
+    def _watch(self, local_rank: int) -> None:
+        while not self._stop.wait(self.interval):
+            entry = self.ctx.workers().get(local_rank)
+            if entry is None:
+                continue
+            proc = entry[1]
+            code = proc.poll()
+            if code is not None and code != 0 and proc.pid not in self._reported:
+                self._reported.add(proc.pid)
+                self.ctx.worker_exited(local_rank, proc.pid, code, time.time())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class ExceptionDetector(Detector):
+    """Exception propagation: classify what workers report (severity table + plugins)."""
+
+    name = "exception"
+
+    def on_message(self, msg: dict[str, Any], received: float) -> None:
+        if msg["t"] != "exc":
+            return
+        classification = self.ctx.classify(str(msg["type"]), str(msg["msg"]), str(msg.get("tb", "")))
+        self.ctx.exception(msg["rank"], msg, classification, received)
+
+
+class HangDetector(Detector):
+    """Online statistical monitoring of iteration times, one monitor per rank."""
+
+    name = "hang"
+
+    def __init__(self, thresholds: HangThresholds | None = None, interval: float = 0.02) -> None:
+        self.thresholds = thresholds or HangThresholds()
+        self.interval = interval
+        self.monitors: dict[int, IterationMonitor] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, ctx: DetectorContext) -> None:
+        super().start(ctx)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="unicron-hang")
+        self._thread.start()
+
+    def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
+        ranks = {lr: rank for lr, (rank, _) in self.ctx.workers().items()}
+        now = time.monotonic()
+        with self._lock:
+            for local_rank in local_ranks:
+                rank = ranks.get(local_rank)
+                if rank is not None:
+                    self.monitors.setdefault(rank, IterationMonitor(self.thresholds)).reset(generation, now)
+
+    def on_message(self, msg: dict[str, Any], received: float) -> None:
+        with self._lock:
+            monitor = self.monitors.setdefault(msg["rank"], IterationMonitor(self.thresholds))
+            if msg["t"] == "beat":
+                finding = monitor.heartbeat(received, float(msg["dur"]))
+            elif msg["t"] == "state":
+                monitor.set_state(received, paused=msg.get("paused"), in_collective=msg.get("collective"))
+                finding = None
+            else:
+                return
+        if finding is not None:
+            self.ctx.hang(msg["rank"], finding)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            with self._lock:
+                found = [(rank, m.check(now)) for rank, m in self.monitors.items()]
+            for rank, finding in found:
+                if finding is not None:
+                    self.ctx.hang(rank, finding)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class NodeHealthDetector(Detector):
+    """Node health: this node's lease in etcd, and a watch on every other node's."""
+
+    name = "node"
+
+    def __init__(self, ttl: int = 2) -> None:
+        self.ttl = ttl
+        self.lease: KeptLease | None = None
+        self._watch: PrefixWatch | None = None
+        self._leaving: set[str] = set()
+
+    def start(self, ctx: DetectorContext) -> None:
+        super().start(ctx)
+        store = ctx.store
+        if store is None:
+            log.info("detector_disabled", detector=self.name, reason="no etcd status store (not the unicron backend)")
+            return
+        self.lease = KeptLease(store, self.ttl, on_lost=ctx.lost_own_lease)
+        self._watch = PrefixWatch(store, store.keys.nodes(), self._on_change)
+        store.put_json(store.keys.node(ctx.node), {"state": "running", "lease": self.lease.id, "ts": time.time()},
+                       lease=self.lease.id)
+
+    def _on_change(self, change: WatchEvent) -> None:
+        store = self.ctx.store
+        assert store is not None
+        node = change.key.rsplit("/", 1)[-1]
+        if change.kind == "put":
+            if b'"leaving"' in change.value:
+                self._leaving.add(node)
+            return
+        if node == self.ctx.node or node in self._leaving:
+            self._leaving.discard(node)
+            return
+        marker = f"{store.keys.prefix}nodes-lost/{node}-{change.revision}"
+        try:
+            if not store.cas(marker, str(time.time()), None).succeeded:
+                return  # another node reported it
+        except StoreError:
+            log.exception("node_loss_dedup_failed", node=node)
+        self.ctx.report(ErrorEvent(Severity.SEV1, "lost_connection", self.name, node,
+                                   message=f"lease of node {node} expired", occurred_at=time.time() - self.ttl))
+
+    def stop(self) -> None:
+        store = self.ctx.store if hasattr(self, "ctx") else None
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.lease is not None and store is not None:
+            try:
+                store.put_json(store.keys.node(self.ctx.node), {"state": "leaving"}, lease=self.lease.id)
+            except StoreError:
+                pass
+            self.lease.close(revoke=True)
+
+
+class NvmlDetector(Detector):
+    """Hardware: NVML ECC, retired pages, NVLink and Xid errors; silent without NVML.
+
+    Needs an NVIDIA driver. On machines without one (CI, CPU-only) it logs
+    ``detector_disabled`` once and costs nothing.
+    """
+
+    name = "nvml"
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self.available = False
+        self._stop = threading.Event()
+        self._baseline: dict[tuple[int, str], int] = {}
+
+    def start(self, ctx: DetectorContext) -> None:
+        super().start(ctx)
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception as exc:  # noqa: BLE001 - no driver, no library, no GPU
+            log.info("detector_disabled", detector=self.name, reason=f"NVML unavailable: {exc}")
+            return
+        self.available = True
+        self._counters()  # baseline
+        threading.Thread(target=self._run, daemon=True, name="unicron-nvml").start()
+
+    def _counters(self) -> list[tuple[int, str, int]]:
+        nv, found = self._nvml, []
+        for index, handle in enumerate(self._handles):
+            readers = {
+                "ecc": lambda h: nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
+                "retired_pages": lambda h: int(nv.nvmlDeviceGetRetiredPagesPendingStatus(h)),
+                "nvlink": lambda h: sum(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, 0) for link in range(nv.NVML_NVLINK_MAX_LINKS)),
+            }
+            for kind, read in readers.items():
+                try:
+                    value = int(read(handle))
+                except Exception:  # noqa: BLE001 - not supported on this GPU
+                    continue
+                key = (index, kind)
+                if value > self._baseline.setdefault(key, value):
+                    found.append((index, kind, value))
+                    self._baseline[key] = value
+        return found
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for index, kind, value in self._counters():
+                self.ctx.report(ErrorEvent(Severity.SEV1, kind, self.name, self.ctx.node,
+                                           message=f"GPU {index}: {kind} counter rose to {value}"))
+
+    def stop(self) -> None:
+        self._stop.set()
