@@ -58,10 +58,11 @@ def test_messages_and_uncaught_exception_reach_the_agent(channel) -> None:
         raise ValueError("boom at step 3")
     """)
     assert result.returncode == 1 and "ValueError: boom" in result.stderr
-    assert _wait(lambda: any(m["t"] == "exc" for m in channel.messages))
+    assert _wait(lambda: len(channel.messages) == 8)
     kinds = [m["t"] for m in channel.messages]
-    assert kinds == ["hello", "beat", "beat", "beat", "state", "state", "exc"]
-    hello, exc = channel.messages[0], channel.messages[-1]
+    assert kinds == ["hello", "beat", "beat", "beat", "state", "state", "exc", "state"]
+    assert channel.messages[-1] == {"t": "state", "paused": True, "exiting": True, "rank": 3}  # goodbye at exit
+    hello, exc = channel.messages[0], channel.messages[-2]
     assert hello["rank"] == 3 and hello["resumable"] is True and hello["reply"].endswith(".sock")
     assert exc["type"] == "ValueError" and exc["fatal"] is True and "boom" in exc["tb"]
 
