@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--jitter", type=float, default=0.0, help="step time varies by +- this fraction")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -45,7 +47,7 @@ def main() -> None:
 
     def train_step(step: int) -> None:
         maybe_fail(rank, step)
-        time.sleep(args.step_time)
+        time.sleep(args.step_time * (1 + random.uniform(-args.jitter, args.jitter)))
 
     for step in range(start, args.steps):
         began = time.monotonic()
