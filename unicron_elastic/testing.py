@@ -6,8 +6,11 @@ happen to real processes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -62,9 +65,6 @@ def kill_node(launcher_pid: int, sig: int = signal.SIGKILL) -> list[int]:
 
 # -- faults as data -------------------------------------------------------------
 
-import json  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
 
 FAULTS_ENV = "UNICRON_FAULTS"
 FAULT_LOG_ENV = "UNICRON_FAULT_LOG"

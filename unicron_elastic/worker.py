@@ -26,7 +26,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 SOCKET_ENV = "UNICRON_AGENT_SOCKET"
@@ -79,22 +79,20 @@ class WorkerChannel:
         self._send({"t": "progress", "step": int(step), "mb": int(micro_batch)})
 
     @contextmanager
-    def checkpointing(self) -> Iterator[None]:
-        """A pause (checkpoint, evaluation) that must not count as a hang."""
-        self._send({"t": "state", "paused": True})
+    def _flag(self, name: str) -> Iterator[None]:
+        self._send({"t": "state", name: True})
         try:
             yield
         finally:
-            self._send({"t": "state", "paused": False})
+            self._send({"t": "state", name: False})
 
-    @contextmanager
-    def collective(self) -> Iterator[None]:
+    def checkpointing(self) -> AbstractContextManager[None]:
+        """A pause (checkpoint, evaluation) that must not count as a hang."""
+        return self._flag("paused")
+
+    def collective(self) -> AbstractContextManager[None]:
         """Inside a collective: a stall here is a collective timeout (SEV3)."""
-        self._send({"t": "state", "collective": True})
-        try:
-            yield
-        finally:
-            self._send({"t": "state", "collective": False})
+        return self._flag("collective")
 
     def report_exception(self, exc: BaseException, step: int = -1, fatal: bool = True) -> None:
         """Send an exception to the agent for classification."""

@@ -171,6 +171,12 @@ class UnicronAgent(LocalElasticAgent):
     def _local_rank(self, rank: int) -> int | None:
         return next((w.local_rank for w in self._worker_group.workers if w.global_rank == rank), None)
 
+    def _process(self, rank: int) -> Popen | None:
+        """The running process of ``rank`` (None if it has none or it ended)."""
+        local_rank = self._local_rank(rank)
+        entry = self.workers().get(local_rank) if local_rank is not None else None
+        return entry[1] if entry is not None and entry[1].poll() is None else None
+
     def publish(self, event: ErrorEvent) -> None:
         """Record, log, store and announce one event."""
         self.events.append(event)
@@ -194,9 +200,10 @@ class UnicronAgent(LocalElasticAgent):
     def lost_own_lease(self) -> None:
         self.report(ErrorEvent(Severity.SEV1, "lost_connection", "node", self.node, message="own lease expired"))
 
-    def _event(self, severity: Severity, kind: str, detector: str, rank: int, message: str, occurred: float) -> ErrorEvent:
+    def _event(self, severity: Severity, kind: str, detector: str, rank: int, message: str, occurred: float,
+               detected: float | None = None) -> ErrorEvent:
         return ErrorEvent(severity, kind, detector, self.node, rank=rank, task=self.task, message=message,
-                          occurred_at=occurred, detected_at=time.time())
+                          occurred_at=occurred, detected_at=time.time() if detected is None else detected)
 
     def worker_exited(self, local_rank: int, pid: int, exitcode: int, detected_at: float) -> None:
         with self._lock:
@@ -205,7 +212,7 @@ class UnicronAgent(LocalElasticAgent):
             self._handled_pids.add(pid)
             if self._stopping or self._give_up is not None:
                 return
-            rank = dict((lr, r) for lr, (r, _) in self.workers().items()).get(local_rank, -1)
+            rank = self.workers().get(local_rank, (-1, None))[0]
             expected = self._expected_exit.pop(rank, None)
             if expected is not None:  # we killed it (hang): the decision is already made
                 self._execute(rank, expected, None)
@@ -213,8 +220,8 @@ class UnicronAgent(LocalElasticAgent):
             fatal = self._fatal.pop(rank, None)
             severity = Severity.SEV1 if fatal and fatal.severity is Severity.SEV1 else Severity.SEV2
             kind = fatal.kind if severity is Severity.SEV1 else "exited_abnormally"
-            event = self._event(severity, kind, "process", rank, f"pid {pid} exited with {exitcode}", detected_at)
-            event = replace(event, detected_at=detected_at)
+            event = self._event(severity, kind, "process", rank, f"pid {pid} exited with {exitcode}",
+                                detected_at, detected_at)
             self.publish(event)
             self._decide(rank, event, responsive=False)
 
@@ -229,9 +236,7 @@ class UnicronAgent(LocalElasticAgent):
             self._decide(rank, event, responsive=True, step=int(msg["step"]))
 
     def hang(self, rank: int, finding: Finding) -> None:
-        local_rank = self._local_rank(rank)
-        entry = self.workers().get(local_rank) if local_rank is not None else None
-        if entry is None or entry[1].poll() is not None:
+        if self._process(rank) is None:
             return  # finished or already dead: process supervision has it
         occurred = time.time() - (time.monotonic() - finding.since)
         event = self._event(finding.severity, finding.kind, "hang", rank, finding.message, occurred)
@@ -252,19 +257,17 @@ class UnicronAgent(LocalElasticAgent):
         log.info("agent_action", action=decision.action.value, rank=rank, reason=decision.reason)
         call_isolated(self._pm, "unicron_action", action=decision.action.value, event=event,
                       detail={"rank": rank, "reason": decision.reason})
-        local_rank = self._local_rank(rank)
-        alive = local_rank is not None and self.workers().get(local_rank, (0, None))[1] is not None \
-            and self.workers()[local_rank][1].poll() is None
+        process = self._process(rank)
         if decision.action is Action.REATTEMPT:
             self.actions.append((decision.action.value, rank))
             self._channel.send(self._replies.get(rank, ""), {"t": "verdict", "action": "reattempt"})
-        elif alive and decision.action in (Action.RESTART_WORKER, Action.RESTART_ALL):
+        elif process is not None and decision.action in (Action.RESTART_WORKER, Action.RESTART_ALL):
             # still running (hung, or told to stop): stop it, act on its exit
             self._expected_exit[rank] = decision
             self._channel.send(self._replies.get(rank, ""), {"t": "verdict", "action": "exit"})
-            os.kill(self.workers()[local_rank][1].pid, signal.SIGKILL)
+            os.kill(process.pid, signal.SIGKILL)
         else:
-            self._execute(rank, decision, local_rank)
+            self._execute(rank, decision, self._local_rank(rank))
 
     def _execute(self, rank: int, decision: Decision, local_rank: int | None) -> None:
         self.actions.append((decision.action.value, rank))
