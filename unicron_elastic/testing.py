@@ -79,6 +79,7 @@ class Fault:
         rank: Global rank that fails.
         step: Training step at which it fails.
         micro_batch: Micro-batch within the step (None: at the start of the step).
+        bucket: Gradient bucket during the all-reduce (None: not in the reduction).
         kind: ``kill`` (SIGKILL itself), ``exit`` (exit code 3), ``raise``
             (raise ``RuntimeError(message)``) or ``hang`` (sleep forever).
         message: Exception message for ``raise`` (chooses the severity).
@@ -93,6 +94,7 @@ class Fault:
     kind: str = "kill"
     message: str = ""
     times: int | None = 1
+    bucket: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -102,9 +104,9 @@ class Fault:
 
 
 def fail_at(rank: int, step: int, micro_batch: int | None = None, kind: str = "kill",
-            message: str = "", times: int | None = 1) -> Fault:
-    """Describe a failure of ``rank`` at ``step`` (and ``micro_batch``)."""
-    return Fault(rank, step, micro_batch, kind, message, times)
+            message: str = "", times: int | None = 1, bucket: int | None = None) -> Fault:
+    """Describe a failure of ``rank`` at ``step`` (and ``micro_batch`` or gradient ``bucket``)."""
+    return Fault(rank, step, micro_batch, kind, message, times, bucket)
 
 
 def faults_env(faults: list[Fault], log_path: str | None = None) -> dict[str, str]:
@@ -122,7 +124,7 @@ def _first_incarnation() -> bool:
 _FIRED: dict[int, int] = {}
 
 
-def maybe_fail(rank: int, step: int, micro_batch: int | None = None) -> None:
+def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None) -> None:
     """Fire the fault planned for this point, if any (workers call this).
 
     Each firing is appended to ``$UNICRON_FAULT_LOG`` (one JSON line) first, so a
@@ -133,7 +135,7 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None) -> None:
         return
     for index, spec in enumerate(json.loads(raw)):
         fault = Fault(**spec)
-        if (fault.rank, fault.step, fault.micro_batch) != (rank, step, micro_batch):
+        if (fault.rank, fault.step, fault.micro_batch, fault.bucket) != (rank, step, micro_batch, bucket):
             continue
         if fault.times is not None and (not _first_incarnation() or _FIRED.get(index, 0) >= fault.times):
             continue

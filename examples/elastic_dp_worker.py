@@ -1,0 +1,58 @@
+"""Partial-iteration resumption on CPU/gloo: a tiny MLP trained by ElasticDataParallel.
+
+Environment: ``RANK``, ``WORLD_SIZE``, ``UNICRON_STORE=host:port`` (a TCPStore that
+outlives workers, e.g. the agent's), faults from ``unicron_elastic.testing``.
+Each rank writes ``OUT/rank<R>.json`` (per-step reports) and ``OUT/params<R>.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.testing import maybe_fail
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=24)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--bucket-numel", type=int, default=None)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["UNICRON_STORE"].rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = torch.Generator().manual_seed(1)
+    xs = torch.randn(96, 8, generator=data)
+    ys = xs.sum(dim=1, keepdim=True).sin()
+
+    plan = GlobalBatchPlan(len(xs), args.global_batch, args.micro_batch, seed=2)
+    ddp = ElasticDataParallel(
+        model, optimizer, plan,
+        batch=lambda idx: (xs[idx], ys[idx]),
+        loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
+        timeout=timedelta(seconds=20), hook=maybe_fail,
+    )
+    reports = [vars(ddp.train_step(step)) for step in range(args.steps)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(reports))
+    torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
