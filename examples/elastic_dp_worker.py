@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import maybe_fail
 
@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--members", default=None, help="initial members, e.g. 0,1 (default: all)")
+    parser.add_argument("--schedule", default="{}", help='JSON {"step": [members]}: reconfigure at that step')
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ["UNICRON_STORE"].rsplit(":", 1)
@@ -40,15 +42,23 @@ def main() -> None:
     xs = torch.randn(96, 8, generator=data)
     ys = xs.sum(dim=1, keepdim=True).sin()
 
+    members = [int(m) for m in args.members.split(",")] if args.members else list(range(world))
     plan = GlobalBatchPlan(len(xs), args.global_batch, args.micro_batch, seed=2)
     ddp = ElasticDataParallel(
         model, optimizer, plan,
         batch=lambda idx: (xs[idx], ys[idx]),
         loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
         store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
-        timeout=timedelta(seconds=20), hook=maybe_fail,
+        timeout=timedelta(seconds=20), hook=maybe_fail, members=members, joining=rank not in members,
+        schedule={int(k): v for k, v in json.loads(args.schedule).items()},
     )
-    reports = [vars(ddp.train_step(step)) for step in range(args.steps)]
+    start = ddp.join() if rank not in members else 0
+    reports = []
+    try:
+        for step in range(start, args.steps):
+            reports.append(vars(ddp.train_step(step)))
+    except Retired:
+        reports.append({"retired_at": step})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(reports))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")

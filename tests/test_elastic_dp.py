@@ -109,3 +109,56 @@ def test_failure_during_each_gradient_bucket_scenario_2(tmp_path: Path, baseline
     results = train(tmp_path, [fail_at(rank=1, step=1, bucket=bucket)], bucket_numel=64)
     recovery = _check(tmp_path, results, 1, baseline, recomputed=True)
     assert all(rep["kept_buckets"] == bucket for rep in recovery)  # reduced buckets were kept
+
+
+# -- reconfiguration with a constant global batch ------------------------------
+
+
+def train_schedule(out: Path, world: int, steps: int, members: list[int], schedule: dict[int, list[int]]):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    env = dict(os.environ, WORLD_SIZE=str(world), UNICRON_STORE=f"127.0.0.1:{store.port}", OMP_NUM_THREADS="1")
+    args = ["--steps", str(steps), "--out", str(out), "--members", ",".join(map(str, members)),
+            "--schedule", json.dumps({str(k): v for k, v in schedule.items()})]
+    procs = [subprocess.Popen([sys.executable, WORKER, *args], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    codes = []
+    for p in procs:
+        _, stderr = p.communicate(timeout=90)
+        codes.append((p.returncode, stderr[-2000:]))
+    del store
+    return codes
+
+
+@pytest.fixture(scope="module")
+def baseline4(tmp_path_factory) -> list[torch.Tensor]:
+    out = tmp_path_factory.mktemp("baseline4")
+    codes = train_schedule(out, 4, 5, [0, 1, 2, 3], {})
+    assert [c for c, _ in codes] == [0] * 4, codes
+    return torch.load(out / "params0.pt")
+
+
+def _same(out: Path, rank: int, reference: list[torch.Tensor]) -> None:
+    for ours, ref in zip(torch.load(out / f"params{rank}.pt"), reference):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(150)
+def test_scale_in_4_3_2_keeps_the_trajectory(tmp_path: Path, baseline4) -> None:
+    codes = train_schedule(tmp_path, 4, 5, [0, 1, 2, 3], {2: [0, 1, 2], 4: [0, 1]})
+    assert [c for c, _ in codes] == [0] * 4, codes
+    assert json.loads((tmp_path / "rank3.json").read_text())[-1] == {"retired_at": 2}
+    assert json.loads((tmp_path / "rank2.json").read_text())[-1] == {"retired_at": 4}
+    for rank in (0, 1):
+        _same(tmp_path, rank, baseline4)
+    last = json.loads((tmp_path / "rank0.json").read_text())[-1]
+    assert len(last["micro_batches"]) == 3  # B = 6 over 2 ranks: global batch unchanged
+
+
+@pytest.mark.timeout(150)
+def test_scale_out_2_to_4_with_state_from_a_replica(tmp_path: Path, baseline4) -> None:
+    codes = train_schedule(tmp_path, 4, 5, [0, 1], {2: [0, 1, 2, 3]})
+    assert [c for c, _ in codes] == [0] * 4, codes
+    for rank in range(4):
+        _same(tmp_path, rank, baseline4)  # joiners got parameters and momentum from the replica
+    joined = json.loads((tmp_path / "rank3.json").read_text())
+    assert [r["step"] for r in joined] == [2, 3, 4]

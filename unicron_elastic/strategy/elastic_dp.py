@@ -19,13 +19,22 @@ When a peer dies (gloo raises on the broken connection):
   rank's micro-batches are recomputed and only the unreduced buckets are
   reduced again.
 
+Reconfiguration happens between steps: the group's leader (lowest member)
+publishes each step's membership (``unicron-dp/step<s>/members``, following a
+``schedule`` - the coordinator's plan); ranks that are no longer members retire;
+new ranks (``joining=True``) wait until a generation includes them and receive
+the model, optimizer, RNG and step by broadcast from the leader, a healthy
+replica. The global batch stays the same, so the parameter trajectory does not
+depend on the DP size.
+
 Assumes a single failure at a time (a second check-in timeout falls back to
-whoever checked in). The restarted rank's way back (state from a replica)
-belongs to the strategy; here the group simply continues smaller.
+whoever checked in).
 """
 
 from __future__ import annotations
 
+import io
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +72,10 @@ class StepReport:
     kept_buckets: int = 0
 
 
+class Retired(Exception):
+    """This rank is no longer a member of the data-parallel group (scale-in)."""
+
+
 class ElasticDataParallel:
     """One data-parallel replica of a model, resilient to the loss of peers.
 
@@ -81,6 +94,9 @@ class ElasticDataParallel:
         hook: Called as ``hook(rank, step, micro_batch=j)`` before each
             micro-batch and ``hook(rank, step, bucket=k)`` before each bucket's
             reduction (fault injection: ``unicron_elastic.testing.maybe_fail``).
+        members: Initial members (default ``0..world_size-1``).
+        joining: This rank is not a member yet: :meth:`join` waits to be added.
+        schedule: ``step -> members`` from that step on (the leader applies it).
     """
 
     def __init__(
@@ -97,18 +113,25 @@ class ElasticDataParallel:
         timeout: timedelta = timedelta(seconds=30),
         checkin_timeout: float = 10.0,
         hook: Hook | None = None,
+        members: list[int] | None = None,
+        joining: bool = False,
+        schedule: dict[int, list[int]] | None = None,
     ) -> None:
         self.model, self.optimizer, self.plan = model, optimizer, plan
         self.batch, self.loss_fn, self.store = batch, loss_fn, store
         self.rank, self.timeout, self.checkin_timeout = rank, timeout, checkin_timeout
         self.hook = hook or (lambda *a, **k: None)
-        self.members = list(range(world_size))
+        self.members = list(members if members is not None else range(world_size))
         self.generation = 0
+        self.schedule = dict(schedule or {})
+        self.next_step = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         size = bucket_numel or numel
         self.bounds = [(start, min(start + size, numel)) for start in range(0, numel, size)]
-        self.pg = self._group()
+        self.pg: dist.ProcessGroupGloo | None = None
+        if not joining:
+            self.pg = self._group()
 
     # -- groups ----------------------------------------------------------------
     def _group(self) -> dist.ProcessGroupGloo:
@@ -141,6 +164,87 @@ class ElasticDataParallel:
         log.warning("dp_group_reformed", generation=self.generation, dead=dead, survivors=alive, kept_buckets=agreed)
         return dead, agreed
 
+    # -- membership ----------------------------------------------------------------
+    def _sync_membership(self, step: int) -> None:
+        """Agree on this step's members; resize (and hand state to newcomers) if they changed.
+
+        Raises:
+            Retired: This rank is not a member from ``step`` on.
+        """
+        key = f"unicron-dp/step{step}/members"
+        if self.rank == self.members[0]:
+            wanted = self.schedule.get(step, self.members)
+            self.store.set(key, json.dumps(wanted))
+        else:
+            wanted = json.loads(self.store.get(key))
+        if wanted == self.members:
+            return
+        self._resize(sorted(wanted), step)
+
+    def _resize(self, members: list[int], step: int) -> None:
+        leader = self.members[0]
+        if self.rank == leader:
+            self.store.set("unicron-dp/latest", json.dumps(
+                {"generation": self.generation + 1, "members": members, "step": step, "leader": leader}))
+        if self.rank not in members:
+            log.info("dp_retired", step=step, members=members)
+            raise Retired(f"rank {self.rank} leaves the data-parallel group at step {step}")
+        self._enter(self.generation + 1, members, leader)
+        log.info("dp_resized", step=step, members=members, generation=self.generation)
+
+    def _enter(self, generation: int, members: list[int], leader: int) -> None:
+        if self.pg is not None:
+            try:
+                self.pg.abort()
+            except RuntimeError:
+                pass
+        self.generation, self.members = generation, members
+        self.pg = self._group()
+        self._broadcast_state(members.index(leader))
+
+    def join(self, timeout: float = 120.0) -> int:
+        """Wait until the group admits this rank, then load its state from a replica.
+
+        Returns:
+            The step to continue from.
+
+        Raises:
+            TimeoutError: Not admitted within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.store.check(["unicron-dp/latest"]):
+                latest = json.loads(self.store.get("unicron-dp/latest"))
+                if self.rank in latest["members"] and latest["generation"] > self.generation:
+                    self._enter(latest["generation"], latest["members"], latest["leader"])
+                    log.info("dp_joined", step=self.next_step, members=self.members)
+                    return self.next_step
+            time.sleep(0.01)
+        raise TimeoutError(f"rank {self.rank} was not admitted to the data-parallel group in {timeout}s")
+
+    def _broadcast_state(self, root: int) -> None:
+        """Parameters, optimizer state, RNG and step from the replica at ``root``."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        if self.members.index(self.rank) == root:
+            buffer = io.BytesIO()
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "rng": torch.get_rng_state(), "step": self.next_step}, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.pg.broadcast([size], opts).wait()
+        if self.members.index(self.rank) != root:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.pg.broadcast([payload], opts).wait()
+        if self.members.index(self.rank) != root:
+            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])
+            self.next_step = int(state["step"])
+
     # -- one step ----------------------------------------------------------------
     def _compute(self, step: int, micro_batches: list[int]) -> torch.Tensor:
         total = torch.zeros(sum(p.numel() for p in self.params))
@@ -157,7 +261,11 @@ class ElasticDataParallel:
 
         Returns:
             What this rank did.
+
+        Raises:
+            Retired: The plan removed this rank from the group at ``step``.
         """
+        self._sync_membership(step)
         report = StepReport(step)
         assignment = deal(self.plan.num_micro_batches, self.members)
         report.micro_batches = list(assignment[self.rank])
@@ -191,4 +299,5 @@ class ElasticDataParallel:
             p.grad = grad[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         self.optimizer.step()
+        self.next_step = step + 1
         return report
