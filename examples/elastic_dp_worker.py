@@ -1,7 +1,10 @@
 """Partial-iteration resumption on CPU/gloo: a tiny MLP trained by ElasticDataParallel.
 
-Environment: ``RANK``, ``WORLD_SIZE``, ``UNICRON_STORE=host:port`` (a TCPStore that
-outlives workers, e.g. the agent's), faults from ``unicron_elastic.testing``.
+Environment: ``RANK``, ``WORLD_SIZE``, and ``UNICRON_STORE=host:port`` (a TCPStore that
+outlives workers) or, under ``unicron-run``/torchrun, the agent's store at
+``MASTER_ADDR:MASTER_PORT``; faults from ``unicron_elastic.testing``. Under
+``unicron-run`` the worker declares itself resumable: when it dies the agent
+restarts it alone and it rejoins the group with state from a replica.
 Each rank writes ``OUT/rank<R>.json`` (per-step reports) and ``OUT/params<R>.pt``.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import maybe_fail
+from unicron_elastic.worker import get_worker
 
 
 def main() -> None:
@@ -28,12 +33,16 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
     parser.add_argument("--members", default=None, help="initial members, e.g. 0,1 (default: all)")
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [members]}: reconfigure at that step')
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, port = os.environ["UNICRON_STORE"].rsplit(":", 1)
+    host, port = os.environ.get("UNICRON_STORE", f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}").rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+    worker = get_worker()
+    worker.hello(resumable=True)
+    restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -49,16 +58,22 @@ def main() -> None:
         batch=lambda idx: (xs[idx], ys[idx]),
         loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
         store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
-        timeout=timedelta(seconds=20), hook=maybe_fail, members=members, joining=rank not in members,
+        timeout=timedelta(seconds=20), hook=maybe_fail, members=members, joining=restarted or rank not in members,
         schedule={int(k): v for k, v in json.loads(args.schedule).items()},
     )
-    start = ddp.join() if rank not in members else 0
+    start = ddp.join() if restarted or rank not in members else 0
     reports = []
     try:
-        for step in range(start, args.steps):
+        for step in range(args.steps if start is None else start, args.steps):
+            began = time.monotonic()
             reports.append(vars(ddp.train_step(step)))
+            time.sleep(args.step_time)
+            worker.heartbeat(step, time.monotonic() - began)
+        ddp.finish()
     except Retired:
         reports.append({"retired_at": step})
+    if restarted:
+        reports.insert(0, {"joined_at": start, "state_from": "replica" if start is not None else None})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(reports))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")

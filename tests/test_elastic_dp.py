@@ -28,13 +28,13 @@ WORLD, STEPS, B = 3, 3, 6  # 24 samples per step in micro-batches of 4
 NUMEL = 8 * 16 + 16 + 16 + 1  # 161 parameters -> 3 buckets of 64
 
 
-def train(out: Path, faults: list[Fault], bucket_numel: int | None = None) -> list[subprocess.CompletedProcess]:
+def train(out: Path, faults: list[Fault], bucket_numel: int | None = None, steps: int = STEPS) -> list[subprocess.CompletedProcess]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = dict(os.environ, WORLD_SIZE=str(WORLD), UNICRON_STORE=f"127.0.0.1:{store.port}", OMP_NUM_THREADS="1")
     env.update(faults_env(faults, str(out / "faults.log")))
     extra = ["--bucket-numel", str(bucket_numel)] if bucket_numel else []
     procs = [
-        subprocess.Popen([sys.executable, WORKER, "--steps", str(STEPS), "--out", str(out), *extra],
+        subprocess.Popen([sys.executable, WORKER, "--steps", str(steps), "--out", str(out), *extra],
                          env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(WORLD)
     ]
@@ -162,3 +162,40 @@ def test_scale_out_2_to_4_with_state_from_a_replica(tmp_path: Path, baseline4) -
         _same(tmp_path, rank, baseline4)  # joiners got parameters and momentum from the replica
     joined = json.loads((tmp_path / "rank3.json").read_text())
     assert [r["step"] for r in joined] == [2, 3, 4]
+
+
+# -- under unicron-run: the agent restarts the dead rank, which rejoins ---------
+
+
+@pytest.mark.timeout(200)
+def test_killed_rank_is_restarted_by_the_agent_and_rejoins_from_a_replica(tmp_path: Path) -> None:
+    from conftest import BIN
+
+    steps = 12
+    reference = tmp_path / "reference"
+    assert [r.returncode for r in train(reference, [], steps=steps)] == [0] * WORLD
+    baseline = torch.load(reference / "params0.pt")
+
+    log = tmp_path / "faults.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.update(faults_env([fail_at(rank=2, step=1, micro_batch=5)], str(log)))
+    env.pop("UNICRON_STORE", None)
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={WORLD}", "--log-format=json",
+           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.4", "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=140)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(log.read_text().splitlines()) == 1  # the fault fired
+    agent = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert [(e["severity"], e["kind"], e["rank"]) for e in agent if e["event"] == "error_event"] == \
+        [("SEV2", "exited_abnormally", 2)]
+    assert [(e["action"], e["rank"]) for e in agent if e["event"] == "agent_action"] == [("restart_worker", 2)]
+    survivors = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert all(rep[1]["recoveries"] == 1 and rep[1]["dead"] == [2] for rep in survivors.values())
+    back = json.loads((tmp_path / "rank2.json").read_text())
+    joined = back[0]["joined_at"]
+    assert back[0]["state_from"] == "replica" and 2 <= joined < steps  # no checkpoint: state by broadcast
+    assert [r["step"] for r in back[1:]] == list(range(joined, steps))
+    assert json.loads((tmp_path / "rank0.json").read_text())[joined]["micro_batches"] == [0, 3]  # full group again
+    for rank in range(WORLD):  # everyone, the restarted rank included, ends where a failure-free run ends
+        for ours, ref in zip(torch.load(tmp_path / f"params{rank}.pt"), baseline):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,9 @@ When a peer dies (gloo raises on the broken connection):
 Reconfiguration happens between steps: the group's leader (lowest member)
 publishes each step's membership (``unicron-dp/step<s>/members``, following a
 ``schedule`` - the coordinator's plan); ranks that are no longer members retire;
-new ranks (``joining=True``) wait until a generation includes them and receive
+new ranks (``joining=True``, e.g. a worker the agent restarted) ask to join;
+without a schedule the leader admits them at the next step boundary, with one
+the schedule alone decides. They receive
 the model, optimizer, RNG and step by broadcast from the leader, a healthy
 replica. The global batch stays the same, so the parameter trajectory does not
 depend on the DP size.
@@ -121,6 +123,7 @@ class ElasticDataParallel:
         self.batch, self.loss_fn, self.store = batch, loss_fn, store
         self.rank, self.timeout, self.checkin_timeout = rank, timeout, checkin_timeout
         self.hook = hook or (lambda *a, **k: None)
+        self.world_size = world_size
         self.members = list(members if members is not None else range(world_size))
         self.generation = 0
         self.schedule = dict(schedule or {})
@@ -173,7 +176,11 @@ class ElasticDataParallel:
         """
         key = f"unicron-dp/step{step}/members"
         if self.rank == self.members[0]:
-            wanted = self.schedule.get(step, self.members)
+            wanted = list(self.schedule.get(step, self.members))
+            # without a plan, a restarted rank waiting to come back is admitted now
+            if not self.schedule and self.store.add("unicron-dp/join-requests", 0) > 0:
+                wanted += [r for r in range(self.world_size)
+                           if r not in wanted and self.store.check([f"unicron-dp/join/{r}"])]
             self.store.set(key, json.dumps(wanted))
         else:
             wanted = json.loads(self.store.get(key))
@@ -202,21 +209,33 @@ class ElasticDataParallel:
         self.pg = self._group()
         self._broadcast_state(members.index(leader))
 
-    def join(self, timeout: float = 120.0) -> int:
+    def finish(self) -> None:
+        """Training is over: ranks still waiting in :meth:`join` give up waiting."""
+        if self.members and self.rank == self.members[0]:
+            self.store.set("unicron-dp/finished", str(self.next_step))
+
+    def join(self, timeout: float = 120.0) -> int | None:
         """Wait until the group admits this rank, then load its state from a replica.
 
         Returns:
-            The step to continue from.
+            The step to continue from; None if training finished first.
 
         Raises:
             TimeoutError: Not admitted within ``timeout`` seconds.
         """
+        self.store.set(f"unicron-dp/join/{self.rank}", "1")
+        self.store.add("unicron-dp/join-requests", 1)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.store.check(["unicron-dp/finished"]):
+                log.info("dp_join_too_late", finished_at=int(self.store.get("unicron-dp/finished")))
+                return None
             if self.store.check(["unicron-dp/latest"]):
                 latest = json.loads(self.store.get("unicron-dp/latest"))
                 if self.rank in latest["members"] and latest["generation"] > self.generation:
                     self._enter(latest["generation"], latest["members"], latest["leader"])
+                    self.store.delete_key(f"unicron-dp/join/{self.rank}")
+                    self.store.add("unicron-dp/join-requests", -1)
                     log.info("dp_joined", step=self.next_step, members=self.members)
                     return self.next_step
             time.sleep(0.01)
