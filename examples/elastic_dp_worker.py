@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--width", type=int, default=16, help="hidden width of the MLP")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
     parser.add_argument("--members", default=None, help="initial members, e.g. 0,1 (default: all)")
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [members]}: reconfigure at that step')
@@ -45,7 +46,7 @@ def main() -> None:
     restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(1)
     xs = torch.randn(96, 8, generator=data)
@@ -66,7 +67,7 @@ def main() -> None:
     try:
         for step in range(args.steps if start is None else start, args.steps):
             began = time.monotonic()
-            reports.append(vars(ddp.train_step(step)))
+            reports.append({**vars(ddp.train_step(step)), "finished_at": time.time()})
             time.sleep(args.step_time)
             worker.heartbeat(step, time.monotonic() - began)
         ddp.finish()
