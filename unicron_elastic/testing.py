@@ -142,6 +142,7 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
         _FIRED[index] = _FIRED.get(index, 0) + 1
         log_path = os.environ.get(FAULT_LOG_ENV)
         if log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "a") as f:
                 f.write(json.dumps({**spec, "pid": os.getpid(), "time": time.time()}) + "\n")
                 f.flush()
