@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal
-from unicron_elastic.testing import maybe_fail
+from unicron_elastic.testing import maybe_fail, toy_problem
 
 
 def main() -> None:
@@ -26,12 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = torch.Generator().manual_seed(1)
-    xs = torch.randn(96, 8, generator=data)
-    ys = xs.sum(dim=1, keepdim=True).sin()
+    model, optimizer, xs, ys = toy_problem(args.width)
     plan = GlobalBatchPlan(len(xs), 24, 4, seed=2)
     ckpt = args.out / "ckpt.pt"
     start = 0

@@ -26,12 +26,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
 
-from unicron_elastic.testing import fail_at, faults_env
+from unicron_elastic.testing import fail_at, faults_env, run_workers
 
 ROOT = Path(__file__).resolve().parent
 ELASTIC = str(ROOT.parent / "examples" / "elastic_dp_worker.py")
@@ -52,13 +50,8 @@ def _kill_time(tmp: Path) -> float:
 
 
 def unicron(tmp: Path, width: int, faults) -> list[dict]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = dict(_env(tmp, faults), UNICRON_STORE=f"127.0.0.1:{store.port}")
-    procs = [subprocess.Popen([sys.executable, ELASTIC, "--steps", str(STEPS), "--width", str(width), "--out", str(tmp)],
-                              env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for r in range(WORLD)]
-    for p in procs:
-        p.wait(timeout=120)
+    run_workers(ELASTIC, WORLD, ["--steps", str(STEPS), "--width", str(width), "--out", str(tmp)],
+                faults_env(faults, str(tmp / "faults.log")), timeout=120)
     return json.loads((tmp / "rank0.json").read_text())
 
 

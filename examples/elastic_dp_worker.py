@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.testing import maybe_fail
+from unicron_elastic.testing import maybe_fail, toy_problem
 from unicron_elastic.worker import get_worker
 
 
@@ -45,12 +45,7 @@ def main() -> None:
     worker.hello(resumable=True)
     restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = torch.Generator().manual_seed(1)
-    xs = torch.randn(96, 8, generator=data)
-    ys = xs.sum(dim=1, keepdim=True).sin()
+    model, optimizer, xs, ys = toy_problem(args.width)
 
     members = [int(m) for m in args.members.split(",")] if args.members else list(range(world))
     plan = GlobalBatchPlan(len(xs), args.global_batch, args.micro_batch, seed=2)

@@ -27,7 +27,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.testing import maybe_fail
+from unicron_elastic.testing import maybe_fail, toy_data
 
 
 class TensorParallelMLP(torch.nn.Module):
@@ -58,9 +58,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = TensorParallelMLP(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    data = torch.Generator().manual_seed(1)
-    xs = torch.randn(96, 8, generator=data)
-    ys = xs.sum(dim=1, keepdim=True).sin()
+    xs, ys = toy_data()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=60))
     ddp = ElasticDataParallel(

@@ -11,16 +11,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import EXAMPLES
-from unicron_elastic.testing import Fault, fail_at, faults_env
+from unicron_elastic.testing import Fault, fail_at, faults_env, run_workers
 
 pytestmark = pytest.mark.slow
 WORKER = os.path.join(EXAMPLES, "elastic_dp_worker.py")
@@ -29,21 +26,9 @@ NUMEL = 8 * 16 + 16 + 16 + 1  # 161 parameters -> 3 buckets of 64
 
 
 def train(out: Path, faults: list[Fault], bucket_numel: int | None = None, steps: int = STEPS) -> list[subprocess.CompletedProcess]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = dict(os.environ, WORLD_SIZE=str(WORLD), UNICRON_STORE=f"127.0.0.1:{store.port}", OMP_NUM_THREADS="1")
-    env.update(faults_env(faults, str(out / "faults.log")))
     extra = ["--bucket-numel", str(bucket_numel)] if bucket_numel else []
-    procs = [
-        subprocess.Popen([sys.executable, WORKER, "--steps", str(steps), "--out", str(out), *extra],
-                         env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(WORLD)
-    ]
-    results = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=90)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    del store
-    return results
+    return run_workers(WORKER, WORLD, ["--steps", str(steps), "--out", str(out), *extra],
+                       faults_env(faults, str(out / "faults.log")), timeout=90)
 
 
 @pytest.fixture(scope="module")
@@ -115,18 +100,9 @@ def test_failure_during_each_gradient_bucket_scenario_2(tmp_path: Path, baseline
 
 
 def train_schedule(out: Path, world: int, steps: int, members: list[int], schedule: dict[int, list[int]]):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = dict(os.environ, WORLD_SIZE=str(world), UNICRON_STORE=f"127.0.0.1:{store.port}", OMP_NUM_THREADS="1")
     args = ["--steps", str(steps), "--out", str(out), "--members", ",".join(map(str, members)),
             "--schedule", json.dumps({str(k): v for k, v in schedule.items()})]
-    procs = [subprocess.Popen([sys.executable, WORKER, *args], env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    codes = []
-    for p in procs:
-        _, stderr = p.communicate(timeout=90)
-        codes.append((p.returncode, stderr[-2000:]))
-    del store
-    return codes
+    return [(r.returncode, r.stderr[-2000:]) for r in run_workers(WORKER, world, args, timeout=90)]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +155,6 @@ def test_killed_rank_is_restarted_by_the_agent_and_rejoins_from_a_replica(tmp_pa
     log = tmp_path / "faults.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
     env.update(faults_env([fail_at(rank=2, step=1, micro_batch=5)], str(log)))
-    env.pop("UNICRON_STORE", None)
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={WORLD}", "--log-format=json",
            "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.4", "--out", str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=140)

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import EXAMPLES
-from unicron_elastic.testing import fail_at, faults_env
+from unicron_elastic.testing import fail_at, faults_env, run_workers
 
 pytestmark = pytest.mark.slow
 WORKER = os.path.join(EXAMPLES, "megatron_tp_dp_worker.py")
@@ -22,19 +19,7 @@ WORKER = os.path.join(EXAMPLES, "megatron_tp_dp_worker.py")
 
 def train(out: Path, faults) -> list[subprocess.CompletedProcess]:
     out.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = dict(os.environ, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-               TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="4")
-    env.update(faults_env(faults, str(out / "faults.log")))
-    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
-    results = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=150)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    del store
-    return results
+    return run_workers(WORKER, 4, ["--out", str(out)], faults_env(faults, str(out / "faults.log")))
 
 
 @pytest.mark.timeout(400)

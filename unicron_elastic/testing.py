@@ -155,3 +155,55 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
             raise RuntimeError(fault.message or "injected failure")
         elif fault.kind == "hang":
             time.sleep(3600)
+
+
+# -- a toy data-parallel problem and a store-hosting launcher (tests, demos, benchmarks) --
+
+
+def toy_data(samples: int = 96, seed: int = 1):
+    """A small deterministic regression data set: ``(xs, ys)`` with 8 features."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    xs = torch.randn(samples, 8, generator=generator)
+    return xs, xs.sum(dim=1, keepdim=True).sin()
+
+
+def toy_problem(width: int = 16, lr: float = 0.1):
+    """The MLP, SGD-with-momentum optimizer and data the examples train: ``(model, optimizer, xs, ys)``."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+    return (model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), *toy_data())
+
+
+def run_workers(script: str, world: int, args: list[str], env: dict[str, str] | None = None,
+                timeout: float = 150) -> list:
+    """Run ``world`` worker processes of ``script`` around a TCPStore this process hosts.
+
+    The store outlives the workers, as the agent's does under torchrun; workers
+    find it at ``MASTER_ADDR``/``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE``)
+    and ``UNICRON_STORE``.
+
+    Returns:
+        One ``subprocess.CompletedProcess`` per rank.
+    """
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    base = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(store.port), UNICRON_STORE=f"127.0.0.1:{store.port}",
+                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", **(env or {}))
+    procs = [subprocess.Popen([sys.executable, script, *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    del store
+    return results
