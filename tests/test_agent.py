@@ -197,3 +197,49 @@ def test_torch_private_fields_used_by_per_rank_restart_exist() -> None:
     source = inspect.getsource(SubprocessContext)
     for name in ("subprocess_handlers", "_running_local_ranks", "_failures", "_numa_options"):
         assert f"self.{name}" in source, name
+
+
+@pytest.mark.timeout(120)
+def test_metrics_and_status_show_what_happened(tmp_path: Path) -> None:
+    import socket
+    import threading
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    scraped: list[str] = []
+
+    def scrape() -> None:  # while the run goes on (the agent exits with it)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read().decode()
+                if "unicron_actions_total{action=\"restart_worker\"}" in text:
+                    scraped.append(text)
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=scrape)
+    thread.start()
+    r = run(tmp_path, [fail_at(rank=1, step=8, kind="kill")], f"--metrics-port={port}", steps=80)
+    thread.join()
+    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
+    assert scraped, "no metrics with the restart were served"
+    assert 'unicron_events_total{detector="process",kind="exited_abnormally",severity="SEV2"} 1.0' in scraped[0]
+    assert "unicron_detection_latency_seconds_bucket" in scraped[0]
+
+
+def test_status_renders_nodes_and_events(store: StatusStore) -> None:
+    from unicron_elastic.cli import render_status
+    from unicron_elastic.events import ErrorEvent, Severity
+
+    store.put_json(store.keys.node("n1"), {"state": "running"})
+    store.put(store.keys.event(1), ErrorEvent(Severity.SEV2, "task_hang", "hang", "n1", rank=3).to_json())
+    store.put(store.keys.event(2), b"garbage")
+    text = render_status(store)
+    assert "n1" in text and "running" in text
+    assert "SEV2 task_hang" in text and "rank=3" in text
+    assert "malformed value" in text

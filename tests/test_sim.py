@@ -208,3 +208,11 @@ def test_cli_bad_input_is_one_clear_line(args, match: str) -> None:
     result = _unicron(*args)
     assert result.returncode == 2
     assert match in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_status_with_unreachable_etcd_is_one_clear_line() -> None:
+    from unicron_elastic.store import free_port
+
+    result = _unicron("status", "--endpoint", f"127.0.0.1:{free_port()}", "--timeout", "1")
+    assert result.returncode == 2
+    assert "unreachable for 1.0s" in result.stderr and "Traceback" not in result.stderr

@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+from unicron_elastic.api import UnicronError
 from unicron_elastic.logging import configure_logging
 
 
@@ -23,6 +24,45 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
             if etcd.proc is not None and etcd.proc.poll() is not None:
                 print("etcd exited", file=sys.stderr)
                 return 1
+    return 0
+
+
+def render_status(store, limit: int = 10) -> str:
+    """What a person wants to see about a cluster: nodes and the latest events."""
+    import time
+
+    from unicron_elastic.api import MalformedValueError
+    from unicron_elastic.events import ErrorEvent
+
+    lines = [f"cluster {store.config.cluster} at {store.config.endpoint}", "", "nodes:"]
+    nodes = store.get_json_prefix(store.keys.nodes())
+    for key, info in sorted(nodes.items()):
+        lines.append(f"  {key.rsplit('/', 1)[-1]:<32} {info.get('state', '?')}")
+    if not nodes:
+        lines.append("  (none)")
+    lines += ["", f"last {limit} events:"]
+    events = []
+    for kv in store.get_prefix(store.keys.events())[-limit:]:
+        try:
+            events.append(ErrorEvent.from_json(kv.value))
+        except MalformedValueError:
+            lines.append(f"  (malformed value at {kv.key})")
+    for e in events:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.detected_at))
+        lines.append(f"  {when}Z {e.severity.name} {e.kind:<20} node={e.node} rank={e.rank} {e.message[:60]}")
+    if not events:
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from unicron_elastic.api import EtcdConfig
+    from unicron_elastic.rendezvous.options import parse_endpoint
+    from unicron_elastic.store import StatusStore
+
+    host, port = parse_endpoint(args.endpoint)
+    with StatusStore(EtcdConfig(host=host, port=port, cluster=args.cluster, reconnect_timeout=args.timeout)) as store:
+        print(render_status(store, args.limit))
     return 0
 
 
@@ -84,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     etcd = sub.add_parser("etcd", help="run a private etcd on a free loopback port until Ctrl-C")
     etcd.add_argument("--cluster", default="default")
     etcd.set_defaults(func=_cmd_etcd)
+    status = sub.add_parser("status", help="nodes and recent error events of a cluster, from etcd")
+    status.add_argument("--endpoint", required=True, help="etcd HOST:PORT (the --rdzv-endpoint)")
+    status.add_argument("--cluster", default="default")
+    status.add_argument("--limit", type=int, default=10)
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd")
+    status.set_defaults(func=_cmd_status)
     sim = sub.add_parser(
         "simulate",
         help="regenerate the paper's evaluation: multi-task table and trace-a/trace-b",
@@ -110,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_format)
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:  # ConfigError and friends: the message names the culprit
+    except (ValueError, UnicronError) as exc:  # bad input or etcd unreachable: the message says which
         parser.exit(2, f"unicron: error: {exc}\n")
 
 

@@ -54,6 +54,8 @@ def get_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-worker-restarts", type=int, default=3,
                        help="single-worker restarts per rank before the node gives up (SEV1)")
     group.add_argument("--node-ttl", type=int, default=2, help="lease TTL of this node in etcd (seconds)")
+    group.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics (events, actions, detection latency) on this port")
     parser.add_argument(
         "--log-format",
         choices=("auto", "json", "console"),
@@ -169,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
         unicron = agent_config(args)
     except ConfigError as exc:
         parser.error(str(exc))
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr="127.0.0.1")
+        log.info("metrics_served", port=args.metrics_port)
     etcd: EmbeddedEtcd | None = None
     try:
         if args.standalone:

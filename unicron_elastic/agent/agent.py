@@ -27,6 +27,7 @@ from subprocess import Popen
 from typing import Any
 
 import structlog
+from prometheus_client import Counter, Histogram
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -42,6 +43,11 @@ from unicron_elastic.store.client import StatusStore
 from unicron_elastic.worker import SOCKET_ENV
 
 log = structlog.get_logger(__name__)
+
+EVENTS = Counter("unicron_events_total", "Error events detected by this agent", ["severity", "kind", "detector"])
+ACTIONS = Counter("unicron_actions_total", "Actions taken by this agent", ["action"])
+DETECTION = Histogram("unicron_detection_latency_seconds", "From failure to detection", ["detector"],
+                      buckets=(0.01, 0.05, 0.1, 0.3, 1, 3, 10, 60))
 
 GENERATION_ENV = "UNICRON_GENERATION"
 ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
@@ -180,6 +186,8 @@ class UnicronAgent(LocalElasticAgent):
     def publish(self, event: ErrorEvent) -> None:
         """Record, log, store and announce one event."""
         self.events.append(event)
+        EVENTS.labels(event.severity.name, event.kind, event.detector).inc()
+        DETECTION.labels(event.detector).observe(max(0.0, event.latency))
         log.warning("error_event", severity=event.severity.name, kind=event.kind, detector=event.detector,
                     rank=event.rank, detected_at=event.detected_at, message=event.message[:200])
         store = self.store
@@ -255,6 +263,7 @@ class UnicronAgent(LocalElasticAgent):
 
     def _act(self, rank: int, decision: Decision, event: ErrorEvent) -> None:
         log.info("agent_action", action=decision.action.value, rank=rank, reason=decision.reason)
+        ACTIONS.labels(decision.action.value).inc()
         call_isolated(self._pm, "unicron_action", action=decision.action.value, event=event,
                       detail={"rank": rank, "reason": decision.reason})
         process = self._process(rank)
