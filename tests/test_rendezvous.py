@@ -166,7 +166,22 @@ def _params(etcd_config: EtcdConfig, **conf) -> RendezvousParameters:
 
 def test_entry_point_is_registered_for_torchrun() -> None:
     names = {ep.name: ep.value for ep in entry_points(group="torchrun.handlers")}
-    assert names["unicron"] == "unicron_elastic.rendezvous.handler:handler_factory"
+    assert names["unicron"] == "unicron_elastic.rendezvous.entrypoint:handler_factory"
+
+
+@pytest.mark.parametrize("first", ["unicron_elastic.rendezvous.backend", "unicron_elastic.rendezvous.options",
+                                   "unicron_elastic.rendezvous", "torch.distributed.run"])
+def test_backend_registers_whatever_is_imported_first(first: str) -> None:
+    """torch loads entry points while its rendezvous package is imported; no cycle may break it."""
+    import subprocess
+    import sys
+
+    code = (f"import {first}\n"
+            "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as r\n"
+            "print('unicron' in r._registry)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["True"], result.stderr[-2000:]
+    assert "Exception while registering" not in result.stderr
 
 
 def test_torch_registry_builds_our_handler(etcd_config: EtcdConfig) -> None:

@@ -1,25 +1,35 @@
 """The ``unicron`` rendezvous backend for torchrun (``--rdzv-backend=unicron``).
 
 torch's :class:`DynamicRendezvousHandler` over an etcd v3 backend; registered
-through the ``torchrun.handlers`` entry point, so plain ``torchrun`` finds it.
+through the ``torchrun.handlers`` entry point (``entrypoint.handler_factory``),
+so plain ``torchrun`` finds it. Names are imported lazily: importing this
+package must not import torch's rendezvous package (see ``entrypoint.py``).
 """
 
-from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend, decode_state, encode_state
-from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate
-from unicron_elastic.rendezvous.handler import UnicronRendezvousHandler, create_handler, handler_factory
-from unicron_elastic.rendezvous.options import KNOWN_KEYS, BackendOptions, parse_options
+from __future__ import annotations
 
-__all__ = [
-    "KNOWN_KEYS",
-    "BackendOptions",
-    "JoinGate",
-    "JoinRequest",
-    "OpenGate",
-    "UnicronRendezvousBackend",
-    "UnicronRendezvousHandler",
-    "create_handler",
-    "decode_state",
-    "encode_state",
-    "handler_factory",
-    "parse_options",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "UnicronRendezvousBackend": "backend",
+    "decode_state": "backend",
+    "encode_state": "backend",
+    "JoinGate": "gate",
+    "JoinRequest": "gate",
+    "OpenGate": "gate",
+    "UnicronRendezvousHandler": "handler",
+    "create_handler": "handler",
+    "handler_factory": "entrypoint",
+    "KNOWN_KEYS": "options",
+    "BackendOptions": "options",
+    "parse_options": "options",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

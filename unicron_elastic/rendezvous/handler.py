@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import structlog
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -105,7 +103,3 @@ def create_handler(params: RendezvousParameters, gate: JoinGate | None = None) -
     handler.status_store = store
     return handler
 
-
-def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """Entry point of group ``torchrun.handlers``: torchrun calls it with no arguments."""
-    return create_handler
