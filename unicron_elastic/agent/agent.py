@@ -152,9 +152,9 @@ class UnicronAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ[GENERATION_ENV] = str(self.generation)
-        with self._lock:
-            self._stopping = False
         ids = super()._start_workers(worker_group)
+        with self._lock:  # only now: exits seen before are the old generation's
+            self._stopping = False
         self._notify_started(list(ids), f"gen{self.generation}")
         return ids
 
@@ -220,7 +220,9 @@ class UnicronAgent(LocalElasticAgent):
             self._handled_pids.add(pid)
             if self._stopping or self._give_up is not None:
                 return
-            rank = self.workers().get(local_rank, (-1, None))[0]
+            rank, current = self.workers().get(local_rank, (-1, None))
+            if current is None or current.pid != pid:
+                return  # a process torch already replaced (restart-all): not a new failure
             expected = self._expected_exit.pop(rank, None)
             if expected is not None:  # we killed it (hang): the decision is already made
                 self._execute(rank, expected, None)
@@ -332,7 +334,11 @@ class UnicronAgent(LocalElasticAgent):
             codes = [proc.poll() for proc in procs.values()]
             if procs and all(code is None or code == 0 for code in codes) and any(code is None for code in codes):
                 return RunResult(state=WorkerState.HEALTHY)
-            return super()._monitor_workers(worker_group)
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY, WorkerState.SUCCEEDED):
+                # torch has just closed the whole group (SIGTERM to the rest): those exits are not failures
+                self._stopping = True
+            return result
 
     def run(self, role: str = "default") -> RunResult:
         """Run the workers until done; detectors and the channel close at the end."""
