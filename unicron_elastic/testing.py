@@ -69,6 +69,7 @@ def kill_node(launcher_pid: int, sig: int = signal.SIGKILL) -> list[int]:
 FAULTS_ENV = "UNICRON_FAULTS"
 FAULT_LOG_ENV = "UNICRON_FAULT_LOG"
 FAULT_KINDS = ("kill", "exit", "raise", "hang")
+FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class Fault:
         step: Training step at which it fails.
         micro_batch: Micro-batch within the step (None: at the start of the step).
         bucket: Gradient bucket during the all-reduce (None: not in the reduction).
+        at: A named point of the step instead: ``before_optimizer_step`` (all
+            buckets reduced) or ``after_optimizer_step``.
         kind: ``kill`` (SIGKILL itself), ``exit`` (exit code 3), ``raise``
             (raise ``RuntimeError(message)``) or ``hang`` (sleep forever).
         message: Exception message for ``raise`` (chooses the severity).
@@ -95,8 +98,11 @@ class Fault:
     message: str = ""
     times: int | None = 1
     bucket: int | None = None
+    at: str | None = None
 
     def __post_init__(self) -> None:
+        if self.at not in FAULT_POINTS:
+            raise ValueError(f"fault point at={self.at!r} is not one of {FAULT_POINTS}")
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"fault kind {self.kind!r} is not one of {FAULT_KINDS}")
         if self.times is not None and self.times < 1:
@@ -104,9 +110,13 @@ class Fault:
 
 
 def fail_at(rank: int, step: int, micro_batch: int | None = None, kind: str = "kill",
-            message: str = "", times: int | None = 1, bucket: int | None = None) -> Fault:
-    """Describe a failure of ``rank`` at ``step`` (and ``micro_batch`` or gradient ``bucket``)."""
-    return Fault(rank, step, micro_batch, kind, message, times, bucket)
+            message: str = "", times: int | None = 1, bucket: int | None = None, at: str | None = None) -> Fault:
+    """Describe a failure of ``rank`` at ``step`` (and ``micro_batch``, gradient ``bucket`` or point ``at``).
+
+    Raises:
+        ValueError: Unknown ``kind`` or ``at``.
+    """
+    return Fault(rank, step, micro_batch, kind, message, times, bucket, at)
 
 
 def faults_env(faults: list[Fault], log_path: str | None = None) -> dict[str, str]:
@@ -124,7 +134,8 @@ def _first_incarnation() -> bool:
 _FIRED: dict[int, int] = {}
 
 
-def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None) -> None:
+def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
+               at: str | None = None) -> None:
     """Fire the fault planned for this point, if any (workers call this).
 
     Each firing is appended to ``$UNICRON_FAULT_LOG`` (one JSON line) first, so a
@@ -135,7 +146,7 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
         return
     for index, spec in enumerate(json.loads(raw)):
         fault = Fault(**spec)
-        if (fault.rank, fault.step, fault.micro_batch, fault.bucket) != (rank, step, micro_batch, bucket):
+        if (fault.rank, fault.step, fault.micro_batch, fault.bucket, fault.at) != (rank, step, micro_batch, bucket, at):
             continue
         if fault.times is not None and (not _first_incarnation() or _FIRED.get(index, 0) >= fault.times):
             continue

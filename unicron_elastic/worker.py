@@ -86,6 +86,10 @@ class WorkerChannel:
         finally:
             self._send({"t": "state", name: False})
 
+    def set_paused(self, paused: bool) -> None:
+        """Enter or leave a pause that must not count as a hang (see :meth:`checkpointing`)."""
+        self._send({"t": "state", "paused": bool(paused)})
+
     def checkpointing(self) -> AbstractContextManager[None]:
         """A pause (checkpoint, evaluation) that must not count as a hang."""
         return self._flag("paused")

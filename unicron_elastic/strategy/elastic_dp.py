@@ -99,6 +99,18 @@ class ElasticDataParallel:
         members: Initial members (default ``0..world_size-1``).
         joining: This rank is not a member yet: :meth:`join` waits to be added.
         schedule: ``step -> members`` from that step on (the leader applies it).
+        get_state: The state a replica hands to a joiner (default: model,
+            optimizer, RNG); the step is added.
+        set_state: Loads what ``get_state`` returned (default: the inverse).
+        on_group: Called as ``on_group(members, generation)`` after every new
+            group (failure, resize, join), before any state moves.
+        fallback: Called by a joiner when no replica is left (every member is
+            waiting to join): returns the state to resume from (in-memory
+            snapshot, then persisted checkpoint) or None.
+        grad_dtype: Dtype of the gradient sums and their all-reduce. float64
+            makes the result independent of who computed which micro-batch
+            (float32 sums depend on the order: after a failure the last bits
+            differ, and Adam-like optimizers amplify that).
     """
 
     def __init__(
@@ -118,6 +130,11 @@ class ElasticDataParallel:
         members: list[int] | None = None,
         joining: bool = False,
         schedule: dict[int, list[int]] | None = None,
+        get_state: Callable[[], dict[str, Any]] | None = None,
+        set_state: Callable[[dict[str, Any]], None] | None = None,
+        on_group: Callable[[list[int], int], None] | None = None,
+        fallback: Callable[[], dict[str, Any] | None] | None = None,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model, self.optimizer, self.plan = model, optimizer, plan
         self.batch, self.loss_fn, self.store = batch, loss_fn, store
@@ -128,6 +145,14 @@ class ElasticDataParallel:
         self.generation = 0
         self.schedule = dict(schedule or {})
         self.next_step = 0
+        self.get_state = get_state or self._default_state
+        self.set_state = set_state or self._load_default_state
+        self.on_group = on_group or (lambda members, generation: None)
+        self.fallback = fallback or (lambda: None)
+        self.grad_dtype = grad_dtype
+        self.state_source: str | None = None
+        self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others  # where a joiner's state came from
+        self._pending: tuple[int, StepReport, dict[int, list[int]], torch.Tensor] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         size = bucket_numel or numel
@@ -135,11 +160,16 @@ class ElasticDataParallel:
         self.pg: dist.ProcessGroupGloo | None = None
         if not joining:
             self.pg = self._group()
+            if self.rank == self.members[0]:
+                self._publish_members()
 
     # -- groups ----------------------------------------------------------------
     def _group(self) -> dist.ProcessGroupGloo:
         store = dist.PrefixStore(f"unicron-dp/gen{self.generation}/pg", self.store)
         return dist.ProcessGroupGloo(store, self.members.index(self.rank), len(self.members), self.timeout)
+
+    def _publish_members(self) -> None:
+        self.store.set("unicron-dp/members", json.dumps({"generation": self.generation, "members": self.members}))
 
     def _reform(self, done: int) -> tuple[list[int], int]:
         """After a failure: new generation, survivors check in, new group.
@@ -164,6 +194,9 @@ class ElasticDataParallel:
         agreed = min(int(self.store.get(f"{base}{r}")) for r in alive)
         self.members = alive
         self.pg = self._group()
+        if self.rank == alive[0]:
+            self._publish_members()
+        self.on_group(self.members, self.generation)
         log.warning("dp_group_reformed", generation=self.generation, dead=dead, survivors=alive, kept_buckets=agreed)
         return dead, agreed
 
@@ -174,7 +207,7 @@ class ElasticDataParallel:
         Raises:
             Retired: This rank is not a member from ``step`` on.
         """
-        key = f"unicron-dp/step{step}/members"
+        key = f"unicron-dp/gen{self.generation}/step{step}/members"
         if self.rank == self.members[0]:
             wanted = list(self.schedule.get(step, self.members))
             # without a plan, a restarted rank waiting to come back is admitted now
@@ -187,6 +220,8 @@ class ElasticDataParallel:
         if wanted == self.members:
             return
         self._resize(sorted(wanted), step)
+        if self.rank == self.members[0]:  # ranks that joined at this step read it under the new generation
+            self.store.set(f"unicron-dp/gen{self.generation}/step{step}/members", json.dumps(self.members))
 
     def _resize(self, members: list[int], step: int) -> None:
         leader = self.members[0]
@@ -207,6 +242,9 @@ class ElasticDataParallel:
                 pass
         self.generation, self.members = generation, members
         self.pg = self._group()
+        if self.rank == leader:
+            self._publish_members()
+        self.on_group(members, generation)
         self._broadcast_state(members.index(leader))
 
     def finish(self) -> None:
@@ -217,12 +255,20 @@ class ElasticDataParallel:
     def join(self, timeout: float = 120.0) -> int | None:
         """Wait until the group admits this rank, then load its state from a replica.
 
+        When no replica is left (every member of the group is itself waiting to
+        join), the lowest waiting rank resumes from ``fallback()`` (in-memory
+        snapshot, else persisted checkpoint) and hands that state to the others.
+        :attr:`state_source` says which it was.
+
         Returns:
             The step to continue from; None if training finished first.
 
         Raises:
             TimeoutError: Not admitted within ``timeout`` seconds.
+            RuntimeError: No replica is left and ``fallback`` has no state.
         """
+        # only a generation newer than the group's current one can admit us (not a stale admission)
+        floor = json.loads(self.store.get("unicron-dp/members"))["generation"] if self.store.check(["unicron-dp/members"]) else -1
         self.store.set(f"unicron-dp/join/{self.rank}", "1")
         self.store.add("unicron-dp/join-requests", 1)
         deadline = time.monotonic() + timeout
@@ -232,23 +278,71 @@ class ElasticDataParallel:
                 return None
             if self.store.check(["unicron-dp/latest"]):
                 latest = json.loads(self.store.get("unicron-dp/latest"))
-                if self.rank in latest["members"] and latest["generation"] > self.generation:
+                if self.rank in latest["members"] and latest["generation"] > max(floor, self.generation):
+                    self.state_source = latest.get("source", "replica")
                     self._enter(latest["generation"], latest["members"], latest["leader"])
+                    self._resume_state = None
                     self.store.delete_key(f"unicron-dp/join/{self.rank}")
                     self.store.add("unicron-dp/join-requests", -1)
-                    log.info("dp_joined", step=self.next_step, members=self.members)
+                    log.info("dp_joined", step=self.next_step, members=self.members, state_from=self.state_source)
                     return self.next_step
+            self._resume_if_no_replica()
             time.sleep(0.01)
         raise TimeoutError(f"rank {self.rank} was not admitted to the data-parallel group in {timeout}s")
 
+    def _waiting(self) -> list[int]:
+        return [r for r in range(self.world_size) if self.store.check([f"unicron-dp/join/{r}"])]
+
+    def _resume_if_no_replica(self) -> None:
+        """If every member waits to join, the lowest waiting rank restarts the group from ``fallback``.
+
+        Raises:
+            RuntimeError: ``fallback`` has no state.
+        """
+        if not self.store.check(["unicron-dp/members"]):
+            return
+        last = json.loads(self.store.get("unicron-dp/members"))
+        waiting = self._waiting()
+        if not set(last["members"]) <= set(waiting) or self.rank != min(waiting):
+            return
+        state = self.fallback()
+        if state is None:
+            raise RuntimeError(f"no replica of the state is left and there is no snapshot or checkpoint "
+                               f"(members {last['members']} all lost)")
+        self._apply_state(state)
+        self._resume_state = state  # what we broadcast: our own live state is only partly restored yet
+        self.state_source = state.get("source", "fallback")
+        generation = max(last["generation"], self.generation) + 1
+        log.warning("dp_no_replica_left", lost=last["members"], resume_step=self.next_step, source=self.state_source)
+        self.store.set("unicron-dp/latest", json.dumps({"generation": generation, "members": waiting, "step": self.next_step,
+                                                        "leader": self.rank, "source": self.state_source}))
+
+    # -- state --------------------------------------------------------------------
+    def _default_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
+
+    def _load_default_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+
+    def state(self) -> dict[str, Any]:
+        """This replica's state at the current step boundary (what a joiner receives)."""
+        if self._resume_state is not None:
+            return self._resume_state
+        return {**self.get_state(), "step": self.next_step}
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        self.set_state(state)
+        self.next_step = int(state["step"])
+
     def _broadcast_state(self, root: int) -> None:
-        """Parameters, optimizer state, RNG and step from the replica at ``root``."""
+        """The state (:meth:`state`) from the replica at ``root`` to every other member."""
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         if self.members.index(self.rank) == root:
             buffer = io.BytesIO()
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "rng": torch.get_rng_state(), "step": self.next_step}, buffer)
+            torch.save(self.state(), buffer)
             payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
@@ -258,28 +352,24 @@ class ElasticDataParallel:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.broadcast([payload], opts).wait()
         if self.members.index(self.rank) != root:
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["rng"])
-            self.next_step = int(state["step"])
+            self._apply_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False))
 
     # -- one step ----------------------------------------------------------------
     def _compute(self, step: int, micro_batches: list[int]) -> torch.Tensor:
-        total = torch.zeros(sum(p.numel() for p in self.params))
+        total = torch.zeros(sum(p.numel() for p in self.params), dtype=self.grad_dtype)
         for j in micro_batches:
             self.hook(self.rank, step, micro_batch=j)
             for p in self.params:
                 p.grad = None
             self.loss_fn(self.model, self.batch(self.plan.indices(step, j))).backward()
-            total += torch.cat([p.grad.reshape(-1) for p in self.params])
+            total += torch.cat([p.grad.reshape(-1) for p in self.params]).to(self.grad_dtype)
         return total
 
-    def train_step(self, step: int) -> StepReport:
-        """Run optimizer step ``step`` over the whole global batch, whatever ranks die.
+    def begin_step(self, step: int) -> StepReport:
+        """Agree on the members of ``step`` and compute this rank's micro-batches.
 
         Returns:
-            What this rank did.
+            The report, completed by :meth:`finish_gradients`.
 
         Raises:
             Retired: The plan removed this rank from the group at ``step``.
@@ -288,7 +378,19 @@ class ElasticDataParallel:
         report = StepReport(step)
         assignment = deal(self.plan.num_micro_batches, self.members)
         report.micro_batches = list(assignment[self.rank])
-        local = self._compute(step, report.micro_batches)
+        self._pending = (step, report, assignment, self._compute(step, report.micro_batches))
+        return report
+
+    def finish_gradients(self) -> StepReport:
+        """All-reduce the gradients of the step begun, surviving failures; set ``p.grad`` to sum / B.
+
+        Raises:
+            RuntimeError: No step was begun.
+        """
+        if self._pending is None:
+            raise RuntimeError("finish_gradients() without begin_step()")
+        step, report, assignment, local = self._pending
+        self._pending = None
         reduced: list[torch.Tensor | None] = [None] * len(self.bounds)
         done = 0
         while True:
@@ -316,8 +418,23 @@ class ElasticDataParallel:
         grad = torch.cat([t for t in reduced if t is not None]) / self.plan.num_micro_batches
         offset = 0
         for p in self.params:
-            p.grad = grad[offset : offset + p.numel()].view_as(p).clone()
+            p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
             offset += p.numel()
+        return report
+
+    def train_step(self, step: int) -> StepReport:
+        """Run optimizer step ``step`` over the whole global batch, whatever ranks die.
+
+        Returns:
+            What this rank did.
+
+        Raises:
+            Retired: The plan removed this rank from the group at ``step``.
+        """
+        self.begin_step(step)
+        report = self.finish_gradients()
+        self.hook(self.rank, step, at="before_optimizer_step")
         self.optimizer.step()
         self.next_step = step + 1
+        self.hook(self.rank, step, at="after_optimizer_step")
         return report

@@ -1,0 +1,131 @@
+"""A small GPT-style LightningModule trained with ``strategy="unicron_megatron"``.
+
+Run it under the Unicron agent, e.g. three ranks on one machine, killing rank 2
+in the middle of step 3 (its second micro-batch)::
+
+    unicron-run --standalone --nproc-per-node=3 examples/lightning_gpt.py \
+        --steps 6 --out /tmp/gpt --kill-rank 2 --kill-step 3 --kill-micro-batch 1
+
+The survivors finish step 3 without it (they compute its micro-batches); the
+agent restarts rank 2 alone, which rejoins at the next step with the state of
+a replica. Each rank writes ``OUT/rank<R>.json`` (what each step did) and
+``OUT/params<R>.pt``; rank 0 also saves ``OUT/final.ckpt`` with
+``trainer.save_checkpoint`` and logs to ``OUT/logs`` (CSV).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from unicron_elastic.strategy import UnicronMegatronStrategy  # also registers "unicron_megatron"
+from unicron_elastic.testing import FAULTS_ENV, faults_env, fail_at
+
+
+class Tokens(Dataset):
+    """Deterministic sequences with structure to learn: x[t+1] = (a * x[t] + b) mod V."""
+
+    def __init__(self, samples: int = 192, length: int = 16, vocab: int = 32) -> None:
+        generator = torch.Generator().manual_seed(7)
+        starts = torch.randint(0, vocab, (samples,), generator=generator)
+        steps = torch.randint(1, 4, (samples,), generator=generator)
+        seq = [starts]
+        for _ in range(length):
+            seq.append((seq[-1] * 3 + steps) % vocab)
+        self.data = torch.stack(seq, dim=1)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+class TinyGPT(pl.LightningModule):
+    """Token + position embeddings, causal transformer blocks, a language-model head."""
+
+    def __init__(self, vocab: int = 32, width: int = 32, layers: int = 2, heads: int = 2, length: int = 16,
+                 dropout: float = 0.1, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(length, width)
+        block = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        hidden = self.tokens(x) + self.positions(torch.arange(length))
+        mask = nn.Transformer.generate_square_subsequent_mask(length)
+        return self.head(self.blocks(hidden, mask=mask, is_causal=True))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, prog_bar=False)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class SlowDown(pl.Callback):
+    """Sleep after each step (so a demo's restarted rank has steps left to rejoin)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: object) -> None:
+        time.sleep(self.seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--global-batch", type=int, default=24)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--bucket-numel", type=int, default=None)
+    parser.add_argument("--snapshot-every", type=int, default=1)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
+    parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
+    parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
+    parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
+    args = parser.parse_args()
+    if args.kill_rank is not None and FAULTS_ENV not in os.environ:
+        os.environ.update(faults_env([fail_at(args.kill_rank, args.kill_step, micro_batch=args.kill_micro_batch)],
+                                     str(args.out / "faults.log")))
+
+    pl.seed_everything(0, verbose=False)
+    model = TinyGPT()
+    strategy = UnicronMegatronStrategy(
+        global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
+        snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+        callbacks=[SlowDown(args.step_time)] if args.step_time else [],
+    )
+    trainer.fit(model, DataLoader(Tokens(), batch_size=args.micro_batch))
+    trainer.save_checkpoint(args.out / "final.ckpt")
+    rank = int(os.environ.get("RANK", "0"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+               "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
+    (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
+    torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+"""``Trainer(strategy="unicron_megatron")``: Lightning training that survives the loss of ranks.
+
+The strategy is a :class:`~lightning.pytorch.strategies.DDPStrategy` that does
+not wrap the model in DDP: one optimizer step is driven by
+:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` (paper
+section 6), with the LightningModule's ``training_step`` as the loss of one
+micro-batch:
+
+* the train dataloader's dataset and collate function are kept; the loop
+  iterates one item per optimizer step, and micro-batch ``j`` of step ``s`` is
+  materialised from the dataset by :class:`GlobalBatchPlan` (any rank can
+  compute any micro-batch, so work moves when a rank dies);
+* ``training_step`` (Lightning's closure) computes this rank's micro-batches;
+  ``backward`` is the resilient bucketed all-reduce (scenario 1 and 2
+  recovery happen there); Lightning then clips, calls its hooks and steps;
+* after a failure or a reconfiguration the default process group and
+  megatron-core's ``parallel_state`` are rebuilt for the new members, so
+  Lightning's own collectives (checkpoint saving, ``self.log(sync_dist=True)``)
+  keep working;
+* a worker the agent restarted (``UNICRON_WORKER_RESTARTS`` > 0) joins at the
+  next step boundary and receives the whole Lightning state (weights,
+  optimizer, loop progress, callbacks, RNG) by broadcast from a replica; when
+  no replica is left, from the in-memory snapshot, else the newest
+  ``torch.distributed.checkpoint``.
+
+Registering: ``import unicron_elastic.strategy`` registers ``unicron_megatron``
+in Lightning's strategy registry; so does ``import unicron_elastic`` when
+Lightning was imported before it (Lightning has no plugin discovery for
+strategies).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from unicron_elastic.api import ConfigError
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, StepReport
+from unicron_elastic.strategy.environment import UnicronEnvironment
+from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world
+from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
+from unicron_elastic.testing import maybe_fail
+from unicron_elastic.worker import get_worker
+
+log = structlog.get_logger(__name__)
+
+STRATEGY_NAME = "unicron_megatron"
+
+
+class _Steps:
+    """What the training loop iterates: one placeholder per optimizer step of an epoch."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(self.steps))
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss in what ``training_step`` returned.
+
+    Raises:
+        ConfigError: Neither a tensor nor a dict with ``"loss"``.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise ConfigError("training_step must return the loss (a tensor, or a dict with 'loss') under unicron_megatron")
+
+
+class UnicronMegatronStrategy(DDPStrategy):
+    """Self-healing data parallelism (+ megatron-core TP/PP groups) for Lightning.
+
+    Args:
+        global_batch: Samples per optimizer step, constant across failures and
+            reconfigurations (default: the dataloader's batch size x the
+            launch world size).
+        micro_batch: Samples per micro-batch (default: the dataloader's batch size).
+        seed: Seed of the global-batch shuffle and of each micro-batch's RNG.
+        bucket_numel: Gradient elements per all-reduce bucket (None: one bucket).
+        tensor_model_parallel_size: megatron-core TP size.
+        pipeline_model_parallel_size: megatron-core PP size.
+        snapshot_every: Steps between in-memory snapshots (0: none).
+        checkpoint_dir: Directory of asynchronous ``torch.distributed.checkpoint``
+            saves (None: none).
+        checkpoint_every: Steps between those saves.
+        timeout: Collective timeout.
+        checkin_timeout: How long survivors wait for each other after a failure.
+        join_timeout: How long a restarted rank waits to be admitted.
+        grad_dtype: Dtype of gradient accumulation and all-reduce (float64:
+            the parameters after a failure equal the failure-free ones to the
+            last bit in practice; float32 halves that memory and traffic).
+
+    Raises:
+        ConfigError: Invalid sizes or intervals.
+    """
+
+    def __init__(
+        self,
+        global_batch: int | None = None,
+        micro_batch: int | None = None,
+        seed: int = 0,
+        bucket_numel: int | None = None,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        snapshot_every: int = 1,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 100,
+        timeout: timedelta = timedelta(seconds=60),
+        checkin_timeout: float = 10.0,
+        join_timeout: float = 300.0,
+        grad_dtype: torch.dtype = torch.float64,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("cluster_environment", UnicronEnvironment())
+        kwargs.setdefault("process_group_backend", "gloo")
+        super().__init__(timeout=timeout, **kwargs)
+        for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch), ("bucket_numel", bucket_numel)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value} must be >= 1")
+        if snapshot_every < 0 or checkpoint_every < 0:
+            raise ConfigError("snapshot_every and checkpoint_every must be >= 0")
+        if tensor_model_parallel_size * pipeline_model_parallel_size > 1:
+            raise ConfigError("unicron_megatron trains with TP = PP = 1 for now; TP/PP > 1 groups are built by "
+                              "unicron_elastic.strategy.parallel.build_world (see docs/strategy.md)")
+        self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
+        self.bucket_numel = bucket_numel
+        self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        self.snapshot_every, self.checkpoint_every = snapshot_every, checkpoint_every
+        self.checkpoint_dir = checkpoint_dir
+        self.checkin_timeout, self.join_timeout = checkin_timeout, join_timeout
+        self.grad_dtype = grad_dtype
+        self.finished_before_join = False
+        self.engine: ElasticDataParallel | None = None
+        self.reports: list[StepReport] = []
+        self.joined_at: int | None = None  # the step a restarted rank joined at
+        self._store: dist.Store | None = None
+        self._local_only = False  # a joiner until its first step: Lightning's collectives stay local
+        self._last_beat: float | None = None
+        self._paused = False
+        self._current = (0, 0)
+        self._losses: list[torch.Tensor] = []
+        self._dataset: Any = None
+        self._collate: Any = None
+        self._rng: dict[str, Any] | None = None
+        self._memory: MemorySnapshot | None = None
+        self._disk: DiskCheckpoints | None = None
+        self._worker = get_worker()
+
+    # -- environment ------------------------------------------------------------
+    @property
+    def env(self) -> UnicronEnvironment:
+        assert isinstance(self.cluster_environment, UnicronEnvironment)
+        return self.cluster_environment
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def world_size(self) -> int:
+        # A joiner catching up reports 1: Lightning's per-step collectives (e.g. the SIGTERM
+        # broadcast before each batch) must not run in a world whose members passed that point.
+        return 1 if self._local_only else super().world_size
+
+    @property
+    def joining(self) -> bool:
+        """This process is a worker the agent restarted: it joins a running group."""
+        return int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
+
+    def set_world_ranks(self) -> None:
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    def _connect_store(self) -> dist.Store:
+        world = self.env.launch_world_size
+        if world == 1 and "MASTER_PORT" not in os.environ:
+            return dist.HashStore()
+        return dist.TCPStore(self.env.main_address, self.env.main_port, is_master=False,
+                             timeout=timedelta(seconds=60))
+
+    def setup_distributed(self) -> None:
+        """Connect to the launcher's store and build the first world (a joiner waits until it is admitted).
+
+        Raises:
+            ConfigError: The world is not a multiple of TP x PP.
+        """
+        check_sizes(self.env.launch_world_size, self.tp, self.pp)
+        self._store = self._connect_store()
+        self._worker.hello(resumable=True)
+        self._worker.install_excepthook()
+        if self.joining:
+            self._local_only = True
+            self.set_world_ranks()
+            return
+        build_world(self._store, 0, self.env.launch_rank, self.env.launch_world_size, self.tp, self.pp,
+                    self._timeout or timedelta(seconds=60))
+        self.set_world_ranks()
+
+    def _on_group(self, members: list[int], generation: int) -> None:
+        """The data-parallel members changed: rebuild the world Lightning and megatron-core use."""
+        self._worker.set_paused(True)  # until this step completes: regrouping is not a hang
+        self._paused = True
+        index = members.index(self.env.launch_rank)
+        build_world(self._store, generation, index, len(members), self.tp, self.pp,
+                    self._timeout or timedelta(seconds=60))
+        self.env.set_global_rank(index)
+        self.env.set_world_size(len(members))
+        self.set_world_ranks()
+
+    # -- setup --------------------------------------------------------------------
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: gradients are reduced by the elastic engine."""
+
+    def setup(self, trainer: Any) -> None:
+        """Lightning's set-up, then the elastic engine; a restarted rank joins and restores here.
+
+        Raises:
+            ConfigError: Manual optimization, several optimizers or gradient accumulation.
+        """
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ConfigError("unicron_megatron needs automatic optimization")
+        if len(self.optimizers) != 1:
+            raise ConfigError(f"unicron_megatron supports one optimizer (got {len(self.optimizers)})")
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError("unicron_megatron accumulates micro-batches itself: use micro_batch/global_batch, "
+                              "not accumulate_grad_batches")
+        self._memory = MemorySnapshot(self._store, self.snapshot_every)
+        if self.checkpoint_dir is not None:
+            self._disk = DiskCheckpoints(self.checkpoint_dir, self.checkpoint_every)
+        self.engine = ElasticDataParallel(
+            module, self.optimizers[0], plan=None,  # the plan needs the dataset: set in process_dataloader
+            batch=self._materialise, loss_fn=self._micro_batch_loss, store=self._store,
+            rank=self.env.launch_rank, world_size=self.env.launch_world_size, bucket_numel=self.bucket_numel,
+            timeout=self._timeout or timedelta(seconds=60), checkin_timeout=self.checkin_timeout,
+            hook=self._hook, joining=self.joining, get_state=self._state, set_state=self._load_state,
+            on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
+        )
+        if self.joining:
+            self.joined_at = self.engine.join(self.join_timeout)
+            self.finished_before_join = self.joined_at is None
+            log.info("rank_rejoined", step=self.joined_at, state_from=self.engine.state_source,
+                     finished_before_join=self.finished_before_join)
+
+    # -- state ---------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "lightning": self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """Restore the whole Lightning state (Lightning's own resume path, fed from memory)."""
+        connector = self.lightning_module.trainer._checkpoint_connector
+        connector._loaded_checkpoint = state["lightning"]
+        connector.restore_model()
+        connector.restore_datamodule()
+        connector.restore_callbacks()
+        # Lightning's _run restores optimizers and loop progress right after setup()
+        self._rng = state["rng"]
+
+    def _fallback(self) -> dict[str, Any] | None:
+        """No replica left: the newer of the in-memory snapshot and the newest disk checkpoint."""
+        candidates = []
+        memory = self._memory.load() if self._memory else None
+        if memory is not None:
+            candidates.append((memory["step"], 1, {**memory, "source": "memory"}))
+        disk = self._disk.load() if self._disk else None
+        if disk is not None:
+            candidates.append((disk["step"], 0, {**disk, "source": "disk"}))
+        return max(candidates, key=lambda c: c[:2])[2] if candidates else None
+
+    # -- data ----------------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        """The train dataloader becomes one item per step; its dataset feeds the micro-batches.
+
+        Raises:
+            ConfigError: The train dataloader is not a map-style ``DataLoader``.
+        """
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING or self.engine is None:
+            return dataloader
+        dataset = getattr(dataloader, "dataset", None)
+        if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise ConfigError("unicron_megatron needs a DataLoader over a map-style dataset (len and [])")
+        micro = self.micro_batch or dataloader.batch_size or 1
+        plan = GlobalBatchPlan(len(dataset), self.global_batch or micro * self.env.launch_world_size, micro, self.seed)
+        self._dataset, self._collate, self.engine.plan = dataset, dataloader.collate_fn, plan
+        if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
+            return _Steps(0)
+        return _Steps(plan.steps_per_epoch)
+
+    def _materialise(self, indices: list[int]) -> Any:
+        return self._collate([self._dataset[i] for i in indices])
+
+    # -- one step ------------------------------------------------------------------
+    def _hook(self, rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
+              at: str | None = None) -> None:
+        if micro_batch is not None:
+            self._current = (step, micro_batch)  # the engine computes this micro-batch next
+            self._worker.progress(step, micro_batch)
+        maybe_fail(rank, step, micro_batch=micro_batch, bucket=bucket, at=at)
+
+    def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
+        step, j = self._current
+        with torch.random.fork_rng(devices=[]):  # dropout etc. do not depend on who computes micro-batch j
+            torch.manual_seed((self.seed * 1_000_003 + step) * 65_537 + j)
+            loss = _loss_of(module.training_step(batch, j))
+        self._losses.append(loss.detach())
+        return loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """This rank's micro-batches of the current step (Lightning's closure calls this)."""
+        engine = self.engine
+        step = self.lightning_module.trainer.global_step
+        if self._rng is not None:  # a joiner: continue the replica's random streams
+            torch.set_rng_state(self._rng["torch"])
+            np.random.set_state(self._rng["numpy"])
+            random.setstate(self._rng["python"])
+            self._rng = None
+        self._local_only = False
+        if self._last_beat is None:
+            self._last_beat = time.monotonic()
+        engine.next_step = step
+        self._snapshot(step)
+        self._losses = []
+        engine.begin_step(step)
+        loss = torch.stack(self._losses).mean() if self._losses else torch.zeros(())
+        return {"loss": loss}
+
+    def _snapshot(self, step: int) -> None:
+        engine = self.engine
+        if self.env.launch_rank != engine.members[0]:
+            return
+        memory_due = self._memory is not None and self._memory.due(step)
+        disk_due = self._disk is not None and self._disk.due(step) and step > 0
+        if memory_due or disk_due:
+            with self._worker.checkpointing():
+                state = engine.state()
+                if memory_due:
+                    self._memory.save(state)
+                if disk_due:
+                    self._disk.save(step, state)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The micro-batches' gradients were accumulated in ``training_step``: reduce them, resiliently."""
+        report = self.engine.finish_gradients()
+        self.reports.append(report)
+        self._hook(self.env.launch_rank, report.step, at="before_optimizer_step")
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        step = self.engine.next_step
+        self.engine.next_step = step + 1
+        now = time.monotonic()
+        self._worker.heartbeat(step, now - self._last_beat)  # iteration to iteration, callbacks included
+        self._last_beat = now
+        if self._paused:
+            self._paused = False
+            self._worker.set_paused(False)
+        self._hook(self.env.launch_rank, step, at="after_optimizer_step")
+        return output
+
+    def on_train_end(self) -> None:
+        self._worker.set_paused(True)  # no more iterations: saving and teardown are not a hang
+
+    def on_validation_start(self) -> None:
+        self._worker.set_paused(True)  # validation between steps is not a hang
+
+    def on_validation_end(self) -> None:
+        self._worker.set_paused(False)
+        self._last_beat = time.monotonic()
+
+    # -- Lightning's collectives ---------------------------------------------------
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._local_only:
+            super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if self._local_only else super().broadcast(obj, src)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor if self._local_only else super().reduce(tensor, group, reduce_op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor.unsqueeze(0) if self._local_only else super().all_gather(tensor, group, sync_grads)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.env.world_size(), "rank": self.env.global_rank()}
+
+    # -- the end -------------------------------------------------------------------
+    def teardown(self) -> None:
+        if self.engine is not None and self.engine.pg is not None:
+            self.engine.finish()
+        if self._disk is not None:
+            self._disk.wait()
+        super().teardown()
+        destroy_world()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(STRATEGY_NAME, cls, description="Unicron self-healing data parallelism "
+                                       "(partial-iteration resumption, replica state reload)")
+
+
+UnicronMegatronStrategy.register_strategies(StrategyRegistry)
