@@ -150,8 +150,9 @@ class ElasticDataParallel:
         self.on_group = on_group or (lambda members, generation: None)
         self.fallback = fallback or (lambda: None)
         self.grad_dtype = grad_dtype
-        self.state_source: str | None = None
-        self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others  # where a joiner's state came from
+        self.state_source: str | None = None  # where a joiner's state came from
+        self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others
+        self._synced_step = -1  # the last step whose membership this rank agreed on
         self._pending: tuple[int, StepReport, dict[int, list[int]], torch.Tensor] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
@@ -202,26 +203,39 @@ class ElasticDataParallel:
 
     # -- membership ----------------------------------------------------------------
     def _sync_membership(self, step: int) -> None:
-        """Agree on this step's members; resize (and hand state to newcomers) if they changed.
+        """Agree on this step's members (a broadcast from the leader); resize if they changed.
+
+        The agreement is a collective, not a store key, so a leader that died
+        between steps cannot leave the others waiting: the broadcast fails, the
+        members stay as they were, and the failure is handled in this step's
+        reduction like any other (scenario 1).
 
         Raises:
             Retired: This rank is not a member from ``step`` on.
         """
-        key = f"unicron-dp/gen{self.generation}/step{step}/members"
+        if step == self._synced_step:  # joined at this step: the others agreed on it already
+            return
+        self._synced_step = step
+        payload = torch.full((self.world_size + 1,), -1, dtype=torch.int64)
         if self.rank == self.members[0]:
             wanted = list(self.schedule.get(step, self.members))
             # without a plan, a restarted rank waiting to come back is admitted now
             if not self.schedule and self.store.add("unicron-dp/join-requests", 0) > 0:
                 wanted += [r for r in range(self.world_size)
                            if r not in wanted and self.store.check([f"unicron-dp/join/{r}"])]
-            self.store.set(key, json.dumps(wanted))
-        else:
-            wanted = json.loads(self.store.get(key))
+            payload[0] = len(wanted)
+            payload[1 : 1 + len(wanted)] = torch.tensor(wanted, dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            self.pg.broadcast([payload], opts).wait()
+        except RuntimeError as exc:
+            log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
+            return
+        wanted = payload[1 : 1 + int(payload[0])].tolist()
         if wanted == self.members:
             return
         self._resize(sorted(wanted), step)
-        if self.rank == self.members[0]:  # ranks that joined at this step read it under the new generation
-            self.store.set(f"unicron-dp/gen{self.generation}/step{step}/members", json.dumps(self.members))
 
     def _resize(self, members: list[int], step: int) -> None:
         leader = self.members[0]
@@ -282,6 +296,7 @@ class ElasticDataParallel:
                     self.state_source = latest.get("source", "replica")
                     self._enter(latest["generation"], latest["members"], latest["leader"])
                     self._resume_state = None
+                    self._synced_step = self.next_step
                     self.store.delete_key(f"unicron-dp/join/{self.rank}")
                     self.store.add("unicron-dp/join-requests", -1)
                     log.info("dp_joined", step=self.next_step, members=self.members, state_from=self.state_source)

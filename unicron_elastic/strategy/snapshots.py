@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -96,15 +97,18 @@ class DiskCheckpoints:
     Args:
         directory: Checkpoint directory (created).
         every: Steps between checkpoints (0: never).
+        keep: Complete checkpoints kept (older ones are deleted).
 
     Raises:
-        ConfigError: ``every`` < 0.
+        ConfigError: ``every`` < 0 or ``keep`` < 1.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], every: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], every: int, keep: int = 2) -> None:
         if every < 0:
             raise ConfigError(f"checkpoint_every={every} must be >= 0")
-        self.directory, self.every = Path(directory), every
+        if keep < 1:
+            raise ConfigError(f"keep={keep} must be >= 1")
+        self.directory, self.every, self.keep = Path(directory), every, keep
         self.directory.mkdir(parents=True, exist_ok=True)
         self._pending: Future | None = None
 
@@ -132,6 +136,8 @@ class DiskCheckpoints:
         tmp.write_text(json.dumps({"step": step, "path": path.name}))
         os.replace(tmp, self.directory / "latest")
         log.info("checkpoint_saved", step=step, path=str(path))
+        for old in sorted(self.directory.glob("step-*"))[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any."""

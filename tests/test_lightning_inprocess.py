@@ -1,0 +1,106 @@
+"""The strategy in one process: Lightning's registry, callbacks, loggers, checkpoints, resume, bad input."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from unicron_elastic.api import ConfigError
+from unicron_elastic.strategy import UnicronMegatronStrategy
+from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.testing import toy_data
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def loader() -> DataLoader:
+    xs, ys = toy_data()
+    return DataLoader(TensorDataset(xs, ys), batch_size=4)
+
+
+def trainer(tmp_path: Path, steps: int, strategy: object = "unicron_megatron", **kwargs) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, enable_progress_bar=False,
+                      enable_model_summary=False, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1, **kwargs)
+
+
+def reference(steps: int, global_batch: int = 4) -> list[torch.Tensor]:
+    """Plain torch: the same global batches (GlobalBatchPlan), mean loss, SGD."""
+    model = Regression()
+    optimizer = model.configure_optimizers()
+    xs, ys = toy_data()
+    plan = GlobalBatchPlan(len(xs), global_batch, 4, seed=0)
+    for step in range(steps):
+        optimizer.zero_grad()
+        for j in range(plan.num_micro_batches):
+            idx = plan.indices(step, j)
+            (torch.nn.functional.mse_loss(model.net(xs[idx]), ys[idx]) / plan.num_micro_batches).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_string_strategy_with_callbacks_loggers_and_save_checkpoint(tmp_path: Path) -> None:
+    model = Regression()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    t = trainer(tmp_path, 4, callbacks=[checkpoints])
+    t.fit(model, loader())
+    assert isinstance(t.strategy, UnicronMegatronStrategy) and t.global_step == 4
+    for ours, ref in zip(model.parameters(), reference(4)):
+        torch.testing.assert_close(ours.detach(), ref)
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 2  # ModelCheckpoint every 2 steps
+    t.save_checkpoint(tmp_path / "final.ckpt")
+    assert torch.load(tmp_path / "final.ckpt", weights_only=False)["global_step"] == 4
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    assert len([r for r in rows if r.get("train_loss")]) == 4
+
+
+@pytest.mark.timeout(120)
+def test_lightning_resume_from_a_checkpoint_continues_the_same_trajectory(tmp_path: Path) -> None:
+    strategy = UnicronMegatronStrategy(global_batch=8, micro_batch=4)  # B = 2 micro-batches per step
+    first = trainer(tmp_path, 2, strategy=strategy)
+    first.fit(Regression(), loader())
+    first.save_checkpoint(tmp_path / "two.ckpt")
+    model = Regression()
+    trainer(tmp_path, 5, strategy=UnicronMegatronStrategy(global_batch=8, micro_batch=4)).fit(
+        model, loader(), ckpt_path=tmp_path / "two.ckpt")
+    for ours, ref in zip(model.parameters(), reference(5, global_batch=8)):
+        torch.testing.assert_close(ours.detach(), ref)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["accumulate", "manual"])
+def test_unsupported_lightning_settings_are_clear_errors(tmp_path: Path, case: str) -> None:
+    kwargs = {"accumulate_grad_batches": 2} if case == "accumulate" else {}
+    with pytest.raises(ConfigError, match="accumulate" if case == "accumulate" else "automatic optimization"):
+        trainer(tmp_path, 2, **kwargs).fit(Regression(manual=case == "manual"), loader())
+
+
+def test_bad_strategy_arguments_are_clear_errors() -> None:
+    with pytest.raises(ConfigError, match="global_batch"):
+        UnicronMegatronStrategy(global_batch=0)
+    with pytest.raises(ConfigError, match="snapshot_every"):
+        UnicronMegatronStrategy(snapshot_every=-1)
+    with pytest.raises(ConfigError, match="TP = PP = 1"):
+        UnicronMegatronStrategy(tensor_model_parallel_size=2)

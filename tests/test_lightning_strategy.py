@@ -1,0 +1,158 @@
+"""``Trainer(strategy="unicron_megatron")`` with real killed processes under ``unicron-run``.
+
+Each run trains ``examples/lightning_gpt.py`` (a small GPT LightningModule with
+dropout and AdamW) on 3 ranks, B = 6 micro-batches per step. A rank is
+SIGKILLed at one point of a step; the agent restarts it. The survivors must
+end with exactly the parameters of the failure-free run, every micro-batch of
+the failed step counted once; a restarted rank that rejoins gets its state
+from a replica (or, with every replica gone, from the in-memory snapshot, then
+from the disk checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BIN, EXAMPLES
+from unicron_elastic.testing import Fault, fail_at, faults_env
+
+pytestmark = pytest.mark.slow
+GPT = os.path.join(EXAMPLES, "lightning_gpt.py")
+WORLD, STEPS, B = 3, 8, 6  # global batch 24 in micro-batches of 4
+BUCKET = 6560  # TinyGPT has 19680 parameters: 3 buckets
+
+
+def launch(out: Path, faults: list[Fault], *args: str, step_time: float = 0.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **faults_env(faults, str(out / "faults.log")))
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={WORLD}", "--monitor-interval=0.05",
+           GPT, "--steps", str(STEPS), "--out", str(out), "--step-time", str(step_time), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def summary(out: Path, rank: int) -> dict:
+    return json.loads((out / f"rank{rank}.json").read_text())
+
+
+def assert_params(out: Path, rank: int, reference: list[torch.Tensor]) -> None:
+    for ours, ref in zip(torch.load(out / f"params{rank}.pt"), reference):
+        torch.testing.assert_close(ours, ref)  # float32 tolerance
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> list[torch.Tensor]:
+    out = tmp_path_factory.mktemp("baseline")
+    proc = launch(out, [])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
+    for other in params[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params[0], other))
+    assert [summary(out, r)["global_step"] for r in range(WORLD)] == [STEPS] * WORLD
+    return params[0]
+
+
+def check_survivors(out: Path, proc: subprocess.CompletedProcess, victim: int, baseline: list[torch.Tensor]) -> list[dict]:
+    """The fault fired once, training completed, survivors equal the baseline; their reports of the failed step."""
+    fired = [json.loads(line) for line in (out / "faults.log").read_text().splitlines()]
+    assert len(fired) == 1 and fired[0]["rank"] == victim, "the fault did not fire"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    survivors = [r for r in range(WORLD) if r != victim]
+    for r in survivors:
+        assert summary(out, r)["global_step"] == STEPS
+        assert_params(out, r, baseline)
+    failed = fired[0]["step"]
+    return [next(rep for rep in summary(out, r)["reports"] if rep["step"] == failed) for r in survivors]
+
+
+def covered_once(reports: list[dict]) -> bool:
+    return sorted(j for rep in reports for j in rep["micro_batches"]) == list(range(B))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("micro_batch", [2, 5])  # rank 2's first and second micro-batch of the step
+def test_kill_at_each_micro_batch(tmp_path: Path, baseline, micro_batch: int) -> None:
+    proc = launch(tmp_path, [fail_at(rank=2, step=2, micro_batch=micro_batch)])
+    reports = check_survivors(tmp_path, proc, 2, baseline)
+    assert all(rep["recoveries"] == 1 and rep["dead"] == [2] for rep in reports)
+    assert covered_once(reports)  # scenario 1: the dead rank's micro-batches computed by survivors
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bucket", [0, 1, 2])
+def test_kill_during_each_gradient_bucket(tmp_path: Path, baseline, bucket: int) -> None:
+    proc = launch(tmp_path, [fail_at(rank=1, step=3, bucket=bucket)], "--bucket-numel", str(BUCKET))
+    reports = check_survivors(tmp_path, proc, 1, baseline)
+    assert all(rep["recoveries"] == 1 and rep["dead"] == [1] for rep in reports)
+    assert all(rep["kept_buckets"] == bucket for rep in reports)  # scenario 2: reduced buckets kept
+    assert covered_once(reports)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("at", ["before_optimizer_step", "after_optimizer_step"])
+def test_kill_before_and_after_the_optimizer_step(tmp_path: Path, baseline, at: str) -> None:
+    proc = launch(tmp_path, [fail_at(rank=0, step=2, at=at)])
+    check_survivors(tmp_path, proc, 0, baseline)
+    # before the step: the gradients were complete, survivors notice at the next step; after: likewise
+    noticed = [rep for r in (1, 2) for rep in summary(tmp_path, r)["reports"] if rep["dead"] == [0]]
+    assert [rep["step"] for rep in noticed] == [3, 3]
+    assert covered_once(noticed)
+
+
+@pytest.mark.timeout(300)
+def test_restarted_rank_rejoins_with_state_from_a_replica(tmp_path: Path, baseline) -> None:
+    proc = launch(tmp_path, [fail_at(rank=2, step=1, micro_batch=5)], step_time=1.5)
+    check_survivors(tmp_path, proc, 2, baseline)
+    joiner = summary(tmp_path, 2)
+    assert joiner["state_from"] == "replica"  # no snapshot or checkpoint was read
+    assert 1 < joiner["joined_at"] < STEPS
+    assert [rep["step"] for rep in joiner["reports"]] == list(range(joiner["joined_at"], STEPS))
+    assert_params(tmp_path, 2, baseline)
+    assert not any(tmp_path.glob("**/step-*"))  # no disk checkpoint exists to read
+
+
+def kill_everyone(step: int) -> list[Fault]:
+    return [fail_at(rank=r, step=step, micro_batch=r) for r in range(WORLD)]
+
+
+@pytest.mark.timeout(300)
+def test_all_replicas_lost_resumes_from_the_memory_snapshot(tmp_path: Path, baseline) -> None:
+    proc = launch(tmp_path, kill_everyone(3))
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == WORLD
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(WORLD):
+        s = summary(tmp_path, r)
+        assert (s["state_from"], s["joined_at"], s["global_step"]) == ("memory", 3, STEPS)
+        assert_params(tmp_path, r, baseline)
+
+
+@pytest.mark.timeout(300)
+def test_without_a_snapshot_the_disk_checkpoint_is_used(tmp_path: Path, baseline) -> None:
+    ckpt = tmp_path / "ckpt"
+    proc = launch(tmp_path, kill_everyone(4), "--snapshot-every", "0", "--checkpoint-dir", str(ckpt))
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == WORLD
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(WORLD):
+        s = summary(tmp_path, r)
+        assert s["state_from"] == "disk" and s["joined_at"] in (3, 4)  # the save of step 4 may be in flight
+        assert_params(tmp_path, r, baseline)  # the steps after the checkpoint were recomputed
+    assert len(list(ckpt.glob("step-*"))) <= 2  # older checkpoints are deleted
+
+
+# -- in-process: registry, Lightning features, bad input ------------------------------
+
+
+def test_import_registers_the_strategy_without_importing_lightning_eagerly() -> None:
+    code = ("import sys, unicron_elastic; assert 'lightning.pytorch' not in sys.modules;"
+            "import lightning.pytorch as pl, unicron_elastic.strategy;"
+            "from lightning.pytorch.strategies import StrategyRegistry; assert 'unicron_megatron' in StrategyRegistry;"
+            "import importlib; importlib.reload(unicron_elastic)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    code = ("import lightning.pytorch, unicron_elastic;"
+            "from lightning.pytorch.strategies import StrategyRegistry; assert 'unicron_megatron' in StrategyRegistry")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
