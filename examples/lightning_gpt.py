@@ -88,17 +88,35 @@ class SlowDown(pl.Callback):
         time.sleep(self.seconds)
 
 
+class StepTimes(pl.Callback):
+    """Append ``{"step", "t"}`` per finished step to ``OUT/times<R>.jsonl`` (benchmarks)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.seen = path, -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step != self.seen:  # an optimizer step happened (not an accumulation batch)
+            self.seen = trainer.global_step
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": trainer.global_step - 1, "t": time.time()}) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--global-batch", type=int, default=24)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--bucket-numel", type=int, default=None)
-    parser.add_argument("--snapshot-every", type=int, default=1)
+    parser.add_argument("--snapshot-every", type=int, default=50)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
+    parser.add_argument("--width", type=int, default=32, help="model width")
+    parser.add_argument("--grad-dtype", choices=["float32", "float64"], default="float64",
+                        help="gradient sums (float64: bit-identical to a failure-free run; the strategy's "
+                             "default is float32)")
+    parser.add_argument("--record-times", action="store_true", help="write OUT/times<R>.jsonl")
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
@@ -108,19 +126,23 @@ def main() -> None:
                                      str(args.out / "faults.log")))
 
     pl.seed_everything(0, verbose=False)
-    model = TinyGPT()
+    model = TinyGPT(width=args.width)
+    rank = int(os.environ.get("RANK", "0"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    callbacks: list[pl.Callback] = [SlowDown(args.step_time)] if args.step_time else []
+    if args.record_times:
+        callbacks.append(StepTimes(args.out / f"times{rank}.jsonl"))
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
-        snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+        snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        grad_dtype=getattr(torch, args.grad_dtype))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-        callbacks=[SlowDown(args.step_time)] if args.step_time else [],
+        callbacks=callbacks,
     )
     trainer.fit(model, DataLoader(Tokens(), batch_size=args.micro_batch))
     trainer.save_checkpoint(args.out / "final.ckpt")
-    rank = int(os.environ.get("RANK", "0"))
-    args.out.mkdir(parents=True, exist_ok=True)
     summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))

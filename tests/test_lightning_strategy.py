@@ -6,7 +6,10 @@ SIGKILLed at one point of a step; the agent restarts it. The survivors must
 end with exactly the parameters of the failure-free run, every micro-batch of
 the failed step counted once; a restarted rank that rejoins gets its state
 from a replica (or, with every replica gone, from the in-memory snapshot, then
-from the disk checkpoint).
+from the disk checkpoint). The example sums gradients in float64 (its default
+``--grad-dtype``; the strategy's default float32 is exact only to rounding that
+AdamW amplifies, see docs/strategy.md), so "equal" is checked at float32
+tolerance and holds to the last bit.
 """
 
 from __future__ import annotations
@@ -122,12 +125,13 @@ def kill_everyone(step: int) -> list[Fault]:
 
 @pytest.mark.timeout(300)
 def test_all_replicas_lost_resumes_from_the_memory_snapshot(tmp_path: Path, baseline) -> None:
-    proc = launch(tmp_path, kill_everyone(3))
+    proc = launch(tmp_path, kill_everyone(3), "--snapshot-every", "1")
     assert len((tmp_path / "faults.log").read_text().splitlines()) == WORLD
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(WORLD):
         s = summary(tmp_path, r)
-        assert (s["state_from"], s["joined_at"], s["global_step"]) == ("memory", 3, STEPS)
+        # the snapshot of step 3 is written in the background: the leader may die before it lands
+        assert (s["state_from"], s["global_step"]) == ("memory", STEPS) and s["joined_at"] in (2, 3)
         assert_params(tmp_path, r, baseline)
 
 

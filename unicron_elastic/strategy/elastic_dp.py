@@ -372,12 +372,17 @@ class ElasticDataParallel:
     # -- one step ----------------------------------------------------------------
     def _compute(self, step: int, micro_batches: list[int]) -> torch.Tensor:
         total = torch.zeros(sum(p.numel() for p in self.params), dtype=self.grad_dtype)
+        views, offset = [], 0
+        for p in self.params:
+            views.append(total[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
         for j in micro_batches:
             self.hook(self.rank, step, micro_batch=j)
             for p in self.params:
                 p.grad = None
             self.loss_fn(self.model, self.batch(self.plan.indices(step, j))).backward()
-            total += torch.cat([p.grad.reshape(-1) for p in self.params]).to(self.grad_dtype)
+            for p, view in zip(self.params, views):
+                view.add_(p.grad)  # in place into the sum's dtype: no temporary copies
         return total
 
     def begin_step(self, step: int) -> StepReport:

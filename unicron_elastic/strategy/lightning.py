@@ -105,9 +105,11 @@ class UnicronMegatronStrategy(DDPStrategy):
         timeout: Collective timeout.
         checkin_timeout: How long survivors wait for each other after a failure.
         join_timeout: How long a restarted rank waits to be admitted.
-        grad_dtype: Dtype of gradient accumulation and all-reduce (float64:
-            the parameters after a failure equal the failure-free ones to the
-            last bit in practice; float32 halves that memory and traffic).
+        grad_dtype: Dtype of gradient accumulation and all-reduce. float32
+            (default): after a failure the sums are added in another order, so
+            the parameters equal the failure-free ones to float32 rounding, which
+            Adam-like optimizers can amplify. float64: equal to the last bit in
+            practice, at twice the gradient memory and all-reduce volume.
 
     Raises:
         ConfigError: Invalid sizes or intervals.
@@ -121,13 +123,13 @@ class UnicronMegatronStrategy(DDPStrategy):
         bucket_numel: int | None = None,
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
-        snapshot_every: int = 1,
+        snapshot_every: int = 50,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 100,
         timeout: timedelta = timedelta(seconds=60),
         checkin_timeout: float = 10.0,
         join_timeout: float = 300.0,
-        grad_dtype: torch.dtype = torch.float64,
+        grad_dtype: torch.dtype = torch.float32,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("cluster_environment", UnicronEnvironment())
@@ -190,9 +192,17 @@ class UnicronMegatronStrategy(DDPStrategy):
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
     def _connect_store(self) -> dist.Store:
+        """The launcher agent's store: it outlives workers, so survivors and joiners meet there.
+
+        Raises:
+            ConfigError: The launcher does not share its store with workers.
+        """
         world = self.env.launch_world_size
         if world == 1 and "MASTER_PORT" not in os.environ:
             return dist.HashStore()
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") != "True":
+            raise ConfigError("unicron_megatron needs the launcher's store (TORCHELASTIC_USE_AGENT_STORE=True, "
+                              "unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE): a store hosted by a worker dies with it")
         return dist.TCPStore(self.env.main_address, self.env.main_port, is_master=False,
                              timeout=timedelta(seconds=60))
 
@@ -325,7 +335,7 @@ class UnicronMegatronStrategy(DDPStrategy):
     def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
         step, j = self._current
         with torch.random.fork_rng(devices=[]):  # dropout etc. do not depend on who computes micro-batch j
-            torch.manual_seed((self.seed * 1_000_003 + step) * 65_537 + j)
+            torch.default_generator.manual_seed((self.seed * 1_000_003 + step) * 65_537 + j)  # CPU only: cheap
             loss = _loss_of(module.training_step(batch, j))
         self._losses.append(loss.detach())
         return loss
@@ -415,8 +425,9 @@ class UnicronMegatronStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.engine is not None and self.engine.pg is not None:
             self.engine.finish()
-        if self._disk is not None:
-            self._disk.wait()
+        for saver in (self._memory, self._disk):
+            if saver is not None:
+                saver.wait()
         super().teardown()
         destroy_world()
 

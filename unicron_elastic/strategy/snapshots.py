@@ -17,10 +17,12 @@ same state.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
 import shutil
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from typing import Any
 import structlog
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from unicron_elastic.api import ConfigError
 
@@ -52,15 +55,33 @@ class MemorySnapshot:
         if every < 0:
             raise ConfigError(f"snapshot_every={every} must be >= 0")
         self.store, self.every = store, every
+        self._thread: threading.Thread | None = None
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is due at the start of ``step``."""
         return self.every > 0 and step % self.every == 0
 
     def save(self, state: dict[str, Any]) -> None:
+        """Copy the tensors of ``state`` now; serialize and upload in the background.
+
+        Training goes on while the snapshot is written; a snapshot still being
+        written is waited for first (at most one in flight).
+        """
+        self.wait()
+        frozen = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v), state)
+        self._thread = threading.Thread(target=self._upload, args=(frozen,), name="unicron-snapshot", daemon=True)
+        self._thread.start()
+
+    def _upload(self, state: dict[str, Any]) -> None:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         self.store.set(SNAPSHOT_KEY, buffer.getvalue())
+
+    def wait(self) -> None:
+        """Wait for the snapshot being written, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def load(self) -> dict[str, Any] | None:
         """The latest snapshot, or None."""
