@@ -249,6 +249,7 @@ class ElasticDataParallel:
         log.info("dp_resized", step=step, members=members, generation=self.generation)
 
     def _enter(self, generation: int, members: list[int], leader: int) -> None:
+        newcomer = self.pg is None  # members that were already training hold the state
         if self.pg is not None:
             try:
                 self.pg.abort()
@@ -259,7 +260,7 @@ class ElasticDataParallel:
         if self.rank == leader:
             self._publish_members()
         self.on_group(members, generation)
-        self._broadcast_state(members.index(leader))
+        self._broadcast_state(members.index(leader), apply=newcomer)
 
     def finish(self) -> None:
         """Training is over: ranks still waiting in :meth:`join` give up waiting."""
@@ -351,8 +352,13 @@ class ElasticDataParallel:
         self.set_state(state)
         self.next_step = int(state["step"])
 
-    def _broadcast_state(self, root: int) -> None:
-        """The state (:meth:`state`) from the replica at ``root`` to every other member."""
+    def _broadcast_state(self, root: int, apply: bool = True) -> None:
+        """The state (:meth:`state`) from the replica at ``root`` to every other member.
+
+        Args:
+            root: Index of the sending member.
+            apply: Load what arrives (False for members that hold the state already).
+        """
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         if self.members.index(self.rank) == root:
@@ -366,7 +372,7 @@ class ElasticDataParallel:
         if self.members.index(self.rank) != root:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.broadcast([payload], opts).wait()
-        if self.members.index(self.rank) != root:
+        if self.members.index(self.rank) != root and apply:
             self._apply_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False))
 
     # -- one step ----------------------------------------------------------------

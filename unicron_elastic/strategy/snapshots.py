@@ -68,7 +68,7 @@ class MemorySnapshot:
         written is waited for first (at most one in flight).
         """
         self.wait()
-        frozen = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v), state)
+        frozen = _frozen(state)
         self._thread = threading.Thread(target=self._upload, args=(frozen,), name="unicron-snapshot", daemon=True)
         self._thread.start()
 
@@ -88,6 +88,11 @@ class MemorySnapshot:
         if not self.store.check([SNAPSHOT_KEY]):
             return None
         return torch.load(io.BytesIO(self.store.get(SNAPSHOT_KEY)), weights_only=False)
+
+
+def _frozen(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy training cannot change underneath a background writer."""
+    return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v), state)
 
 
 def _split(state: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +150,7 @@ class DiskCheckpoints:
 
         self.wait()
         path = self.directory / f"step-{step:08d}"
-        future = async_save(_split(state), checkpoint_id=str(path), no_dist=True)
+        future = async_save(_split(_frozen(state)), checkpoint_id=str(path), no_dist=True)
         future.add_done_callback(lambda f: self._mark(f, step, path))
         self._pending = future
 
