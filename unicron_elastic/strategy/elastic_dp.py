@@ -20,14 +20,15 @@ When a peer dies (gloo raises on the broken connection):
   reduced again.
 
 Reconfiguration happens between steps: the group's leader (lowest member)
-publishes each step's membership (``unicron-dp/step<s>/members``, following a
-``schedule`` - the coordinator's plan); ranks that are no longer members retire;
-new ranks (``joining=True``, e.g. a worker the agent restarted) ask to join;
-without a schedule the leader admits them at the next step boundary, with one
-the schedule alone decides. They receive
-the model, optimizer, RNG and step by broadcast from the leader, a healthy
-replica. The global batch stays the same, so the parameter trajectory does not
-depend on the DP size.
+broadcasts each step's membership (following a ``schedule`` - the coordinator's
+plan); ranks that are no longer members retire; new ranks (``joining=True``,
+e.g. a worker the agent restarted) ask to join; without a schedule the leader
+admits them at the next step boundary, with one the schedule alone decides.
+They receive the state (by default model, optimizer, RNG; the Lightning
+strategy sends its whole checkpoint dict) and the step by broadcast from the
+leader, a healthy replica. When no replica is left, the lowest joiner resumes
+from ``fallback()`` and hands that state to the others. The global batch stays
+the same, so the parameter trajectory does not depend on the DP size.
 
 Assumes a single failure at a time (a second check-in timeout falls back to
 whoever checked in).
