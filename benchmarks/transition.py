@@ -42,7 +42,7 @@ ELASTIC = str(ROOT.parent / "examples" / "elastic_dp_worker.py")
 PLAIN = str(ROOT / "_restart_all_worker.py")
 GPT = str(ROOT.parent / "examples" / "lightning_gpt.py")
 DDP = str(ROOT / "_lightning_ddp_worker.py")
-GPT_STEPS, GPT_KILL = 30, 12
+GPT_STEPS, GPT_KILL = 80, 12
 BIN = os.path.dirname(sys.executable)
 WORLD, STEPS, KILL_STEP = 3, 10, 6
 FAULT = fail_at(rank=2, step=KILL_STEP, micro_batch=5)  # rank 2's last micro-batch of step 6
@@ -102,9 +102,9 @@ def lightning_run(which: str, tmp: Path, width: int, faults, extra: list[str] = 
     return _times(tmp)
 
 
-def lightning_step_time(times: list[dict]) -> float:
+def lightning_step_times(times: list[dict]) -> list[float]:
     t = [s["t"] for s in times]
-    return statistics.median(b - a for a, b in zip(t[5:], t[6:]))
+    return [b - a for a, b in zip(t[5:], t[6:])]
 
 
 def lightning_transition(times: list[dict], killed: float) -> float:
@@ -122,16 +122,18 @@ def lightning(runs: int, width: int) -> None:
     for _ in range(runs):
         for name, (which, extra) in variants.items():  # alternated: the machine's drift hits all alike
             tmp = Path(tempfile.mkdtemp(prefix="unicron-lightning-"))
-            free[name].append(lightning_step_time(lightning_run(which, tmp, width, [], extra)))
+            free[name].append(lightning_step_times(lightning_run(which, tmp, width, [], extra)))
             shutil.rmtree(tmp, ignore_errors=True)
         for which, extra in (("ddp", ["--checkpoint-every", "4"]), ("unicron", defaults)):
             tmp = Path(tempfile.mkdtemp(prefix="unicron-lightning-"))
             times = lightning_run(which, tmp, width, fault, extra)
             kill[which].append(lightning_transition(times, _kill_time(tmp)))
             shutil.rmtree(tmp, ignore_errors=True)
-    ours, ddp, exact = (statistics.median(free[k]) for k in ("unicron", "ddp", "unicron float64"))
+    # every step of every run pooled: the machine's noise between runs is larger than the target
+    ours, ddp, exact = (statistics.median([x for run in free[k] for x in run]) for k in ("unicron", "ddp", "unicron float64"))
     overhead = (ours - ddp) / ddp * 100
-    print(f"\n== Lightning, small GPT (width {width}), 2 ranks, gloo, CPU, median of {runs} alternated runs ==")
+    print(f"\n== Lightning, small GPT (width {width}), 2 ranks, gloo, CPU, {runs} alternated runs; "
+          f"step times: median of all {GPT_STEPS - 6} steps of every run ==")
     print(f"failure-free step, strategy=unicron_megatron : {ours * 1e3:8.2f} ms   (defaults: float32 sums, snapshot every 50)")
     print(f"failure-free step, strategy=ddp              : {ddp * 1e3:8.2f} ms")
     print(f"overhead                                     : {overhead:+8.1f} %  target <= 2%: {'met' if overhead <= 2 else 'NOT met'}")
@@ -140,7 +142,7 @@ def lightning(runs: int, width: int) -> None:
     print(f"kill -> step done, unicron_megatron          : {a:8.3f} s")
     print(f"kill -> step done, ddp restart-all + ckpt    : {b:8.3f} s")
     print(f"speed-up                                     : {b / a:8.1f}x   target >= 10x: {'met' if b / a >= 10 else 'NOT met'}")
-    print("per-run failure-free ms:", {k: [round(x * 1e3, 2) for x in v] for k, v in free.items()})
+    print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in free.items()})
 
 
 def main() -> None:
