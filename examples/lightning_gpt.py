@@ -117,6 +117,8 @@ def main() -> None:
                         help="gradient sums (float64: bit-identical to a failure-free run; the strategy's "
                              "default is float32)")
     parser.add_argument("--record-times", action="store_true", help="write OUT/times<R>.jsonl")
+    parser.add_argument("--members", default=None, help="initial data-parallel ranks, e.g. 0,1 (default: all)")
+    parser.add_argument("--schedule", default="{}", help='JSON {"step": [ranks]}: scale in/out at that step')
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
@@ -135,7 +137,9 @@ def main() -> None:
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
         snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        grad_dtype=getattr(torch, args.grad_dtype))
+        grad_dtype=getattr(torch, args.grad_dtype),
+        members=[int(r) for r in args.members.split(",")] if args.members else None,
+        schedule={int(k): v for k, v in json.loads(args.schedule).items()})
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
@@ -144,6 +148,7 @@ def main() -> None:
     trainer.fit(model, DataLoader(Tokens(), batch_size=args.micro_batch))
     trainer.save_checkpoint(args.out / "final.ckpt")
     summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+               "retired_at": strategy.retired_at,
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")

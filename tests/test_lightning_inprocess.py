@@ -97,6 +97,12 @@ def test_unsupported_lightning_settings_are_clear_errors(tmp_path: Path, case: s
         trainer(tmp_path, 2, **kwargs).fit(Regression(manual=case == "manual"), loader())
 
 
+@pytest.mark.timeout(120)
+def test_members_outside_the_world_are_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="subset of ranks 0..0"):
+        trainer(tmp_path, 2, strategy=UnicronMegatronStrategy(schedule={1: [0, 3]})).fit(Regression(), loader())
+
+
 def test_bad_strategy_arguments_are_clear_errors() -> None:
     with pytest.raises(ConfigError, match="global_batch"):
         UnicronMegatronStrategy(global_batch=0)

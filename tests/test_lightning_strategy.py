@@ -32,10 +32,13 @@ WORLD, STEPS, B = 3, 8, 6  # global batch 24 in micro-batches of 4
 BUCKET = 6560  # TinyGPT has 19680 parameters: 3 buckets
 
 
-def launch(out: Path, faults: list[Fault], *args: str, step_time: float = 0.0) -> subprocess.CompletedProcess:
+def launch(out: Path, faults: list[Fault], *args: str, step_time: float = 0.0,
+           world: int = WORLD) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", **faults_env(faults, str(out / "faults.log")))
-    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={WORLD}", "--monitor-interval=0.05",
-           GPT, "--steps", str(STEPS), "--out", str(out), "--step-time", str(step_time), *args]
+    # steps of ~40 ms on a shared 2-core machine jitter by more than 3x: a hang factor of 10
+    # keeps the hang detector (tested in test_agent.py) from restarting healthy workers here
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={world}", "--monitor-interval=0.05",
+           "--hang-factor=10", GPT, "--steps", str(STEPS), "--out", str(out), "--step-time", str(step_time), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -146,6 +149,40 @@ def test_without_a_snapshot_the_disk_checkpoint_is_used(tmp_path: Path, baseline
         assert s["state_from"] == "disk" and s["joined_at"] in (3, 4)  # the save of step 4 may be in flight
         assert_params(tmp_path, r, baseline)  # the steps after the checkpoint were recomputed
     assert len(list(ckpt.glob("step-*"))) <= 2  # older checkpoints are deleted
+
+
+@pytest.fixture(scope="module")
+def baseline4(tmp_path_factory) -> list[torch.Tensor]:
+    out = tmp_path_factory.mktemp("baseline4")
+    proc = launch(out, [], world=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out / "params0.pt")
+
+
+@pytest.mark.timeout(300)
+def test_scale_in_4_3_2_keeps_the_global_batch_and_trajectory(tmp_path: Path, baseline4) -> None:
+    proc = launch(tmp_path, [], "--schedule", json.dumps({2: [0, 1, 2], 5: [0, 1]}), world=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [summary(tmp_path, r)["retired_at"] for r in range(4)] == [None, None, 5, 2]
+    for r in (0, 1):
+        assert summary(tmp_path, r)["global_step"] == STEPS
+        assert_params(tmp_path, r, baseline4)
+    last = summary(tmp_path, 0)["reports"][-1]
+    assert last["micro_batches"] == [0, 2, 4]  # B = 6 over 2 ranks: the global batch is unchanged
+
+
+@pytest.mark.timeout(300)
+def test_scale_out_2_to_4_new_ranks_get_the_state_from_a_replica(tmp_path: Path, baseline4) -> None:
+    proc = launch(tmp_path, [], "--members", "0,1", "--schedule", json.dumps({3: [0, 1, 2, 3]}), world=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(4):
+        assert summary(tmp_path, r)["global_step"] == STEPS
+        assert_params(tmp_path, r, baseline4)
+    for r in (2, 3):
+        joined = summary(tmp_path, r)
+        assert (joined["joined_at"], joined["state_from"]) == (3, "replica")
+        assert [rep["step"] for rep in joined["reports"]] == list(range(3, STEPS))
+    assert summary(tmp_path, 0)["reports"][0]["micro_batches"] == [0, 2, 4]  # 2 ranks before the scale-out
 
 
 # -- in-process: registry, Lightning features, bad input ------------------------------

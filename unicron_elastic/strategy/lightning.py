@@ -47,7 +47,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from unicron_elastic.api import ConfigError
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, StepReport
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, StepReport
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world
@@ -105,6 +105,13 @@ class UnicronMegatronStrategy(DDPStrategy):
         timeout: Collective timeout.
         checkin_timeout: How long survivors wait for each other after a failure.
         join_timeout: How long a restarted rank waits to be admitted.
+        members: The launch ranks that train from the start (default: all);
+            the others wait to be added by ``schedule``.
+        schedule: ``{step: members}``: the data-parallel members from that step
+            on (the coordinator's plan: scale in or out with the same global
+            batch). Ranks left out retire at that step (their ``fit`` ends);
+            ranks added receive the state from a replica. The lowest member
+            must stay in.
         grad_dtype: Dtype of gradient accumulation and all-reduce. float32
             (default): after a failure the sums are added in another order, so
             the parameters equal the failure-free ones to float32 rounding, which
@@ -129,6 +136,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         timeout: timedelta = timedelta(seconds=60),
         checkin_timeout: float = 10.0,
         join_timeout: float = 300.0,
+        members: list[int] | None = None,
+        schedule: dict[int, list[int]] | None = None,
         grad_dtype: torch.dtype = torch.float32,
         **kwargs: Any,
     ) -> None:
@@ -150,7 +159,10 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.checkpoint_dir = checkpoint_dir
         self.checkin_timeout, self.join_timeout = checkin_timeout, join_timeout
         self.grad_dtype = grad_dtype
+        self.initial_members = sorted(members) if members is not None else None
+        self.schedule = {int(step): sorted(ranks) for step, ranks in (schedule or {}).items()}
         self.finished_before_join = False
+        self.retired_at: int | None = None  # the step the schedule removed this rank at
         self.engine: ElasticDataParallel | None = None
         self.reports: list[StepReport] = []
         self.joined_at: int | None = None  # the step a restarted rank joined at
@@ -185,8 +197,22 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     @property
     def joining(self) -> bool:
-        """This process is a worker the agent restarted: it joins a running group."""
-        return int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
+        """This process joins a running group: the agent restarted it, or the schedule adds it later."""
+        restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
+        return restarted or self.env.launch_rank not in self._members()
+
+    def _members(self) -> list[int]:
+        """The initial data-parallel members.
+
+        Raises:
+            ConfigError: Members or schedule name ranks outside the launch world.
+        """
+        world = self.env.launch_world_size
+        members = self.initial_members if self.initial_members is not None else list(range(world))
+        for ranks in [members, *self.schedule.values()]:
+            if not ranks or not set(ranks) <= set(range(world)):
+                raise ConfigError(f"members {ranks} must be a non-empty subset of ranks 0..{world - 1}")
+        return members
 
     def set_world_ranks(self) -> None:
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
@@ -220,8 +246,11 @@ class UnicronMegatronStrategy(DDPStrategy):
             self._local_only = True
             self.set_world_ranks()
             return
-        build_world(self._store, 0, self.env.launch_rank, self.env.launch_world_size, self.tp, self.pp,
-                    self._timeout or timedelta(seconds=60))
+        members = self._members()
+        index = members.index(self.env.launch_rank)
+        build_world(self._store, 0, index, len(members), self.tp, self.pp, self._timeout or timedelta(seconds=60))
+        self.env.set_global_rank(index)
+        self.env.set_world_size(len(members))
         self.set_world_ranks()
 
     def _on_group(self, members: list[int], generation: int) -> None:
@@ -264,7 +293,8 @@ class UnicronMegatronStrategy(DDPStrategy):
             batch=self._materialise, loss_fn=self._micro_batch_loss, store=self._store,
             rank=self.env.launch_rank, world_size=self.env.launch_world_size, bucket_numel=self.bucket_numel,
             timeout=self._timeout or timedelta(seconds=60), checkin_timeout=self.checkin_timeout,
-            hook=self._hook, joining=self.joining, get_state=self._state, set_state=self._load_state,
+            hook=self._hook, joining=self.joining, members=self._members(), schedule=self.schedule,
+            get_state=self._state, set_state=self._load_state,
             on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
         )
         if self.joining:
@@ -355,7 +385,15 @@ class UnicronMegatronStrategy(DDPStrategy):
         engine.next_step = step
         self._snapshot(step)
         self._losses = []
-        engine.begin_step(step)
+        if self.retired_at is not None:
+            return {"loss": torch.zeros(())}
+        try:
+            engine.begin_step(step)
+        except Retired:
+            self.retired_at = step  # the plan dropped this rank: stop quietly, the others go on
+            self._local_only = True
+            self.lightning_module.trainer.should_stop = True
+            return {"loss": torch.zeros(())}
         loss = torch.stack(self._losses).mean() if self._losses else torch.zeros(())
         return {"loss": loss}
 
@@ -375,6 +413,8 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The micro-batches' gradients were accumulated in ``training_step``: reduce them, resiliently."""
+        if self.retired_at is not None:
+            return closure_loss  # no gradients: the optimizer skips parameters without one
         report = self.engine.finish_gradients()
         self.reports.append(report)
         self._hook(self.env.launch_rank, report.step, at="before_optimizer_step")
@@ -423,7 +463,7 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     # -- the end -------------------------------------------------------------------
     def teardown(self) -> None:
-        if self.engine is not None and self.engine.pg is not None:
+        if self.engine is not None and self.engine.pg is not None and self.retired_at is None:
             self.engine.finish()
         for saver in (self._memory, self._disk):
             if saver is not None:
