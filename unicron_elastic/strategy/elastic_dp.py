@@ -154,6 +154,7 @@ class ElasticDataParallel:
         self.state_source: str | None = None  # where a joiner's state came from
         self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others
         self._synced_step = -1  # the last step whose membership this rank agreed on
+        self._agreed: dict[int, list[int]] = {}  # members of the next step, agreed in this step's all-reduce
         self._pending: tuple[int, StepReport, dict[int, list[int]], torch.Tensor] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
@@ -203,10 +204,33 @@ class ElasticDataParallel:
         return dead, agreed
 
     # -- membership ----------------------------------------------------------------
-    def _sync_membership(self, step: int) -> None:
-        """Agree on this step's members (a broadcast from the leader); resize if they changed.
+    def _proposal(self, step: int) -> list[int]:
+        """The leader's members for ``step``: the schedule's, else the current ones plus waiting joiners."""
+        wanted = list(self.schedule.get(step, self.members))
+        # without a plan, a restarted rank waiting to come back is admitted now
+        if not self.schedule and self.store.add("unicron-dp/join-requests", 0) > 0:
+            wanted += [r for r in range(self.world_size)
+                       if r not in wanted and self.store.check([f"unicron-dp/join/{r}"])]
+        return wanted
 
-        The agreement is a collective, not a store key, so a leader that died
+    def _encode(self, members: list[int] | None, dtype: torch.dtype) -> torch.Tensor:
+        slots = torch.zeros(self.world_size + 1, dtype=dtype)
+        if members is not None:
+            slots[0] = len(members)
+            slots[1 : 1 + len(members)] = torch.tensor(members, dtype=dtype)
+        return slots
+
+    @staticmethod
+    def _decode(slots: torch.Tensor) -> list[int]:
+        return [int(r) for r in slots[1 : 1 + int(slots[0])].tolist()]
+
+    def _sync_membership(self, step: int) -> None:
+        """Agree on this step's members; resize if they changed.
+
+        Usually the members were agreed during the previous step's all-reduce
+        (the leader's proposal rides in the last bucket, so it costs no extra
+        collective). Otherwise (first step, after a join) the leader broadcasts
+        them. Both are collectives, not store keys, so a leader that died
         between steps cannot leave the others waiting: the broadcast fails, the
         members stay as they were, and the failure is handled in this step's
         reduction like any other (scenario 1).
@@ -217,23 +241,16 @@ class ElasticDataParallel:
         if step == self._synced_step:  # joined at this step: the others agreed on it already
             return
         self._synced_step = step
-        payload = torch.full((self.world_size + 1,), -1, dtype=torch.int64)
-        if self.rank == self.members[0]:
-            wanted = list(self.schedule.get(step, self.members))
-            # without a plan, a restarted rank waiting to come back is admitted now
-            if not self.schedule and self.store.add("unicron-dp/join-requests", 0) > 0:
-                wanted += [r for r in range(self.world_size)
-                           if r not in wanted and self.store.check([f"unicron-dp/join/{r}"])]
-            payload[0] = len(wanted)
-            payload[1 : 1 + len(wanted)] = torch.tensor(wanted, dtype=torch.int64)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        try:
-            self.pg.broadcast([payload], opts).wait()
-        except RuntimeError as exc:
-            log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
-            return
-        wanted = payload[1 : 1 + int(payload[0])].tolist()
+        wanted = self._agreed.pop(step, None)
+        if wanted is None:
+            payload = self._encode(self._proposal(step) if self.rank == self.members[0] else None, torch.int64)
+            try:
+                self.pg.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
+            except RuntimeError as exc:
+                log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
+                return
+            wanted = self._decode(payload)
+        self._agreed.clear()
         if wanted == self.members:
             return
         self._resize(sorted(wanted), step)
@@ -425,8 +442,16 @@ class ElasticDataParallel:
                 for k in range(done, len(self.bounds)):
                     self.hook(self.rank, step, bucket=k)
                     start, end = self.bounds[k]
-                    buf = local[start:end].clone()  # reduce a copy: the local sum survives a failure
+                    last = k == len(self.bounds) - 1
+                    if last:  # the next step's members ride along (the leader's proposal, zeros elsewhere)
+                        proposal = self._proposal(step + 1) if self.rank == self.members[0] else None
+                        buf = torch.cat([local[start:end], self._encode(proposal, local.dtype)])
+                    else:
+                        buf = local[start:end].clone()  # reduce a copy: the local sum survives a failure
                     self.pg.allreduce([buf]).wait()
+                    if last:
+                        self._agreed = {step + 1: self._decode(buf[end - start :])}
+                        buf = buf[: end - start]
                     reduced[k] = buf
                     done = k + 1
                 break
