@@ -229,9 +229,10 @@ class ElasticDataParallel:
 
         Usually the members were agreed during the previous step's all-reduce
         (the leader's proposal rides in the last bucket, so it costs no extra
-        collective). Otherwise (first step, after a join) the leader broadcasts
-        them. Both are collectives, not store keys, so a leader that died
-        between steps cannot leave the others waiting: the broadcast fails, the
+        collective). Otherwise (first step, after a join) a small all-reduce of
+        the leader's proposal agrees on them. Both are collectives, not store
+        keys, so a leader that died between steps cannot leave the others
+        waiting: the collective fails, the
         members stay as they were, and the failure is handled in this step's
         reduction like any other (scenario 1).
 
