@@ -240,8 +240,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         """
         check_sizes(self.env.launch_world_size, self.tp, self.pp)
         self._store = self._connect_store()
-        self._worker.hello(resumable=True)
-        self._worker.install_excepthook()
+        self._worker.hello(resumable=True)  # get_worker() installed the exception hook already
         if self.joining:
             self._local_only = True
             self.set_world_ranks()
