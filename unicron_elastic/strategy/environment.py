@@ -37,7 +37,7 @@ class UnicronEnvironment(ClusterEnvironment):
     def __init__(self) -> None:
         self._launch_rank = _env_int("RANK", 0)
         self._rank = self._launch_rank
-        self._world_size = _env_int("WORLD_SIZE", 1)
+        self._launch_world_size = self._world_size = _env_int("WORLD_SIZE", 1)
         self._local_rank = _env_int("LOCAL_RANK", 0)
         self._node_rank = _env_int("GROUP_RANK", _env_int("NODE_RANK", 0))
 
@@ -65,7 +65,7 @@ class UnicronEnvironment(ClusterEnvironment):
     @property
     def launch_world_size(self) -> int:
         """The world size the launcher started with."""
-        return _env_int("WORLD_SIZE", 1)
+        return self._launch_world_size
 
     def world_size(self) -> int:
         return self._world_size

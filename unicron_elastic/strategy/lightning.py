@@ -371,6 +371,8 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """This rank's micro-batches of the current step (Lightning's closure calls this)."""
+        if self.retired_at is not None:  # Lightning may run more batches before it honours should_stop
+            return {"loss": torch.zeros(())}
         engine = self.engine
         step = self.lightning_module.trainer.global_step
         if self._rng is not None:  # a joiner: continue the replica's random streams
@@ -384,8 +386,6 @@ class UnicronMegatronStrategy(DDPStrategy):
         engine.next_step = step
         self._snapshot(step)
         self._losses = []
-        if self.retired_at is not None:
-            return {"loss": torch.zeros(())}
         try:
             engine.begin_step(step)
         except Retired:
