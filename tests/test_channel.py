@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from unicron_elastic.agent.channel import AgentChannel
+from unicron_elastic.agent.channel import AgentChannel, parse
 from unicron_elastic.worker import WorkerChannel
 
 
@@ -110,3 +111,103 @@ def test_run_step_retries_when_the_agent_says_reattempt(channel) -> None:
     assert result.stdout.split() == ["ok", "2"]
     exc = next(m for m in channel.messages if m["t"] == "exc")
     assert exc["fatal"] is False and exc["step"] == 5 and exc["type"] == "ConnectionResetError"
+
+
+def _send_all(path: str, datagrams: list[bytes]) -> None:
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        for raw in datagrams:
+            sender.sendto(raw, path)  # blocking: waits while the agent's queue is full, loses nothing
+    finally:
+        sender.close()
+
+
+def _beat(rank: int = 1, step: int = 0, dur: float = 0.1) -> bytes:
+    return json.dumps({"t": "beat", "rank": rank, "step": step, "dur": dur}).encode()
+
+
+def test_deeply_nested_datagrams_cost_only_themselves(channel) -> None:
+    nested = [b"[" * 50_000, b'{"a":' * 20_000 + b"1" + b"}" * 20_000,
+              b'{"t": "beat", "rank": 1, "step": 0, "dur": 0.1, "x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"]
+    _send_all(channel.path, [*nested, _beat(step=7)])
+    assert _wait(lambda: len(channel.messages) == 1), "the channel thread died on a nested datagram"
+    assert channel.messages[0]["step"] == 7
+    assert channel.malformed == 3
+
+
+BAD_MESSAGES = [
+    b'{"t": "beat", "rank": 0, "step": 1, "dur": NaN}',
+    b'{"t": "beat", "rank": 0, "step": 1, "dur": Infinity}',
+    b'{"t": "beat", "rank": 0, "step": 1, "dur": -Infinity}',
+    b'{"t": "beat", "rank": 0, "step": 1, "dur": 1e400}',
+    b'{"t": "beat", "rank": 0, "step": 1, "dur": -0.5}',
+    b'{"t": "beat", "rank": 0, "step": 1, "dur": "0.1"}',
+    b'{"t": "beat", "rank": 0, "step": 1, "dur": null}',
+    b'{"t": "beat", "rank": 0, "step": 1, "dur": true}',
+    b'{"t": "beat", "rank": 0, "step": 1.5, "dur": 0.1}',
+    b'{"t": "beat", "rank": 0, "step": "1", "dur": 0.1}',
+    b'{"t": "beat", "rank": true, "step": 1, "dur": 0.1}',
+    b'{"t": "beat", "rank": -1, "step": 1, "dur": 0.1}',
+    b'{"t": "beat", "rank": 1e3, "step": 1, "dur": 0.1}',
+    b'{"t": "beat", "rank": 99999999999999999999999, "step": 1, "dur": 0.1}',
+    b'{"t": "progress", "rank": 0, "step": 1, "mb": "2"}',
+    b'{"t": "hello", "rank": 0, "pid": "12", "resumable": true, "reply": "/tmp/x.sock"}',
+    b'{"t": "hello", "rank": 0, "pid": 12, "resumable": "yes", "reply": "/tmp/x.sock"}',
+    b'{"t": "hello", "rank": 0, "pid": 12, "resumable": true, "reply": 5}',
+    b'{"t": "hello", "rank": 0, "pid": 12, "resumable": true, "reply": "' + b"x" * 5000 + b'"}',
+    b'{"t": "state", "rank": 0, "paused": "no"}',
+    b'{"t": "state", "rank": 0, "collective": 1}',
+    b'{"t": "exc", "rank": 0, "type": ["RuntimeError"], "msg": "m", "step": 1, "fatal": false}',
+    b'{"t": "exc", "rank": 0, "type": "E", "msg": {"a": 1}, "step": 1, "fatal": false}',
+    b'{"t": "exc", "rank": 0, "type": "E", "msg": "m", "step": 1, "fatal": "false"}',
+    b'{"t": "exc", "rank": 0, "type": "E", "msg": "m", "step": 1, "fatal": false, "tb": 3}',
+    b'{"t": "exc", "rank": 0, "type": "E", "msg": "' + b"m" * 20_000 + b'", "step": 1, "fatal": false}',
+    b'{"t": ["beat"], "rank": 0}',
+    b'\xff\xfe\x00garbage',
+    b'',
+]
+
+
+@pytest.mark.parametrize("raw", BAD_MESSAGES, ids=range(len(BAD_MESSAGES)))
+def test_fields_of_the_wrong_type_or_range_are_rejected(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse(raw)
+
+
+def test_valid_messages_still_parse() -> None:
+    assert parse(_beat(rank=3, step=2, dur=0.0))["dur"] == 0.0
+    assert parse(b'{"t": "beat", "rank": 0, "step": 1, "dur": 1}')["dur"] == 1
+    assert parse(b'{"t": "state", "rank": 0, "paused": true, "exiting": true}')["paused"] is True
+    assert parse(b'{"t": "exc", "rank": 0, "type": "E", "msg": "m", "tb": "x", "step": -1, "fatal": true}')["fatal"]
+
+
+def test_a_flood_of_malformed_datagrams_is_counted_but_not_logged_one_by_one(channel, capsys) -> None:
+    _send_all(channel.path, [b'{"t": "beat", "rank": 1, "step": 0, "dur": NaN}'] * 2000 + [_beat(step=9)])
+    assert _wait(lambda: len(channel.messages) == 1, timeout=30)
+    assert channel.malformed == 2000
+    logged = capsys.readouterr().out.count("malformed_worker_message")
+    assert 1 <= logged <= 20, logged
+
+
+def test_an_exception_while_handling_one_message_costs_that_message_only(channel) -> None:
+    seen: list[int] = []
+
+    def explode(msg, received):
+        seen.append(msg["step"])
+        if msg["step"] == 0:
+            raise RecursionError("maximum recursion depth exceeded")
+        channel.event.set()
+
+    channel._on_message = explode
+    _send_all(channel.path, [_beat(step=0), _beat(step=1)])
+    assert _wait(lambda: seen == [0, 1])
+    assert channel._thread.is_alive()
+
+
+def test_a_hello_must_name_a_reply_socket_in_the_agents_directory(channel) -> None:
+    hello = {"t": "hello", "rank": 1, "pid": 1, "resumable": True}
+    inside = os.path.join(os.path.dirname(channel.path), "w1.sock")
+    _send_all(channel.path, [json.dumps({**hello, "reply": "/tmp/elsewhere.sock"}).encode(),
+                             json.dumps({**hello, "reply": inside}).encode()])
+    assert _wait(lambda: len(channel.messages) == 1)
+    assert channel.messages[0]["reply"].endswith("/w1.sock") and channel.malformed == 1

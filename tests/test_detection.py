@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from unicron_elastic.agent.detectors import ExceptionDetector, HangDetector
 from unicron_elastic.api import ConfigError, MalformedValueError
 from unicron_elastic.detection.hang import HangThresholds, IterationMonitor
 from unicron_elastic.detection.severity import SEVERITY_TABLE, classify
@@ -123,7 +124,60 @@ def test_link_flapping_after_a_run_of_slow_iterations() -> None:
     assert monitor.noise >= 7
 
 
-@pytest.mark.parametrize("kwargs", [{"noise_factor": 1.0}, {"hang_factor": 1.2}, {"warmup": 0}, {"flap_window": 0}])
+@pytest.mark.parametrize("kwargs", [{"noise_factor": 1.0}, {"hang_factor": 1.2}, {"warmup": 0}, {"flap_window": 0},
+                                    {"hang_factor": float("inf")}, {"hang_factor": float("nan")}])
 def test_bad_thresholds_are_rejected(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         HangThresholds(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -0.5])
+def test_a_non_finite_or_negative_duration_never_reaches_the_mean(bad: float) -> None:
+    monitor = IterationMonitor()
+    now, _ = _run(monitor, [0.2] * 10)
+    mean, count = monitor.mean, monitor.count
+    assert monitor.heartbeat(now + 0.2, bad) is None
+    assert monitor.check(now + 0.21) is None  # a healthy worker is not declared hung
+    assert (monitor.mean, monitor.count, monitor.rejected) == (mean, count, 1)
+    assert monitor.check(now + 0.61).kind == "task_hang"  # the bad beat proves nothing: a real hang still counts
+
+
+class _Context:
+    """A detector context with two local workers, global ranks 4 and 5."""
+
+    def __init__(self) -> None:
+        self.hangs: list = []
+        self.exceptions: list = []
+
+    def workers(self) -> dict:
+        return {0: (4, None), 1: (5, None)}
+
+    def hang(self, rank, finding) -> None:
+        self.hangs.append((rank, finding))
+
+    def exception(self, rank, msg, classification, received) -> None:
+        self.exceptions.append(rank)
+
+    def classify(self, exc_type, message, traceback):
+        return classify(exc_type, message)
+
+
+def test_the_hang_detector_keeps_monitors_only_for_its_own_workers() -> None:
+    detector, ctx = HangDetector(), _Context()
+    detector.ctx = ctx
+    detector.on_workers_started([0, 1], "g0")
+    for rank in range(20_000):
+        detector.on_message({"t": "beat", "rank": rank, "step": 0, "dur": 0.1}, 1.0)
+    assert sorted(detector.monitors) == [4, 5]
+    assert detector.dropped == 20_000 - 2
+    detector.on_message({"t": "beat", "rank": 4, "step": 1, "dur": float("nan")}, 1.1)
+    assert detector.monitors[4].mean == pytest.approx(0.1) and ctx.hangs == []
+
+
+def test_the_exception_detector_ignores_ranks_that_are_not_its_workers() -> None:
+    detector, ctx = ExceptionDetector(), _Context()
+    detector.ctx = ctx
+    for rank in (4, 7, 1000):
+        report = {"t": "exc", "rank": rank, "type": "ValueError", "msg": "m", "step": 1, "fatal": False}
+        detector.on_message(report, 1.0)
+    assert ctx.exceptions == [4] and detector.dropped == 2

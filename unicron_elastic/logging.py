@@ -3,7 +3,8 @@
 Library modules only call ``structlog.get_logger(__name__)``; the CLIs call
 :func:`configure_logging`. Output is JSON lines when stderr is not a TTY (or
 ``--log-format json``), a readable console format otherwise. stdlib logging
-(torch's own loggers) goes through the same renderer.
+(torch's own loggers) goes through the same renderer; in JSON, an exception's
+traceback is the ``exception`` field of its line.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 
 import structlog
+from structlog.typing import Processor
 
 _CONFIGURED = False
 
@@ -38,7 +40,12 @@ def configure_logging(fmt: str = "auto", level: str | int | None = None) -> None
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso"),
     ]
-    renderer = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
+    # JSON: the traceback goes into the line (``"exception": "Traceback ..."``); the
+    # console renderer formats exceptions itself.
+    renderers: list[Processor] = (
+        [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()] if as_json
+        else [structlog.dev.ConsoleRenderer()]
+    )
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -49,7 +56,7 @@ def configure_logging(fmt: str = "auto", level: str | int | None = None) -> None
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderers],
         )
     )
     root = logging.getLogger()

@@ -101,7 +101,7 @@ class WorkerChannel:
     def report_exception(self, exc: BaseException, step: int = -1, fatal: bool = True) -> None:
         """Send an exception to the agent for classification."""
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-_MAX_TRACEBACK:]
-        self._send({"t": "exc", "type": type(exc).__name__, "msg": str(exc)[:2000], "tb": tb,
+        self._send({"t": "exc", "type": type(exc).__name__[:256], "msg": str(exc)[:2000], "tb": tb,
                     "step": int(step), "fatal": bool(fatal)})
 
     def wait_verdict(self, timeout: float) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ go back to the worker's own socket. Per-iteration traffic never leaves the node.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -28,26 +29,106 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "exc": ("type", "msg", "step", "fatal"),
 }
 MAX_DATAGRAM = 64 * 1024
+#: Largest rank, PID or step a worker may send (a 63-bit signed integer).
+MAX_INT = 2**63 - 1
+#: Longest iteration a heartbeat may report, in seconds (a day).
+MAX_DURATION = 86_400.0
+#: Malformed messages logged one by one before the channel logs only a count per interval.
+LOG_BURST = 10
+LOG_INTERVAL = 10.0
+
+
+def _integer(low: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and low <= v <= MAX_INT
+
+
+def _duration(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and 0 <= v <= MAX_DURATION
+
+
+def _boolean(v: Any) -> bool:
+    return type(v) is bool
+
+
+def _string(longest: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is str and len(v) <= longest
+
+
+#: Field -> (check of its value, what the check wants), for every field a message may carry.
+FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "rank": (_integer(0), "an integer >= 0"),
+    "pid": (_integer(0), "an integer >= 0"),
+    "step": (_integer(-1), "an integer >= -1"),  # -1: an exception outside any step
+    "mb": (_integer(0), "an integer >= 0"),
+    "dur": (_duration, f"a finite number of seconds in [0, {MAX_DURATION:g}]"),
+    "resumable": (_boolean, "true or false"),
+    "fatal": (_boolean, "true or false"),
+    "paused": (_boolean, "true or false"),
+    "collective": (_boolean, "true or false"),
+    "exiting": (_boolean, "true or false"),
+    "reply": (_string(107), "a socket path of at most 107 characters"),
+    "type": (_string(256), "a string of at most 256 characters"),
+    "msg": (_string(4_000), "a string of at most 4000 characters"),
+    "tb": (_string(16_000), "a string of at most 16000 characters"),
+}
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid number")
 
 
 def parse(raw: bytes) -> dict[str, Any]:
     """Decode and validate one worker message.
 
+    Every known field is type- and range-checked (integers for ranks and steps,
+    finite non-negative durations, booleans, bounded strings), so what reaches
+    the detectors is what a :class:`~unicron_elastic.worker.WorkerChannel` sends.
+
     Raises:
-        ValueError: Not JSON, unknown type, or missing/invalid fields.
+        ValueError: Not JSON (or nested too deep to decode), unknown type,
+            missing fields, or a field of the wrong type or range.
     """
-    msg = json.loads(raw)
+    try:
+        msg = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("message is nested too deeply") from None
     if not isinstance(msg, dict):
         raise ValueError("message is not a JSON object")
     kind = msg.get("t")
-    if kind not in SCHEMA:
-        raise ValueError(f"unknown message type {kind!r}")
-    if not isinstance(msg.get("rank"), int):
-        raise ValueError("message has no integer 'rank'")
-    missing = [f for f in SCHEMA[kind] if f not in msg]
+    if not isinstance(kind, str) or kind not in SCHEMA:
+        raise ValueError(f"unknown message type {str(kind)[:40]!r}")
+    missing = [f for f in ("rank", *SCHEMA[kind]) if f not in msg]
     if missing:
         raise ValueError(f"{kind} message misses {missing}")
+    for name, value in msg.items():
+        check = FIELDS.get(name)
+        if check is not None and not check[0](value):
+            raise ValueError(f"{kind} message field {name!r} must be {check[1]}")
     return msg
+
+
+class _RateLimitedLog:
+    """Log the first ``burst`` events, then at most one per ``interval`` (with the count suppressed)."""
+
+    def __init__(self, burst: int = LOG_BURST, interval: float = LOG_INTERVAL) -> None:
+        self.burst, self.interval = burst, interval
+        self._logged = 0
+        self._suppressed = 0
+        self._next = 0.0
+
+    def warning(self, event: str, **fields: Any) -> None:
+        now = time.monotonic()
+        if self._logged < self.burst:
+            self._logged += 1
+            log.warning(event, **fields)
+        elif now >= self._next:
+            log.warning(event, **fields, suppressed=self._suppressed)
+            self._suppressed = 0
+        else:
+            self._suppressed += 1
+            return
+        if self._logged >= self.burst:
+            self._next = now + self.interval
 
 
 class AgentChannel:
@@ -57,12 +138,20 @@ class AgentChannel:
         directory: A private directory for the sockets.
         on_message: Called with each valid message and its receive time
             (``time.monotonic()``), from the receiver thread.
+
+    Attributes:
+        malformed: Datagrams dropped: invalid (see :func:`parse`), a ``hello``
+            whose reply socket is not in ``directory``, or any other error
+            while handling them. Nothing one datagram does stops the channel.
     """
 
     def __init__(self, directory: str, on_message: Callable[[dict[str, Any], float], None]) -> None:
         self.path = os.path.join(directory, "agent.sock")
+        self._directory = directory
         self._on_message = on_message
         self.malformed = 0
+        self._log = _RateLimitedLog()
+        self._handler_log = _RateLimitedLog()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.path)
         self._sock.settimeout(0.2)
@@ -78,21 +167,34 @@ class AgentChannel:
                 raw = self._sock.recv(MAX_DATAGRAM)
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._closed.is_set():
                     return
-                raise
-            received = time.monotonic()
-            try:
-                msg = parse(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                self.malformed += 1
-                log.warning("malformed_worker_message", error=str(exc), raw=raw[:120])
+                self._log.warning("worker_channel_receive_failed", error=str(exc))
+                self._closed.wait(0.05)
                 continue
             try:
-                self._on_message(msg, received)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the channel
-                log.exception("worker_message_handler_failed", message_type=msg.get("t"))
+                self._handle(raw, time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - whatever one datagram does costs that datagram only
+                self.malformed += 1
+                self._log.warning("worker_message_failed", error=f"{type(exc).__name__}: {exc}"[:200])
+
+    def _handle(self, raw: bytes, received: float) -> None:
+        try:
+            msg = parse(raw)
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            self.malformed += 1
+            self._log.warning("malformed_worker_message", error=str(exc)[:200], raw=raw[:120])
+            return
+        if msg["t"] == "hello" and os.path.dirname(msg["reply"]) != self._directory:
+            self.malformed += 1  # verdicts go only to sockets in the agent's private directory
+            self._log.warning("malformed_worker_message", error="reply socket outside the agent's directory",
+                              rank=msg["rank"])
+            return
+        try:
+            self._on_message(msg, received)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the channel
+            self._handler_log.warning("worker_message_handler_failed", message_type=msg["t"], exc_info=True)
 
     def send(self, path: str, msg: dict[str, Any]) -> bool:
         """Send ``msg`` to a worker's socket; False if the worker is gone."""

@@ -54,14 +54,30 @@ class DetectorContext(Protocol):
         """Classify an exception through the plugins."""
 
 
+def _own_rank(ctx: DetectorContext, rank: int) -> bool:
+    """Whether ``rank`` is the global rank of one of this agent's running workers."""
+    return any(own == rank for own, _ in ctx.workers().values())
+
+
+def _note_dropped(detector: Detector, msg: dict[str, Any]) -> None:
+    """Count a message from a rank that is not this agent's; log the 1st, 10th, 100th ..."""
+    detector.dropped += 1
+    if str(detector.dropped).rstrip("0") == "1":
+        log.warning("worker_message_from_unknown_rank", detector=detector.name, rank=msg["rank"],
+                    message_type=msg["t"], dropped=detector.dropped)
+
+
 class Detector(ABC):  # noqa: B024 - every method has a sensible default
     """A detector; override what you need.
 
     Attributes:
         name: Name used in ``--detectors``.
+        dropped: Worker messages ignored because their rank is not one of
+            this agent's workers (detectors that check it).
     """
 
     name = "detector"
+    dropped = 0
 
     def start(self, ctx: DetectorContext) -> None:
         """Start watching (called once, after the first rendezvous)."""
@@ -112,19 +128,31 @@ class ProcessDetector(Detector):
 
 
 class ExceptionDetector(Detector):
-    """Exception propagation: classify what workers report (severity table + plugins)."""
+    """Exception propagation: classify what workers report (severity table + plugins).
+
+    Reports that name a rank which is not one of this agent's workers are
+    dropped (counted in ``dropped``).
+    """
 
     name = "exception"
 
     def on_message(self, msg: dict[str, Any], received: float) -> None:
         if msg["t"] != "exc":
             return
+        if not _own_rank(self.ctx, msg["rank"]):
+            _note_dropped(self, msg)
+            return
         classification = self.ctx.classify(str(msg["type"]), str(msg["msg"]), str(msg.get("tb", "")))
         self.ctx.exception(msg["rank"], msg, classification, received)
 
 
 class HangDetector(Detector):
-    """Online statistical monitoring of iteration times, one monitor per rank."""
+    """Online statistical monitoring of iteration times, one monitor per rank.
+
+    Only this agent's workers get a monitor: messages from any other rank are
+    dropped (counted in ``dropped``), and monitors of ranks no longer running
+    here are removed when workers start, so the table stays bounded.
+    """
 
     name = "hang"
 
@@ -145,12 +173,19 @@ class HangDetector(Detector):
         ranks = {lr: rank for lr, (rank, _) in self.ctx.workers().items()}
         now = time.monotonic()
         with self._lock:
+            for gone in set(self.monitors) - set(ranks.values()):
+                del self.monitors[gone]
             for local_rank in local_ranks:
                 rank = ranks.get(local_rank)
                 if rank is not None:
                     self.monitors.setdefault(rank, IterationMonitor(self.thresholds)).reset(generation, now)
 
     def on_message(self, msg: dict[str, Any], received: float) -> None:
+        if msg["t"] not in ("beat", "state"):
+            return
+        if msg["rank"] not in self.monitors and not _own_rank(self.ctx, msg["rank"]):
+            _note_dropped(self, msg)
+            return
         with self._lock:
             monitor = self.monitors.setdefault(msg["rank"], IterationMonitor(self.thresholds))
             if msg["t"] == "beat":

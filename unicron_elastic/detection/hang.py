@@ -19,6 +19,7 @@ configuration has warmed up (statistics are reset per configuration).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from unicron_elastic.api import ConfigError
@@ -40,6 +41,9 @@ class HangThresholds:
     warmup: int = 5
 
     def __post_init__(self) -> None:
+        factors = (self.noise_factor, self.flap_factor, self.hang_factor)
+        if not all(isinstance(f, (int, float)) and math.isfinite(f) for f in factors):
+            raise ConfigError(f"noise_factor, flap_factor and hang_factor must be finite numbers, got {factors}")
         if not 1.0 < self.noise_factor <= self.flap_factor < self.hang_factor:
             raise ConfigError(
                 f"need 1 < noise_factor ({self.noise_factor}) <= flap_factor ({self.flap_factor}) "
@@ -71,11 +75,16 @@ class IterationMonitor:
 
     Args:
         thresholds: The thresholds.
+
+    Attributes:
+        rejected: Heartbeats ignored because their duration was not a finite
+            number >= 0 (they never reach the statistics).
     """
 
     def __init__(self, thresholds: HangThresholds | None = None) -> None:
         self.thresholds = thresholds or HangThresholds()
         self.config_id: str | None = None
+        self.rejected = 0
         self.reset("initial", now=0.0)
 
     def reset(self, config_id: str, now: float) -> None:
@@ -100,9 +109,15 @@ class IterationMonitor:
     def heartbeat(self, now: float, duration: float) -> Finding | None:
         """Record one finished iteration of ``duration`` seconds at ``now``.
 
+        A duration that is not a finite number >= 0 is ignored and counted in
+        ``rejected``: it changes nothing, not even the time of the last beat.
+
         Returns:
             A link-flapping finding when the slow run reaches the window.
         """
+        if not (isinstance(duration, (int, float)) and math.isfinite(duration) and duration >= 0):
+            self.rejected += 1
+            return None
         t = self.thresholds
         finding = None
         if self.count >= t.warmup and self.mean > 0:
