@@ -49,3 +49,16 @@ def store(etcd_config: EtcdConfig) -> Iterator[StatusStore]:
     s = StatusStore(etcd_config)
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def _cli_keeps_the_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process ``unicron`` CLI calls must not reconfigure this process's logging.
+
+    ``configure_logging`` routes structlog through stdlib logging and caches the
+    module loggers on first use, so one in-process ``main([...])`` would change
+    where every later test's logs go.
+    """
+    import unicron_elastic.cli
+
+    monkeypatch.setattr(unicron_elastic.cli, "configure_logging", lambda *args, **kwargs: None)

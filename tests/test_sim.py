@@ -198,7 +198,7 @@ def test_cli_multitask_table() -> None:
     ("args", "match"),
     [
         (("simulate", "missing.csv"), "trace file missing.csv"),
-        (("simulate", "multitask", "--gpus", "0"), "--gpus 0"),
+        (("simulate", "multitask", "--gpus", "0"), "argument --gpus: '0' must be > 0"),
         (("simulate", "multitask", "--gpu", "TPU"), "unknown GPU type 'TPU'"),
         (("simulate", "trace-a", "--policies", "slurm"), "unknown policy 'slurm'"),
         (("simulate", "trace-a", "--case", "7"), "case 7"),

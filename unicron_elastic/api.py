@@ -7,6 +7,7 @@ without importing the modules that do I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -46,6 +47,14 @@ class EtcdStartError(UnicronError, RuntimeError):
     """A private etcd server did not become healthy."""
 
 
+class StateEncodingError(UnicronError, TypeError):
+    """A training state holds a value the safe state format cannot carry; the message names its path."""
+
+
+class StateDecodingError(UnicronError, ValueError):
+    """Bytes offered as a training state are not a safe state document (e.g. a pickle); nothing in them ran."""
+
+
 def lookup(catalogue: Mapping[str, V], kind: str, name: str) -> V:
     """``catalogue[name]``, or a :class:`ConfigError` that lists the known names.
 
@@ -58,6 +67,65 @@ def lookup(catalogue: Mapping[str, V], kind: str, name: str) -> V:
         raise ConfigError(f"unknown {kind} {name!r}; known: {', '.join(catalogue)}") from None
 
 
+#: Largest timeout, in seconds, that any unicron setting accepts: one year (365
+#: days). Far beyond any real use and far below where ``timedelta`` (~1e14 s),
+#: ``threading`` (``TIMEOUT_MAX``, ~9e9 s) and gRPC deadlines overflow.
+MAX_TIMEOUT_S = 365 * 86400.0
+
+
+def _parse_number(value: object, integer: bool) -> float | int:
+    """``value`` (a number or its text) as int/float; ValueError/TypeError if it is none."""
+    if isinstance(value, bool):
+        raise TypeError("a boolean is not a number")
+    if integer and isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        if math.isfinite(value):
+            raise ValueError("not an integer")
+        return value  # nan/inf: the range check names the problem
+    if integer:
+        return int(value)  # type: ignore[call-overload]
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond float range
+        return math.inf
+
+
+def finite_positive(
+    name: str, value: object, maximum: float = MAX_TIMEOUT_S, *, allow_zero: bool = False, integer: bool = False
+) -> float | int:
+    """``value`` as a finite number in ``(0, maximum]`` (``[0, maximum]`` with ``allow_zero``).
+
+    Text is parsed (``"2.5"``), so command-line and ``--rdzv-conf`` values can
+    be checked as they come.
+
+    Args:
+        name: What the value is, for the message (e.g. ``--rdzv-conf join_timeout``);
+            empty for argparse, which names the flag itself.
+        value: The number or its text.
+        maximum: Largest accepted value (default :data:`MAX_TIMEOUT_S`).
+        allow_zero: Accept 0.
+        integer: Require an integer; the result is an ``int``.
+
+    Returns:
+        The number, ``int`` when ``integer`` else ``float``.
+
+    Raises:
+        ConfigError: Not a number, NaN, infinite, too small or above ``maximum``;
+            the message names ``name``.
+    """
+    subject = f"{name}={value!r}" if name else repr(value)
+    try:
+        number = _parse_number(value, integer)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{subject} is not {'an integer' if integer else 'a number'}") from None
+    low_ok = number >= 0 if allow_zero else number > 0
+    if not (low_ok and number <= maximum):  # also false for NaN
+        limit = int(maximum) if float(maximum).is_integer() and maximum < 1e15 else f"{maximum:g}"
+        raise ConfigError(f"{subject} must be {'>= 0' if allow_zero else '> 0'}, finite and at most {limit}")
+    return number
+
+
 @dataclass(frozen=True)
 class EtcdConfig:
     """How to reach the etcd cluster that holds unicron's shared state.
@@ -67,15 +135,20 @@ class EtcdConfig:
         port: Client port of that member.
         cluster: Name of the unicron cluster; every key lives under
             ``/unicron/<cluster>/``.
-        request_timeout: Seconds one gRPC request may take.
+        request_timeout: Seconds one gRPC request may take (> 0, at most
+            :data:`MAX_TIMEOUT_S`).
         reconnect_timeout: Seconds the store keeps retrying (with a fresh
             client) while etcd is unreachable before it raises
-            :class:`StoreUnavailableError`.
+            :class:`StoreUnavailableError` (>= 0, at most :data:`MAX_TIMEOUT_S`).
         ca_cert: Path of the CA certificate; enables TLS.
         cert_key: Path of the client key (with ``cert_cert``) for mutual TLS.
         cert_cert: Path of the client certificate.
         user: User name for etcd authentication.
         password: Password for etcd authentication.
+
+    Raises:
+        ConfigError: A field is invalid (non-finite or out-of-range numbers
+            included); the message names it.
     """
 
     host: str = "127.0.0.1"
@@ -92,14 +165,13 @@ class EtcdConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("etcd host must not be empty")
-        if not 0 < int(self.port) < 65536:
-            raise ConfigError(f"etcd port {self.port!r} is not in 1..65535")
+        object.__setattr__(self, "port", finite_positive("etcd port", self.port, 65535, integer=True))
         if not self.cluster or "/" in self.cluster:
             raise ConfigError(f"cluster name {self.cluster!r} must be non-empty and contain no '/'")
-        if self.request_timeout <= 0:
-            raise ConfigError(f"request_timeout={self.request_timeout!r} must be > 0")
-        if self.reconnect_timeout < 0:
-            raise ConfigError(f"reconnect_timeout={self.reconnect_timeout!r} must be >= 0")
+        request = finite_positive("request_timeout", self.request_timeout)
+        reconnect = finite_positive("reconnect_timeout", self.reconnect_timeout, allow_zero=True)
+        object.__setattr__(self, "request_timeout", request)
+        object.__setattr__(self, "reconnect_timeout", reconnect)
         if (self.cert_key is None) != (self.cert_cert is None):
             raise ConfigError("cert_key and cert_cert must be given together")
         if (self.user is None) != (self.password is None):

@@ -8,18 +8,24 @@ import sys
 import threading
 from pathlib import Path
 
-from unicron_elastic.api import UnicronError
+from unicron_elastic.api import MAX_TIMEOUT_S, ConfigError, UnicronError, finite_positive
 from unicron_elastic.logging import configure_logging
 
 
 def _cmd_etcd(args: argparse.Namespace) -> int:
+    """Run a private etcd until SIGINT, SIGTERM or SIGHUP; it is stopped and its data dir removed.
+
+    The handlers are installed before etcd starts, so a signal during start-up
+    stops it too; if this process is killed outright, etcd dies with it (see
+    :class:`~unicron_elastic.store.embedded.EmbeddedEtcd`).
+    """
     from unicron_elastic.store.embedded import EmbeddedEtcd
 
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
     with EmbeddedEtcd(cluster=args.cluster) as etcd:
         print(f"etcd ready: --rdzv-endpoint={etcd.endpoint}", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
         while not stop.wait(0.5):
             if etcd.proc is not None and etcd.proc.poll() is not None:
                 print("etcd exited", file=sys.stderr)
@@ -27,43 +33,123 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_status(store, limit: int = 10) -> str:
-    """What a person wants to see about a cluster: nodes and the latest events."""
+_STATUS_PASSWORD_NAMES = {
+    "user": "--user",
+    "password": "--password",
+    "password_file": "--password-file",
+    "file_hint": "--password-file PATH",
+}
+_EVENT_TEXT_FIELDS = ("kind", "detector", "node", "task", "message")
+
+
+def _printable(text: str, width: int | None = None) -> str:
+    """``text`` without control characters (no terminal escapes from the store), cut to ``width``."""
+    clean = "".join(c if c.isprintable() else "?" for c in text)
+    return clean if width is None else clean[:width]
+
+
+def _number_ok(value: object) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _node_line(kv) -> str:
+    """One node record as a status line, or a "(malformed ...)" line for a value of the wrong shape."""
+    import json
+
+    try:
+        info = json.loads(kv.value)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        info = None
+    state = info.get("state", "?") if isinstance(info, dict) else None
+    if not isinstance(state, str):
+        return f"  (malformed node record at {_printable(kv.key)})"
+    return f"  {_printable(kv.key.rsplit('/', 1)[-1], 64):<32} {_printable(state, 40)}"
+
+
+def _event_line(kv) -> str:
+    """One stored event as a status line, or a "(malformed ...)" line for a value of the wrong shape."""
     import time
 
     from unicron_elastic.api import MalformedValueError
     from unicron_elastic.events import ErrorEvent
 
-    lines = [f"cluster {store.config.cluster} at {store.config.endpoint}", "", "nodes:"]
-    nodes = store.get_json_prefix(store.keys.nodes())
-    for key, info in sorted(nodes.items()):
-        lines.append(f"  {key.rsplit('/', 1)[-1]:<32} {info.get('state', '?')}")
-    if not nodes:
-        lines.append("  (none)")
-    lines += ["", f"last {limit} events:"]
-    events = []
-    for kv in store.get_prefix(store.keys.events())[-limit:]:
-        try:
-            events.append(ErrorEvent.from_json(kv.value))
-        except MalformedValueError:
-            lines.append(f"  (malformed value at {kv.key})")
-    for e in events:
+    try:
+        e = ErrorEvent.from_json(kv.value)
+        if not (all(isinstance(getattr(e, name), str) for name in _EVENT_TEXT_FIELDS)
+                and isinstance(e.rank, int) and not isinstance(e.rank, bool)
+                and _number_ok(e.occurred_at) and _number_ok(e.detected_at)):
+            raise MalformedValueError(f"wrong field types at {kv.key}")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.detected_at))
-        lines.append(f"  {when}Z {e.severity.name} {e.kind:<20} node={e.node} rank={e.rank} {e.message[:60]}")
-    if not events:
-        lines.append("  (none)")
+    except (MalformedValueError, RecursionError, OverflowError, OSError, ValueError, TypeError):
+        return f"  (malformed value at {_printable(kv.key)})"
+    return (f"  {when}Z {e.severity.name} {_printable(e.kind, 40):<20} node={_printable(e.node, 64)} "
+            f"rank={e.rank} {_printable(e.message, 60)}")
+
+
+def render_status(store, limit: int = 10) -> str:
+    """What a person wants to see about a cluster: nodes and the latest events.
+
+    Only the newest ``limit`` events are read (etcd sorts and limits), so a
+    long event history costs nothing. A value of the wrong shape is shown as
+    a "(malformed ...)" line; text from the store is stripped of control characters.
+    """
+    lines = [f"cluster {store.config.cluster} at {store.config.endpoint}", "", "nodes:"]
+    lines += [_node_line(kv) for kv in store.get_prefix(store.keys.nodes())] or ["  (none)"]
+    lines += ["", f"last {limit} events:"]
+    newest = store.get_prefix(store.keys.events(), limit=limit, descending=True)
+    lines += [_event_line(kv) for kv in reversed(newest)] or ["  (none)"]
     return "\n".join(lines)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from unicron_elastic.api import EtcdConfig
-    from unicron_elastic.rendezvous.options import parse_endpoint
+    from unicron_elastic.api import ConfigError, EtcdConfig
+    from unicron_elastic.rendezvous.options import etcd_password, parse_endpoint
     from unicron_elastic.store import StatusStore
 
+    if (args.cert is None) != (args.key is None):
+        raise ConfigError("--cert and --key must be given together")
     host, port = parse_endpoint(args.endpoint)
-    with StatusStore(EtcdConfig(host=host, port=port, cluster=args.cluster, reconnect_timeout=args.timeout)) as store:
+    password = etcd_password(args.user, None, args.password_file, names=_STATUS_PASSWORD_NAMES)
+    config = EtcdConfig(host=host, port=port, cluster=args.cluster, reconnect_timeout=args.timeout,
+                        ca_cert=args.ca_cert, cert_cert=args.cert, cert_key=args.key, user=args.user, password=password)
+    with StatusStore(config) as store:
         print(render_status(store, args.limit))
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+    return value
+
+
+def _bounded(maximum: float, *, allow_zero: bool = False, integer: bool = False):
+    """argparse type: a finite number > 0 (>= 0 with ``allow_zero``) and at most ``maximum``.
+
+    argparse prints the refusal as ``unicron: error: argument --FLAG: ...`` and exits 2.
+    """
+
+    def parse(text: str) -> float | int:
+        try:
+            return finite_positive("", text, maximum, allow_zero=allow_zero, integer=integer)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _gpus(text: str) -> int:
+    """argparse type of ``--gpus``: a whole number in 1..``MAX_GPUS`` (100,000)."""
+    from unicron_elastic.planner import MAX_GPUS
+
+    return int(_bounded(MAX_GPUS, integer=True)(text))
 
 
 def _cost_model(args: argparse.Namespace, failure_rate: float):
@@ -77,8 +163,6 @@ def _run_multitask(args: argparse.Namespace) -> str:
     from unicron_elastic.sim import CASES, case_tasks, compare
     from unicron_elastic.sim.report import multitask_table
 
-    if args.gpus < 1:
-        raise ValueError(f"--gpus {args.gpus} must be >= 1")
     cost = _cost_model(args, failure_rate=1.0 / (128 * 7 * 86400 / 4))
     rows = [compare(case, case_tasks(case), args.gpus, cost) for case in sorted(CASES)]
     return f"Multi-task WAF on {args.gpus} x {args.gpu} (weighted PFLOP/s, no failures)\n\n" + multitask_table(rows)
@@ -127,8 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="nodes and recent error events of a cluster, from etcd")
     status.add_argument("--endpoint", required=True, help="etcd HOST:PORT (the --rdzv-endpoint)")
     status.add_argument("--cluster", default="default")
-    status.add_argument("--limit", type=int, default=10)
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd")
+    status.add_argument("--limit", type=_positive_int, default=10, help="newest events to show (>= 1)")
+    status.add_argument("--ca-cert", default=None, help="CA certificate file; enables TLS")
+    status.add_argument("--cert", default=None, help="client certificate file for mutual TLS (with --key)")
+    status.add_argument("--key", default=None, help="client key file for mutual TLS (with --cert)")
+    status.add_argument("--user", default=None,
+                        help="etcd user; the password comes from --password-file or $UNICRON_ETCD_PASSWORD")
+    status.add_argument("--password-file", default=None, help="file holding the etcd password of --user")
+    status.add_argument("--timeout", type=_bounded(MAX_TIMEOUT_S), default=5.0,
+                        help="seconds to wait for etcd (> 0, at most one year)")
     status.set_defaults(func=_cmd_status)
     sim = sub.add_parser(
         "simulate",
@@ -139,10 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("experiment", help="multitask | trace-a | trace-b | all | PATH")
     sim.add_argument("--seed", type=int, default=0, help="seed of the generated traces")
     sim.add_argument("--case", type=int, default=5, help="workload case of Table tasks for traces (1-5)")
-    sim.add_argument("--gpus", type=int, default=128, help="cluster size for multitask")
+    sim.add_argument("--gpus", type=_gpus, default=128, help="cluster size for multitask (1 to 100,000)")
     sim.add_argument("--gpu", default="A800-80GB", help="GPU type")
     sim.add_argument("--calibration", default=None, help="CSV/JSON of measured T (model,gpus,flops)")
-    sim.add_argument("--d-transition", type=float, default=60.0, help="D_transition of the cost model (s)")
+    sim.add_argument("--d-transition", type=_bounded(MAX_TIMEOUT_S, allow_zero=True), default=60.0,
+                     help="D_transition of the cost model (s; >= 0, at most one year)")
     sim.add_argument("--policies", default="megatron,oobleck,bamboo,varuna")
     sim.add_argument("--out", default=None, help="folder for PNG plots and JSON results")
     sim.set_defaults(func=_cmd_simulate)

@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 
@@ -127,6 +127,41 @@ def faults_env(faults: list[Fault], log_path: str | None = None) -> dict[str, st
     return env
 
 
+def _fault(index: int, spec: object) -> Fault:
+    """Entry ``index`` of ``$UNICRON_FAULTS`` as a :class:`Fault` (TypeError/ValueError naming the entry)."""
+    if not isinstance(spec, dict):
+        raise TypeError(f"fault {index}: expected an object, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - {f.name for f in fields(Fault)})
+    if unknown:
+        known = ", ".join(f.name for f in fields(Fault))
+        raise TypeError(f"fault {index}: unknown field(s) {', '.join(map(str, unknown))}; known: {known}")
+    try:
+        return Fault(**spec)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"fault {index}: {exc}") from None
+
+
+def planned_faults(raw: str) -> list[tuple[dict, Fault]]:
+    """Parse the value of ``$UNICRON_FAULTS``: a JSON list of :class:`Fault` fields.
+
+    Returns:
+        ``(spec, fault)`` per entry, in order.
+
+    Raises:
+        ValueError: The text is not such a list; the message starts with
+            ``UNICRON_FAULTS:`` and names the entry.
+    """
+    try:
+        specs = json.loads(raw)
+        if not isinstance(specs, list):
+            raise TypeError(f"expected a JSON list of faults, got {type(specs).__name__}")
+        return [(spec, _fault(index, spec)) for index, spec in enumerate(specs)]
+    except RecursionError:
+        raise ValueError(f"{FAULTS_ENV}: JSON nested too deeply") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{FAULTS_ENV}: {exc}") from None
+
+
 def _first_incarnation() -> bool:
     return os.environ.get("UNICRON_WORKER_RESTARTS", "0") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
@@ -140,12 +175,14 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
 
     Each firing is appended to ``$UNICRON_FAULT_LOG`` (one JSON line) first, so a
     test can assert that the fault really happened.
+
+    Raises:
+        ValueError: ``$UNICRON_FAULTS`` is malformed (the message names it).
     """
     raw = os.environ.get(FAULTS_ENV)
     if not raw:
         return
-    for index, spec in enumerate(json.loads(raw)):
-        fault = Fault(**spec)
+    for index, (spec, fault) in enumerate(planned_faults(raw)):
         if (fault.rank, fault.step, fault.micro_batch, fault.bucket, fault.at) != (rank, step, micro_batch, bucket, at):
             continue
         if fault.times is not None and (not _first_incarnation() or _FIRED.get(index, 0) >= fault.times):

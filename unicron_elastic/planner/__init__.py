@@ -8,6 +8,7 @@ from unicron_elastic.planner.onestep import Event, OneStepTable
 from unicron_elastic.planner.solver import Plan, Problem, evaluate, solve, solve_plain
 from unicron_elastic.planner.throughput import (
     GPU_TYPES,
+    MAX_GPUS,
     MODELS,
     Estimate,
     GpuType,
@@ -21,6 +22,7 @@ from unicron_elastic.planner.throughput import (
 
 __all__ = [
     "GPU_TYPES",
+    "MAX_GPUS",
     "MODELS",
     "CostModel",
     "Estimate",

@@ -16,12 +16,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from unicron_elastic.api import ConfigError
+from unicron_elastic.api import MAX_TIMEOUT_S, ConfigError, finite_positive
 from unicron_elastic.planner.throughput import GptModel, ThroughputModel
 
 
 class PlannerError(ConfigError):
     """The planning problem is malformed (a ValueError naming the culprit)."""
+
+
+#: Largest task weight w(t) (the paper recommends 0.5 to 2.0).
+MAX_WEIGHT = 1e6
+#: Bounds of the failure rate lambda, failures per GPU per second: from one per
+#: 3e12 GPU-years to one per GPU-second. Outside them D_running or G overflow.
+MIN_FAILURE_RATE = 1e-20
+MAX_FAILURE_RATE = 1.0
+
+
+def _checked(name: str, value: object, maximum: float, **kwargs: bool) -> float | int:
+    """:func:`~unicron_elastic.api.finite_positive`, raising :class:`PlannerError`.
+
+    Raises:
+        PlannerError: ``value`` is not a finite number in range; names ``name``.
+    """
+    try:
+        return finite_positive(name, value, maximum, **kwargs)
+    except PlannerError:
+        raise
+    except ConfigError as exc:
+        raise PlannerError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -31,8 +53,8 @@ class PlanTask:
     Attributes:
         name: Unique task name.
         model: The GPT model it trains.
-        weight: w(t), the priority or price of its FLOP/s (> 0; the paper
-            recommends 0.5 to 2.0).
+        weight: w(t), the priority or price of its FLOP/s (finite, > 0, at
+            most :data:`MAX_WEIGHT`; the paper recommends 0.5 to 2.0).
         min_gpus: T_necessary as a number of GPUs: below it, F = 0.
         current: x, the GPUs it holds now.
         faulted: A worker of this task faulted (forces the indicator to 1).
@@ -48,8 +70,7 @@ class PlanTask:
     def __post_init__(self) -> None:
         if not self.name:
             raise PlannerError("task name must not be empty")
-        if not self.weight > 0:
-            raise PlannerError(f"task {self.name!r}: weight {self.weight!r} must be > 0")
+        _checked(f"task {self.name!r}: weight", self.weight, MAX_WEIGHT)
         if self.min_gpus < 0 or self.current < 0:
             raise PlannerError(f"task {self.name!r}: min_gpus and current must be >= 0")
 
@@ -60,8 +81,13 @@ class CostModel:
 
     Attributes:
         throughput: T(t, x).
-        failure_rate: lambda, failures per GPU per second.
-        d_transition: Seconds a reconfigured task loses (D_transition).
+        failure_rate: lambda, failures per GPU per second (finite, in
+            :data:`MIN_FAILURE_RATE` .. :data:`MAX_FAILURE_RATE`).
+        d_transition: Seconds a reconfigured task loses (D_transition; finite,
+            >= 0, at most one year).
+
+    Raises:
+        PlannerError: A parameter is NaN, infinite or out of range.
     """
 
     throughput: ThroughputModel
@@ -70,10 +96,10 @@ class CostModel:
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.failure_rate > 0:
-            raise PlannerError(f"failure_rate {self.failure_rate!r} must be > 0")
-        if self.d_transition < 0:
-            raise PlannerError(f"d_transition {self.d_transition!r} must be >= 0")
+        _checked("failure_rate", self.failure_rate, MAX_FAILURE_RATE)
+        if self.failure_rate < MIN_FAILURE_RATE:
+            raise PlannerError(f"failure_rate={self.failure_rate!r} must be at least {MIN_FAILURE_RATE}")
+        _checked("d_transition", self.d_transition, MAX_TIMEOUT_S, allow_zero=True)
 
     def waf(self, task: PlanTask, x: int) -> float:
         """F(t, x): weighted achieved FLOP/s, 0 below the minimum requirement."""

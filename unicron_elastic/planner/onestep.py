@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from unicron_elastic.planner.cost_model import PlannerError, PlanTask
-from unicron_elastic.planner.solver import Plan, Problem, solve
+from unicron_elastic.planner.solver import MAX_GPUS, Plan, Problem, solve
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class OneStepTable:
         self._build(queued)
 
     def _solve(self, tasks: tuple[PlanTask, ...], n: int) -> Plan | None:
-        if n < 1:
+        if not 1 <= n <= MAX_GPUS:
             return None
         return solve(Problem(tasks, n, self.problem.cost))
 
@@ -76,7 +76,9 @@ class OneStepTable:
             plan = self._solve(faulted, n - g)
             if plan is not None:
                 self._plans[Event("node_lost", owner)] = plan
-        self._plans[Event("node_joined")] = self._solve(tasks, n + g)  # type: ignore[assignment]
+        joined = self._solve(tasks, n + g)
+        if joined is not None:  # None only past MAX_GPUS: no node can join a full-size cluster
+            self._plans[Event("node_joined")] = joined
         for task in tasks:
             rest = tuple(t for t in tasks if t.name != task.name)
             self._plans[Event("task_finished", frozenset({task.name}))] = self._solve(rest, n)  # type: ignore[assignment]

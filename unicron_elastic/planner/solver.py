@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from unicron_elastic.planner.cost_model import CostModel, PlannerError, PlanTask
+from unicron_elastic.planner.throughput import MAX_GPUS
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Problem:
     """One planning problem: tasks, the GPUs available after the event, the cost model.
 
     Raises:
-        PlannerError: n' < 1 or duplicate task names.
+        PlannerError: n' < 1, n' > :data:`MAX_GPUS` or duplicate task names.
     """
 
     tasks: tuple[PlanTask, ...]
@@ -37,6 +38,8 @@ class Problem:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise PlannerError(f"no GPUs available (n'={self.n}): nothing to plan")
+        if self.n > MAX_GPUS:
+            raise PlannerError(f"n'={self.n} GPUs: at most {MAX_GPUS} can be planned")
         names = [t.name for t in self.tasks]
         if len(set(names)) != len(names):
             raise PlannerError(f"task names must be unique: {names}")

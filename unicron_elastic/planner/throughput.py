@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from unicron_elastic.api import ConfigError, lookup
+from unicron_elastic.api import ConfigError, finite_positive, lookup
 
 
 @dataclass(frozen=True)
@@ -312,6 +312,29 @@ def candidate_sizes(m: GptModel, g: GpuType, n: int) -> tuple[int, ...]:
     return tuple(x for x in sorted(sizes) if estimate(m, g, x).feasible)
 
 
+#: Largest aggregate FLOP/s a calibration entry may claim (1e24: a zettaFLOP/s
+#: times a thousand); larger values are typos that would overflow the cost model.
+MAX_CALIBRATED_FLOPS = 1e24
+#: Largest cluster the planner accepts, in GPUs (also the largest calibrated
+#: size). The solver's DP holds a few float rows of n'+1 entries per task and
+#: solves 100,000 GPUs in milliseconds; far larger n' would exhaust memory, so
+#: it is refused at once.
+MAX_GPUS = 100_000
+
+
+def _calibration_entry(gpus: object, flops: object) -> tuple[int, float]:
+    """Checked ``(gpus, flops)`` of one calibration entry.
+
+    Raises:
+        ConfigError: ``gpus`` is not an integer in 1..:data:`MAX_GPUS` or
+            ``flops`` is not a finite number in 0..:data:`MAX_CALIBRATED_FLOPS`.
+    """
+    return (
+        int(finite_positive("gpus", gpus, MAX_GPUS, integer=True)),
+        float(finite_positive("flops", flops, MAX_CALIBRATED_FLOPS, allow_zero=True)),
+    )
+
+
 @dataclass
 class ThroughputModel:
     """T(t, x) for tasks on one GPU type, with an optional calibration table.
@@ -319,10 +342,21 @@ class ThroughputModel:
     Args:
         gpu: The GPU type of the cluster.
         calibration: Measured FLOP/s by (model name, x); overrides the model.
+            0 marks a size infeasible.
+
+    Raises:
+        ConfigError: A calibration entry has a non-finite or out-of-range value.
     """
 
     gpu: GpuType
     calibration: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for (name, gpus), flops in self.calibration.items():
+            try:
+                _calibration_entry(gpus, flops)
+            except ConfigError as exc:
+                raise ConfigError(f"calibration of model {name!r} on {gpus!r} GPUs: {exc}") from None
 
     def flops(self, m: GptModel, x: int) -> float:
         """Achieved aggregate FLOP/s of ``m`` on ``x`` GPUs (0 if infeasible)."""
@@ -346,8 +380,12 @@ class ThroughputModel:
     def load_calibration(path: str | Path) -> dict[tuple[str, int], float]:
         """Read a calibration file: CSV with columns ``model,gpus,flops`` or JSON list of those.
 
+        ``gpus`` must be an integer in 1..:data:`MAX_GPUS`, ``flops``
+        a finite number in 0..:data:`MAX_CALIBRATED_FLOPS` (0: infeasible).
+
         Raises:
-            ConfigError: The file is malformed (message names file and row).
+            ConfigError: The file is malformed, nested too deeply, or holds a
+                non-finite or out-of-range number (message names file and row).
         """
         path = Path(path)
         try:
@@ -356,12 +394,19 @@ class ThroughputModel:
             else:
                 with path.open(newline="") as f:
                     rows = list(csv.DictReader(f))
+            if not isinstance(rows, list):
+                raise TypeError(f"expected a list of rows, got {type(rows).__name__}")
             table = {}
             for i, row in enumerate(rows):
-                gpus, flops = int(row["gpus"]), float(row["flops"])
-                if gpus < 1 or flops < 0:
-                    raise ValueError(f"row {i}: gpus must be >= 1 and flops >= 0")
+                if not isinstance(row, dict):
+                    raise TypeError(f"row {i}: expected an object, got {type(row).__name__}")
+                try:
+                    gpus, flops = _calibration_entry(row["gpus"], row["flops"])
+                except ConfigError as exc:
+                    raise ValueError(f"row {i}: {exc}") from None
                 table[(str(row["model"]), gpus)] = flops
             return table
+        except RecursionError:
+            raise ConfigError(f"calibration file {path}: JSON nested too deeply") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"calibration file {path}: {exc}") from exc

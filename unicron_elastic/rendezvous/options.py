@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from unicron_elastic.api import ConfigError, EtcdConfig
+from unicron_elastic.api import MAX_TIMEOUT_S, ConfigError, EtcdConfig, finite_positive
 
 #: Every key ``--rdzv-conf`` may carry for this backend, with its meaning.
 KNOWN_KEYS: dict[str, str] = {
     "cluster": "unicron cluster name (key prefix /unicron/<cluster>/); default 'default'",
     "task": "name of the task this node trains (used by the coordinator's plan); default: the run id",
-    "request_timeout": "seconds one etcd request may take; default 5",
-    "reconnect_timeout": "seconds to keep retrying while etcd is unreachable; default 30",
-    "store_timeout": "seconds a blocking c10d store read waits; default 300",
+    "request_timeout": "seconds one etcd request may take (at most one year); default 5",
+    "reconnect_timeout": "seconds to keep retrying while etcd is unreachable (at most one year); default 30",
+    "store_timeout": "seconds a blocking c10d store read waits (at most one year); default 300",
     "ca_cert": "CA certificate file; enables TLS",
     "cert_key": "client key file for mutual TLS (with cert_cert)",
     "cert_cert": "client certificate file for mutual TLS (with cert_key)",
-    "user": "etcd user name (with password)",
-    "password": "etcd password (with user)",
-    "join_timeout": "seconds within which the rendezvous must complete; default: torchrun's timeout",
-    "last_call_timeout": "extra seconds to wait for more nodes once min is reached; default 30",
-    "close_timeout": "seconds within which the rendezvous must close; default 30",
-    "heartbeat_timeout": "seconds within which a keep-alive heartbeat must complete; default 5",
-    "keep_alive_interval": "seconds between keep-alive heartbeats; default 5",
-    "keep_alive_max_attempt": "missed heartbeats before a node is considered dead; default 3",
-    "timeout": "torchrun's rendezvous timeout; the join timeout when join_timeout is not set",
+    "user": "etcd user name; its password comes from password_file or $UNICRON_ETCD_PASSWORD",
+    "password_file": "file holding the etcd password of user (one trailing newline is dropped)",
+    "password": "etcd password (with user); visible in ps and logs: prefer password_file or the environment",
+    "join_timeout": "seconds within which the rendezvous must complete (at most one year); default: torchrun's timeout",
+    "last_call_timeout": "extra seconds to wait for more nodes once min is reached (at most one year); default 30",
+    "close_timeout": "seconds within which the rendezvous must close (at most one year); default 30",
+    "heartbeat_timeout": "seconds within which a keep-alive heartbeat must complete (at most one year); default 5",
+    "keep_alive_interval": "seconds between keep-alive heartbeats (at most one year); default 5",
+    "keep_alive_max_attempt": "missed heartbeats before a node is considered dead (at most 1000); default 3",
+    "timeout": "torchrun's rendezvous timeout (at most one year); the join timeout when join_timeout is not set",
     "rank": "set by torchrun for the static backend only; ignored",
 }
 
@@ -69,16 +71,87 @@ class BackendOptions:
     keep_alive_max_attempt: int
 
 
-def _number(key: str, raw: Any, kind: type) -> Any:
+#: Environment variable holding the etcd password when ``user`` is set and no password key is.
+PASSWORD_ENV = "UNICRON_ETCD_PASSWORD"
+_PASSWORD_FILE_MAX = 4096
+
+#: How ``--rdzv-conf`` names the password settings in messages (the ``unicron`` CLI passes its flags).
+RDZV_PASSWORD_NAMES = {
+    "user": "--rdzv-conf user",
+    "password": "--rdzv-conf password",
+    "password_file": "--rdzv-conf password_file",
+    "file_hint": "password_file=PATH",
+}
+
+
+def _read_password_file(path: str, name: str) -> str:
     try:
-        value = kind(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"--rdzv-conf {key}={raw!r} is not a{'n integer' if kind is int else ' number'}"
-        ) from None
-    if value <= 0:
-        raise ConfigError(f"--rdzv-conf {key}={raw!r} must be > 0")
-    return value
+        with open(path, "rb") as f:
+            raw = f.read(_PASSWORD_FILE_MAX + 1)
+        text = raw.decode()
+    except OSError as exc:
+        raise ConfigError(f"{name} {path!r} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name} {path!r} is not UTF-8 text") from None
+    if len(raw) > _PASSWORD_FILE_MAX:
+        raise ConfigError(f"{name} {path!r} is longer than {_PASSWORD_FILE_MAX} bytes")
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise ConfigError(f"{name} {path!r} is empty")
+    return text
+
+
+def etcd_password(
+    user: str | None,
+    password: str | None = None,
+    password_file: str | None = None,
+    names: dict[str, str] = RDZV_PASSWORD_NAMES,
+) -> str | None:
+    """The etcd password of ``user``: given, read from a file, or from ``$UNICRON_ETCD_PASSWORD``.
+
+    Args:
+        user: The etcd user; None means no authentication.
+        password: A password given directly (visible in ``ps``; kept for compatibility).
+        password_file: A file whose content (minus one trailing newline) is the password.
+        names: How to name the settings in error messages.
+
+    Returns:
+        The password, or None when there is no user.
+
+    Raises:
+        ConfigError: Both or neither of the sources are given for a user, a
+            source is given without a user, or the file cannot be read or is empty.
+    """
+    if password is not None and password_file is not None:
+        raise ConfigError(f"give either {names['password']} or {names['password_file']}, not both")
+    if user is None:
+        if password is not None or password_file is not None:
+            given = names["password"] if password is not None else names["password_file"]
+            raise ConfigError(f"{given} needs {names['user']}")
+        return None
+    if password_file is not None:
+        return _read_password_file(password_file, names["password_file"])
+    if password is not None:
+        return password
+    from_env = os.environ.get(PASSWORD_ENV)
+    if from_env:
+        return from_env
+    raise ConfigError(f"{names['user']} {user!r} needs a password: {names['file_hint']} or {PASSWORD_ENV}")
+
+
+#: Largest ``keep_alive_max_attempt``: even with the largest interval (one year) a
+#: dead node's expiry stays inside ``datetime``'s range.
+MAX_KEEP_ALIVE_ATTEMPTS = 1000
+
+
+def _number(key: str, raw: Any, kind: type) -> Any:
+    """``raw`` as a finite ``kind`` > 0, at most the key's maximum (one year of seconds, or 1000 attempts).
+
+    Raises:
+        ConfigError: Not a number, NaN, infinite, <= 0 or too large; the message names the key.
+    """
+    maximum = MAX_KEEP_ALIVE_ATTEMPTS if key == "keep_alive_max_attempt" else MAX_TIMEOUT_S
+    return finite_positive(f"--rdzv-conf {key}", raw, maximum, integer=kind is int)
 
 
 def _seconds(values: dict[str, Any], key: str) -> timedelta | None:
@@ -107,6 +180,25 @@ def parse_endpoint(endpoint: str, default_port: int = 2379) -> tuple[str, int]:
         return host, int(port_text)
     except ValueError:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port_text!r} is not a number") from None
+
+
+_TLS_FILE_KEYS = ("ca_cert", "cert_key", "cert_cert")
+
+
+def _check_tls_files(config: dict[str, Any]) -> None:
+    """Refuse a TLS file that cannot be read now, not after the reconnect timeout.
+
+    Raises:
+        ConfigError: ``ca_cert``, ``cert_key`` or ``cert_cert`` names no readable file.
+    """
+    for key in _TLS_FILE_KEYS:
+        path = config.get(key)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            raise ConfigError(f"--rdzv-conf {key}={path!r}: no such file")
+        if not os.access(path, os.R_OK):
+            raise ConfigError(f"--rdzv-conf {key}={path!r}: not readable")
 
 
 def parse_options(endpoint: str, run_id: str, config: dict[str, Any]) -> BackendOptions:
@@ -148,8 +240,9 @@ def parse_options(endpoint: str, run_id: str, config: dict[str, Any]) -> Backend
         cert_key=config.get("cert_key"),
         cert_cert=config.get("cert_cert"),
         user=config.get("user"),
-        password=config.get("password"),
+        password=etcd_password(config.get("user"), config.get("password"), config.get("password_file")),
     )
+    _check_tls_files(config)  # after EtcdConfig: a key without its certificate is named as such first
     if "join_timeout" not in values and "timeout" in values:
         values["join_timeout"] = values["timeout"]
     return BackendOptions(
