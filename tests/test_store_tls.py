@@ -89,3 +89,22 @@ def test_plaintext_client_cannot_talk_to_a_tls_etcd(tls_etcd: EtcdConfig) -> Non
     plain = StatusStore(EtcdConfig(port=tls_etcd.port, reconnect_timeout=1, request_timeout=0.5))
     with pytest.raises(StoreUnavailableError, match="unreachable"):
         plain.get("/tls")
+
+
+def test_unicron_status_reads_a_tls_etcd(tls_etcd: EtcdConfig) -> None:
+    import os
+
+    from conftest import BIN
+
+    store = StatusStore(tls_etcd)
+    store.put_json(store.keys.node("secure-node"), {"state": "running"})
+    store.close()
+    base = [os.path.join(BIN, "unicron"), "status", "--endpoint", tls_etcd.endpoint, "--timeout", "2"]
+    tls = ["--ca-cert", tls_etcd.ca_cert, "--cert", tls_etcd.cert_cert, "--key", tls_etcd.cert_key]
+    res = subprocess.run(base + tls, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "secure-node" in res.stdout, res
+    half = subprocess.run(base + tls[:4], capture_output=True, text=True, timeout=60)
+    assert half.returncode == 2 and "--cert and --key" in half.stderr and half.stderr.count("\n") == 1, half
+    missing = subprocess.run(base + ["--ca-cert", "/nonexistent/ca.crt"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "/nonexistent/ca.crt" in missing.stderr, missing
+    assert missing.stderr.count("\n") == 1, missing.stderr

@@ -24,7 +24,7 @@ import types
 import etcd3
 import etcd3.watch
 
-from unicron_elastic.api import EtcdConfig
+from unicron_elastic.api import ConfigError, EtcdConfig
 
 
 def patch_watch_module() -> bool:
@@ -47,17 +47,24 @@ def new_client(config: EtcdConfig) -> etcd3.Etcd3Client:
 
     Returns:
         A new client with its own gRPC channel.
+
+    Raises:
+        ConfigError: A TLS file (``ca_cert``, ``cert_key``, ``cert_cert``)
+            cannot be read; retrying would not help.
     """
-    client = etcd3.client(
-        host=config.host,
-        port=config.port,
-        ca_cert=config.ca_cert,
-        cert_key=config.cert_key,
-        cert_cert=config.cert_cert,
-        timeout=config.request_timeout,
-        user=config.user,
-        password=config.password,
-    )
+    try:
+        client = etcd3.client(
+            host=config.host,
+            port=config.port,
+            ca_cert=config.ca_cert,
+            cert_key=config.cert_key,
+            cert_cert=config.cert_cert,
+            timeout=config.request_timeout,
+            user=config.user,
+            password=config.password,
+        )
+    except OSError as exc:  # the client reads the TLS files itself
+        raise ConfigError(f"etcd TLS file {exc.filename!r} cannot be read: {exc.strerror or exc}") from None
     if config.ca_cert is None:
         client.call_credentials = None  # the token travels as metadata (see 3.)
     return client

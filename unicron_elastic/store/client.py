@@ -7,6 +7,14 @@ reuse a client after one failure) with exponential back-off, until
 :class:`~unicron_elastic.api.StoreUnavailableError`. A short etcd outage is thus
 invisible to callers, a long one is a clear error.
 
+Many threads share one store and one client. When a request fails for connection
+reasons, the first thread to notice drops (and closes) the shared client; a
+request that another thread's drop cut short (``ValueError: Cannot invoke RPC
+on closed channel!``, ``CANCELLED``) is *stale*, not an etcd failure, and is
+retried at once on the current client. The start of an outage is logged once
+(``etcd_unreachable_retrying``) and so is its end (``etcd_reconnected``, with
+``outage_s``), however many threads wait through it.
+
 Retried writes: a request whose reply was lost may have been applied. ``put``
 and ``delete`` are idempotent; a retried :meth:`StatusStore.cas` may report a
 conflict for a write of its own, which CAS callers handle anyway (they re-read).
@@ -15,6 +23,7 @@ conflict for a write of its own, which CAS callers handle anyway (they re-read).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +36,7 @@ import grpc
 import structlog
 
 from unicron_elastic.api import (
+    ConfigError,
     EtcdConfig,
     MalformedValueError,
     StoreError,
@@ -38,6 +48,24 @@ from unicron_elastic.store.keys import Keys
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+
+#: Events kept under ``events/`` by :meth:`StatusStore.append_event` (env ``UNICRON_EVENT_RETENTION``).
+DEFAULT_EVENT_RETENTION = 1000
+EVENT_RETENTION_ENV = "UNICRON_EVENT_RETENTION"
+
+
+def _event_retention_from_env() -> int:
+    raw = os.environ.get(EVENT_RETENTION_ENV, "").strip()
+    if not raw:
+        return DEFAULT_EVENT_RETENTION
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{EVENT_RETENTION_ENV}={raw!r} must be a whole number >= 1")
+    return value
+
 
 _CONNECTION_ERRORS = (
     etcd3.exceptions.ConnectionFailedError,
@@ -113,18 +141,25 @@ class StatusStore:
 
     Args:
         config: How to reach etcd.
+        event_retention: Events :meth:`append_event` keeps; default
+            ``$UNICRON_EVENT_RETENTION`` or 1000.
 
     Raises:
+        ConfigError: ``event_retention`` (or its variable) is not a whole number >= 1.
         StoreUnavailableError: From any method, when etcd stays unreachable
             longer than ``config.reconnect_timeout``.
     """
 
-    def __init__(self, config: EtcdConfig) -> None:
+    def __init__(self, config: EtcdConfig, event_retention: int | None = None) -> None:
         self.config = config
+        self.event_retention = _event_retention_from_env() if event_retention is None else int(event_retention)
+        if self.event_retention < 1:
+            raise ConfigError(f"event_retention={event_retention!r} must be >= 1")
         self.keys = Keys(config.cluster)
         self._lock = threading.Lock()
         self._client: etcd3.Etcd3Client | None = None
         self._closed = False
+        self._outage_since: float | None = None  # monotonic time of the first failure
 
     # -- connection management -------------------------------------------------
     def _current_client(self) -> etcd3.Etcd3Client:
@@ -135,14 +170,43 @@ class StatusStore:
                 self._client = _etcd3_compat.new_client(self.config)
             return self._client
 
-    def _drop_client(self, client: etcd3.Etcd3Client) -> None:
+    def _is_current(self, client: etcd3.Etcd3Client) -> bool:
         with self._lock:
-            if self._client is client:
-                self._client = None
+            return self._client is client
+
+    def _drop_client(self, client: etcd3.Etcd3Client) -> None:
+        """Forget and close ``client`` if it is still the shared one.
+
+        A client another thread already dropped was closed by that thread; the
+        current client (maybe a fresh one other threads use) is left alone.
+        """
+        with self._lock:
+            if self._client is not client:
+                return
+            self._client = None
         try:
             client.close()
         except Exception:  # noqa: BLE001 - closing a broken channel may fail too
             pass
+
+    def _note_failure(self, what: str) -> None:
+        with self._lock:
+            first = self._outage_since is None
+            if first:
+                self._outage_since = time.monotonic()
+        if first:
+            log.warning("etcd_unreachable_retrying", endpoint=self.config.endpoint, what=what)
+
+    def _note_success(self, started: float) -> None:
+        """A request sent at ``started`` succeeded; it ends an outage that began before it was sent."""
+        if self._outage_since is None:  # the common case, without the lock
+            return
+        with self._lock:
+            since = self._outage_since
+            if since is None or started < since:
+                return  # sent before the first failure: says nothing about now
+            self._outage_since = None
+        log.info("etcd_reconnected", endpoint=self.config.endpoint, outage_s=round(time.monotonic() - since, 3))
 
     def new_client(self) -> etcd3.Etcd3Client:
         """Return a new client of the caller's own (for long-lived watches)."""
@@ -169,16 +233,18 @@ class StatusStore:
         attempt = 0
         while True:
             client = None
+            started = time.monotonic()
             try:
                 client = self._current_client()  # authenticates when user/password are set
-                return op(client)
+                result = op(client)
             except Exception as exc:  # noqa: BLE001 - classified below
-                if not _is_connection_error(exc):
+                # another thread dropped (closed) this client while we used it
+                stale = client is not None and not self._is_current(client)
+                connection = _is_connection_error(exc)
+                if not (stale or connection):
                     if isinstance(exc, (etcd3.exceptions.Etcd3Exception, grpc.RpcError)):
                         raise StoreError(f"etcd {what} failed: {_describe(exc)}") from exc
                     raise
-                if client is not None:
-                    self._drop_client(client)
                 attempt += 1
                 now = time.monotonic()
                 if now >= deadline:
@@ -187,10 +253,16 @@ class StatusStore:
                         f"{self.config.reconnect_timeout:.1f}s during {what} "
                         f"({attempt} attempts, last error: {type(exc).__name__})"
                     ) from exc
-                if attempt == 1:
-                    log.warning("etcd_unreachable_retrying", endpoint=self.config.endpoint, what=what)
+                if not connection:
+                    continue  # stale client: retry at once on the current one
+                if client is not None:
+                    self._drop_client(client)
+                self._note_failure(what)
                 time.sleep(min(delay, max(0.0, deadline - now)))
                 delay = min(delay * 2, 1.0)
+            else:
+                self._note_success(started)
+                return result
 
     def close(self) -> None:
         """Close the connection; later calls raise :class:`StoreError`."""
@@ -214,10 +286,28 @@ class StatusStore:
             return None
         return _kv(value, meta)
 
-    def get_prefix(self, prefix: str) -> list[KeyValue]:
-        """Read every key under ``prefix``, sorted by key."""
-        items = self.call(lambda c: list(c.get_prefix(prefix, sort_order="ascend")), f"get {prefix}*")
+    def get_prefix(self, prefix: str, limit: int | None = None, descending: bool = False) -> list[KeyValue]:
+        """Read the keys under ``prefix``, sorted by key.
+
+        Args:
+            prefix: The key prefix.
+            limit: Read at most this many keys, the first in the sort order
+                (etcd applies it: a large prefix is not transferred).
+            descending: Sort from the last key to the first.
+
+        Raises:
+            ConfigError: ``limit`` is below 1.
+        """
+        if limit is not None and limit < 1:
+            raise ConfigError(f"limit={limit!r} must be >= 1")
+        order = "descend" if descending else "ascend"
+        items = self.call(lambda c: list(c.get_prefix(prefix, sort_order=order, limit=limit)), f"get {prefix}*")
         return [_kv(v, m) for v, m in items]
+
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys there are under ``prefix`` (counted by etcd, nothing transferred)."""
+        resp = self.call(lambda c: c.get_prefix_response(prefix, count_only=True), f"count {prefix}*")
+        return int(resp.count)
 
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
         """Write a key; returns the revision of the write."""
@@ -269,6 +359,69 @@ class StatusStore:
         current = _kv(*rng[0]) if rng else None
         return CasResult(bool(succeeded), current)
 
+    # -- events ----------------------------------------------------------------
+    def append_event(self, value: bytes | str, keep: int | None = None) -> str:
+        """Store one event under a new sequence key, then trim the oldest.
+
+        Sequence numbers are wall-clock nanoseconds (made unique by
+        create-only writes), so "oldest" is by the writer's clock. A failed
+        trim is logged (``event_trim_failed``): the event is stored, the next
+        append trims again.
+
+        Args:
+            value: The event document.
+            keep: Events to keep under ``events/``; default :attr:`event_retention`.
+
+        Returns:
+            The key written.
+
+        Raises:
+            ConfigError: ``keep`` is below 1.
+            StoreError: The event could not be written.
+        """
+        keep = self.event_retention if keep is None else keep
+        if keep < 1:
+            raise ConfigError(f"keep={keep!r} must be >= 1")
+        seq = time.time_ns()
+        while not self.cas(self.keys.event(seq), value, None).succeeded:
+            seq += 1
+        try:
+            self.trim_prefix(self.keys.events(), keep)
+        except StoreError as exc:
+            log.warning("event_trim_failed", error=str(exc))
+        return self.keys.event(seq)
+
+    def trim_prefix(self, prefix: str, keep: int) -> int:
+        """Delete all but the last ``keep`` keys (in key order) under ``prefix``.
+
+        Costs one counting request when nothing is to be deleted; otherwise one
+        keys-only read of ``keep + 1`` keys and one range delete, however long
+        the backlog.
+
+        Returns:
+            How many keys were deleted.
+
+        Raises:
+            StoreError: A request failed.
+        """
+        count = self.count_prefix(prefix)
+        if count <= keep:
+            return 0
+        newest = self.call(lambda c: list(c.get_prefix(prefix, sort_order="descend", limit=keep + 1, keys_only=True)),
+                           f"get {prefix}* keys")
+        if len(newest) <= keep:
+            return 0  # someone else trimmed meanwhile
+        last_doomed = newest[-1][1].key  # bytes: the newest key to delete
+
+        def op(c: etcd3.Etcd3Client) -> Any:
+            return c.transaction(compare=[], failure=[],
+                                 success=[c.transactions.delete(prefix, range_end=last_doomed + b"\0")])
+
+        _, responses = self.call(op, f"trim {prefix}*")
+        deleted = int(responses[0].response_delete_range.deleted) if responses else 0
+        log.debug("prefix_trimmed", prefix=prefix, deleted=deleted, kept=keep)
+        return deleted
+
     # -- JSON ------------------------------------------------------------------
     def get_json(self, key: str) -> Any | None:
         """Read a JSON value; None if absent.
@@ -281,7 +434,7 @@ class StatusStore:
             return None
         try:
             return json.loads(kv.value)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise MalformedValueError(f"value of {key} is not JSON: {kv.value[:80]!r}") from exc
 
     def put_json(self, key: str, value: Any, lease: int | None = None) -> int:
@@ -294,7 +447,7 @@ class StatusStore:
         for kv in self.get_prefix(prefix):
             try:
                 out[kv.key] = json.loads(kv.value)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):
                 log.warning("malformed_value_skipped", key=kv.key, value=kv.value[:80])
         return out
 
