@@ -31,7 +31,7 @@ def main() -> None:
     ckpt = args.out / "ckpt.pt"
     start = 0
     if ckpt.exists():  # restarted by torchrun: reload the last checkpoint
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=True)  # plain tensors and numbers: nothing is unpickled as code
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]

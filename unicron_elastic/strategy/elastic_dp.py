@@ -36,7 +36,6 @@ whoever checked in).
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal, redistribute
+from unicron_elastic.strategy.safe_state import dumps, loads
 
 log = structlog.get_logger(__name__)
 
@@ -374,16 +374,21 @@ class ElasticDataParallel:
     def _broadcast_state(self, root: int, apply: bool = True) -> None:
         """The state (:meth:`state`) from the replica at ``root`` to every other member.
 
+        The state travels as raw tensor bytes plus JSON (:mod:`~unicron_elastic.strategy.safe_state`):
+        receiving it never unpickles anything.
+
         Args:
             root: Index of the sending member.
             apply: Load what arrives (False for members that hold the state already).
+
+        Raises:
+            StateEncodingError: (sender) The state holds a value the format cannot carry.
+            StateDecodingError: (receiver) What arrived is not a safe state document.
         """
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         if self.members.index(self.rank) == root:
-            buffer = io.BytesIO()
-            torch.save(self.state(), buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            payload = torch.frombuffer(bytearray(dumps(self.state())), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
@@ -392,7 +397,7 @@ class ElasticDataParallel:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.broadcast([payload], opts).wait()
         if self.members.index(self.rank) != root and apply:
-            self._apply_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False))
+            self._apply_state(loads(payload.numpy()))
 
     # -- one step ----------------------------------------------------------------
     def _compute(self, step: int, micro_batches: list[int]) -> torch.Tensor:

@@ -20,8 +20,10 @@ micro-batch:
 * a worker the agent restarted (``UNICRON_WORKER_RESTARTS`` > 0) joins at the
   next step boundary and receives the whole Lightning state (weights,
   optimizer, loop progress, callbacks, RNG) by broadcast from a replica; when
-  no replica is left, from the in-memory snapshot, else the newest
-  ``torch.distributed.checkpoint``.
+  no replica is left, from the in-memory snapshot, else the newest disk
+  checkpoint. All three carry the state as raw tensor bytes plus JSON
+  (:mod:`~unicron_elastic.strategy.safe_state`): loading never unpickles, so the
+  state may hold only plain data (no enums or custom objects, e.g. in hparams).
 
 Registering: ``import unicron_elastic.strategy`` registers ``unicron_megatron``
 in Lightning's strategy registry; so does ``import unicron_elastic`` when
@@ -99,8 +101,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         tensor_model_parallel_size: megatron-core TP size.
         pipeline_model_parallel_size: megatron-core PP size.
         snapshot_every: Steps between in-memory snapshots (0: none).
-        checkpoint_dir: Directory of asynchronous ``torch.distributed.checkpoint``
-            saves (None: none).
+        checkpoint_dir: Directory of asynchronous checkpoints in the safe state
+            format (``step-<s>.state``; None: none).
         checkpoint_every: Steps between those saves.
         timeout: Collective timeout.
         checkin_timeout: How long survivors wait for each other after a failure.

@@ -7,37 +7,38 @@ Two tiers behind the replicas:
   of the agent hosting the rendezvous (on another node than most workers), not
   in any worker, so it survives the loss of every worker of the group.
 * :class:`DiskCheckpoints`: every ``every`` steps the leader writes the state
-  with ``torch.distributed.checkpoint.async_save`` (a background thread; the
-  step goes on) to ``<directory>/step-<s>``; a ``latest`` file names the newest
-  *complete* checkpoint, so a crash while writing leaves the previous one.
+  in a background thread (the step goes on) to ``<directory>/step-<s>.state``;
+  a ``latest`` file names the newest *complete* checkpoint, so a crash while
+  writing leaves the previous one.
 
 Both are written by one replica only: every data-parallel replica holds the
-same state.
+same state. Both hold it in the format of :mod:`~unicron_elastic.strategy.safe_state`
+(raw tensor bytes plus JSON), so reading one never unpickles anything: the
+agent's TCPStore has no authentication, and a checkpoint directory may be
+shared.
 """
 
 from __future__ import annotations
 
-import copy
-import io
 import json
 import os
+import re
 import shutil
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
-from unicron_elastic.api import ConfigError
+from unicron_elastic.api import ConfigError, StateDecodingError
+from unicron_elastic.strategy.safe_state import EncodedState, encode, loads, pack, pack_parts
 
 log = structlog.get_logger(__name__)
 
 SNAPSHOT_KEY = "unicron-snapshot/state"
-TENSOR_KEYS = ("state_dict", "optimizer_states")  # saved as tensors by DCP; the rest as one blob
+_CHECKPOINT_NAME = re.compile(r"step-\d{8,}\.state")
 
 
 class MemorySnapshot:
@@ -66,16 +67,18 @@ class MemorySnapshot:
 
         Training goes on while the snapshot is written; a snapshot still being
         written is waited for first (at most one in flight).
+
+        Raises:
+            StateEncodingError: ``state`` holds a value the safe format cannot
+                carry (raised here, not in the background).
         """
         self.wait()
-        frozen = _frozen(state)
+        frozen = encode(state, copy=True)
         self._thread = threading.Thread(target=self._upload, args=(frozen,), name="unicron-snapshot", daemon=True)
         self._thread.start()
 
-    def _upload(self, state: dict[str, Any]) -> None:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        self.store.set(SNAPSHOT_KEY, buffer.getvalue())
+    def _upload(self, state: EncodedState) -> None:
+        self.store.set(SNAPSHOT_KEY, pack(state))
 
     def wait(self) -> None:
         """Wait for the snapshot being written, if any."""
@@ -84,41 +87,22 @@ class MemorySnapshot:
             self._thread = None
 
     def load(self) -> dict[str, Any] | None:
-        """The latest snapshot, or None."""
+        """The latest snapshot, or None.
+
+        Raises:
+            StateDecodingError: The value in the store is not a safe state
+                document (e.g. a pickle someone put there); nothing in it ran.
+        """
         if not self.store.check([SNAPSHOT_KEY]):
             return None
-        return torch.load(io.BytesIO(self.store.get(SNAPSHOT_KEY)), weights_only=False)
-
-
-def _frozen(state: dict[str, Any]) -> dict[str, Any]:
-    """A copy training cannot change underneath a background writer."""
-    return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v), state)
-
-
-def _split(state: dict[str, Any]) -> dict[str, Any]:
-    """Tensors for DCP; everything else (loop progress, callbacks, RNG) as one pickled blob."""
-    lightning = state["lightning"]
-    rest = {**state, "lightning": {k: v for k, v in lightning.items() if k not in TENSOR_KEYS}}
-    blob = io.BytesIO()
-    torch.save(rest, blob)
-    blob.seek(0)
-    return {**{k: lightning[k] for k in TENSOR_KEYS if k in lightning}, "rest": blob}
-
-
-def _join(saved: dict[str, Any]) -> dict[str, Any]:
-    saved["rest"].seek(0)
-    state = torch.load(saved["rest"], weights_only=False)
-    for key in TENSOR_KEYS:
-        if key in saved:
-            state["lightning"][key] = saved[key]
-    for opt in state["lightning"].get("optimizer_states", []):
-        # DCP stores dict keys as strings; optimizers index their state by parameter number
-        opt["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in opt["state"].items()}
-    return state
+        try:
+            return loads(self.store.get(SNAPSHOT_KEY))
+        except StateDecodingError as exc:
+            raise StateDecodingError(f"in-memory snapshot ({SNAPSHOT_KEY!r} in the agent's store): {exc}") from None
 
 
 class DiskCheckpoints:
-    """Asynchronous ``torch.distributed.checkpoint`` saves, newest complete one named by ``latest``.
+    """Asynchronous saves of the state, newest complete one named by ``latest``.
 
     Args:
         directory: Checkpoint directory (created).
@@ -137,6 +121,7 @@ class DiskCheckpoints:
         self.directory, self.every, self.keep = Path(directory), every, keep
         self.directory.mkdir(parents=True, exist_ok=True)
         self._pending: Future | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unicron-checkpoint")
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -145,25 +130,34 @@ class DiskCheckpoints:
         """Start writing ``state`` (the state at the start of ``step``); returns at once.
 
         A save still running is waited for first (at most one in flight).
-        """
-        from torch.distributed.checkpoint import async_save
 
+        Raises:
+            StateEncodingError: ``state`` holds a value the safe format cannot
+                carry (raised here, not in the background).
+        """
         self.wait()
-        path = self.directory / f"step-{step:08d}"
-        future = async_save(_split(_frozen(state)), checkpoint_id=str(path), no_dist=True)
-        future.add_done_callback(lambda f: self._mark(f, step, path))
+        path = self.directory / f"step-{step:08d}.state"
+        future = self._writer.submit(self._write_and_mark, step, path, encode(state, copy=True))
+        future.add_done_callback(lambda f: self._log_failure(f, step, path))
         self._pending = future
 
-    def _mark(self, future: Future, step: int, path: Path) -> None:
+    @staticmethod
+    def _log_failure(future: Future, step: int, path: Path) -> None:
         if future.exception() is not None:
             log.error("checkpoint_failed", step=step, path=str(path), error=str(future.exception()))
-            return
+
+    def _write_and_mark(self, step: int, path: Path, state: EncodedState) -> None:
+        """In the writer thread: the file, then ``latest`` (so :meth:`wait` returns after both)."""
+        _write(path, state)
         tmp = self.directory / "latest.tmp"
         tmp.write_text(json.dumps({"step": step, "path": path.name}))
         os.replace(tmp, self.directory / "latest")
         log.info("checkpoint_saved", step=step, path=str(path))
         for old in sorted(self.directory.glob("step-*"))[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_dir():  # written by torch.distributed.checkpoint (an earlier unicron)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any."""
@@ -172,15 +166,54 @@ class DiskCheckpoints:
             self._pending = None
 
     def latest_step(self) -> int | None:
-        marker = self.directory / "latest"
-        return json.loads(marker.read_text())["step"] if marker.exists() else None
+        """The step of the newest complete checkpoint, or None.
 
-    def load(self) -> dict[str, Any] | None:
-        """The newest complete checkpoint, or None."""
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+        Raises:
+            StateDecodingError: The ``latest`` file is malformed.
+        """
+        latest = self._latest()
+        return None if latest is None else latest[0]
 
+    def _latest(self) -> tuple[int, Path] | None:
         marker = self.directory / "latest"
         if not marker.exists():
             return None
-        path = self.directory / json.loads(marker.read_text())["path"]
-        return _join(_load_state_dict_from_keys(checkpoint_id=str(path)))
+        try:
+            doc = json.loads(marker.read_text())
+            step, name = doc["step"], doc["path"]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StateDecodingError(f"{marker} is not a checkpoint marker: {exc}") from None
+        path = self.directory / str(name)
+        if type(step) is int and isinstance(name, str) and _CHECKPOINT_NAME.fullmatch(name):
+            return step, path
+        if isinstance(name, str) and "/" not in name and path.is_dir():
+            raise StateDecodingError(
+                f"checkpoint {path} was written by torch.distributed.checkpoint (an earlier unicron), whose loading "
+                f"unpickles files in it and so could run code: refused. Load it yourself if you trust its origin")
+        raise StateDecodingError(f"{marker} names {name!r} (step {step!r}): not a checkpoint of this directory; refused")
+
+    def load(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint, or None.
+
+        Raises:
+            StateDecodingError: The checkpoint (or ``latest``) is not in the safe
+                state format (e.g. a pickle); nothing in it ran.
+        """
+        latest = self._latest()
+        if latest is None:
+            return None
+        try:
+            return loads(latest[1].read_bytes())
+        except StateDecodingError as exc:
+            raise StateDecodingError(f"checkpoint {latest[1]}: {exc}") from None
+
+
+def _write(path: Path, state: EncodedState) -> None:
+    """Write the document to ``path`` atomically (a crash leaves no partial file under that name)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        for part in pack_parts(state):
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
