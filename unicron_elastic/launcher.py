@@ -7,6 +7,13 @@ c10d TCP store; the agent is :class:`~unicron_elastic.agent.UnicronAgent`.
 
 torchrun has no hook for a custom agent, so :func:`launch` rebuilds the short
 part of ``torch.distributed.launcher.api.launch_agent`` that creates the agent.
+
+Stopping: SIGTERM, SIGINT, SIGHUP (and SIGQUIT) stop the whole job from the
+start (before the private etcd is started): the workers get the signal, then
+etcd and every temp dir are removed and the exit code is 128 + the signal.
+Bad input (flags, ``--rdzv-conf``, endpoint, TLS files, a busy metrics port,
+no etcd binary) and an unreachable etcd or a corrupt rendezvous state are one
+``unicron-run: error: ...`` line and exit code 2 (the workers are stopped first).
 """
 
 from __future__ import annotations
@@ -18,16 +25,25 @@ from typing import Any
 import structlog
 from torch.distributed.elastic import events, metrics
 from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser
 
 from unicron_elastic.agent import UnicronAgent
-from unicron_elastic.agent.agent import ALL_DETECTORS, AgentConfig, NodeGaveUp
+from unicron_elastic.agent.agent import (
+    ALL_DETECTORS,
+    AgentConfig,
+    NodeGaveUp,
+    begin_shutdown,
+    install_stop_signals,
+    make_detectors,
+    stop_signals_deferred,
+)
 from unicron_elastic.agent.decide import LadderPolicy
-from unicron_elastic.api import ConfigError
+from unicron_elastic.api import ConfigError, EtcdBinaryNotFoundError, EtcdStartError
 from unicron_elastic.detection.hang import HangThresholds
 from unicron_elastic.logging import configure_logging
 from unicron_elastic.store.embedded import EmbeddedEtcd
@@ -53,7 +69,7 @@ def get_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-reattempts", type=int, default=3, help="SEV3 reattempts per step before SEV2")
     group.add_argument("--max-worker-restarts", type=int, default=3,
                        help="single-worker restarts per rank before the node gives up (SEV1)")
-    group.add_argument("--node-ttl", type=int, default=2, help="lease TTL of this node in etcd (seconds)")
+    group.add_argument("--node-ttl", type=int, default=2, help="lease TTL of this node in etcd (seconds, >= 1)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics (events, actions, detection latency) on this port")
     parser.add_argument(
@@ -69,14 +85,17 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     """The agent settings from ``unicron-run`` flags.
 
     Raises:
-        ConfigError: A threshold or bound is invalid.
+        ConfigError: A threshold or bound is invalid, ``--node-ttl`` is < 1, or
+            ``--detectors`` is empty or names a detector no plugin provides.
     """
-    return AgentConfig(
+    config = AgentConfig(
         detectors=tuple(d.strip() for d in args.detectors.split(",") if d.strip()),
         hang=HangThresholds(hang_factor=args.hang_factor),
         ladder=LadderPolicy(args.max_reattempts, args.max_worker_restarts),
         node_ttl=args.node_ttl,
     )
+    make_detectors(config)  # unknown names fail now, before etcd or any worker starts
+    return config
 
 
 def launch(
@@ -136,7 +155,7 @@ def launch(
         shutdown_timeout=config.shutdown_timeout,
     )
     shutdown_rdzv = True
-    try:
+    try:  # from here on the agent's temp dir exists: close() removes it, whatever happens
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = elastic_agent.run()
         events.record(elastic_agent.get_event_succeeded(), config.event_log_handler)
@@ -152,8 +171,51 @@ def launch(
         events.record(elastic_agent.get_event_failed(), config.event_log_handler)
         raise
     finally:
-        if shutdown_rdzv:
-            spec.rdzv_handler.shutdown()
+        try:
+            if shutdown_rdzv:
+                spec.rdzv_handler.shutdown()
+        finally:
+            elastic_agent.close()
+
+
+def _serve_metrics(port: int) -> None:
+    """Serve Prometheus metrics on 127.0.0.1:``port``.
+
+    Raises:
+        ConfigError: The port cannot be bound (in use, not allowed, out of range).
+    """
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr="127.0.0.1")
+    except (OSError, OverflowError) as exc:
+        raise ConfigError(f"--metrics-port {port}: {getattr(exc, 'strerror', None) or exc}") from None
+    log.info("metrics_served", port=port)
+
+
+def _run(args: argparse.Namespace, unicron: AgentConfig) -> None:
+    """Start the private etcd if ``--standalone``, run the node, stop etcd (whatever happens)."""
+    etcd: EmbeddedEtcd | None = None
+    try:
+        if args.standalone:
+            etcd = EmbeddedEtcd()
+            with stop_signals_deferred():  # its health probe would swallow the signal's exception
+                etcd.start()
+            args.rdzv_backend = "unicron"
+            args.rdzv_endpoint = etcd.endpoint
+            args.rdzv_id = str(uuid.uuid4())
+            log.info("standalone_etcd", endpoint=etcd.endpoint, rdzv_id=args.rdzv_id)
+        if args.master_port is None:
+            args.master_port = 29500
+        try:
+            config, cmd, cmd_args = config_from_args(args)
+        except ValueError as exc:  # torchrun's own flag checks (--nnodes, --nproc-per-node ...)
+            raise ConfigError(f"bad torchrun flag: {exc}") from None
+        launch(config, cmd, cmd_args, unicron)
+    finally:
+        begin_shutdown()  # a second signal must not break off the clean-up
+        if etcd is not None:
+            etcd.stop()
 
 
 @record
@@ -163,37 +225,28 @@ def main(argv: list[str] | None = None) -> None:
     Raises:
         ChildFailedError: The training failed (torch's ``@record`` writes the
             error file and the exit code is 1).
+        SystemExit: 2 for bad input or an etcd that cannot be used (one
+            ``unicron-run: error:`` line), 75 when the node gave up, 128 + N
+            after signal N.
     """
     parser = get_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_format)
+    install_stop_signals()  # before anything is started that would need cleaning up
     try:
         unicron = agent_config(args)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    if args.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port, addr="127.0.0.1")
-        log.info("metrics_served", port=args.metrics_port)
-    etcd: EmbeddedEtcd | None = None
-    try:
-        if args.standalone:
-            etcd = EmbeddedEtcd().start()
-            args.rdzv_backend = "unicron"
-            args.rdzv_endpoint = etcd.endpoint
-            args.rdzv_id = str(uuid.uuid4())
-            log.info("standalone_etcd", endpoint=etcd.endpoint, rdzv_id=args.rdzv_id)
-        if args.master_port is None:
-            args.master_port = 29500
-        config, cmd, cmd_args = config_from_args(args)
-        launch(config, cmd, cmd_args, unicron)
+        if args.metrics_port is not None:
+            _serve_metrics(args.metrics_port)
+        _run(args, unicron)
     except NodeGaveUp as exc:
         log.error("node_gave_up", reason=str(exc), exit_code=exc.exit_code)
         raise SystemExit(exc.exit_code) from None
-    finally:
-        if etcd is not None:
-            etcd.stop()
+    except SignalException as exc:
+        log.warning("stopped_by_signal", signal=exc.sigval.name)
+        raise SystemExit(128 + int(exc.sigval)) from None
+    except (ConfigError, EtcdBinaryNotFoundError, EtcdStartError, RendezvousConnectionError,
+            RendezvousStateError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {' '.join(str(exc).split())}\n")  # one line, even for etcd's log
 
 
 if __name__ == "__main__":

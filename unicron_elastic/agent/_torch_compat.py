@@ -1,16 +1,37 @@
 """The one place that touches torch's private process-context fields (torch 2.13).
 
 Per-rank restart needs to replace one worker of a ``SubprocessContext`` without
-disturbing the others. ``tests/test_agent.py`` pins the fields used here.
+disturbing the others. ``tests/test_agent.py`` pins the fields used here, and
+``tests/test_shutdown.py`` the signal handler name :func:`use_signal_handler` replaces.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from subprocess import Popen
+from types import FrameType
 
+from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+
+def use_signal_handler(handler: Callable[[int, FrameType | None], None]) -> bool:
+    """Make ``PContext.start()`` register ``handler`` instead of torch's ``_terminate_process_handler``.
+
+    torch registers its handler (which always raises ``SignalException``) each
+    time it starts workers, *before* it starts them; with ours in its place a
+    signal while workers start can be deferred until torch has recorded them
+    all, so that its shutdown stops every one.
+
+    Returns:
+        False if this torch has no such module attribute (then torch's own is used).
+    """
+    if not callable(getattr(_mp_api, "_terminate_process_handler", None)):
+        return False
+    _mp_api._terminate_process_handler = handler  # type: ignore[assignment]
+    return True
 
 
 def supports_per_rank_restart(pcontext: PContext | None) -> bool:

@@ -10,7 +10,9 @@ On top of ``LocalElasticAgent`` it
 * executes :func:`~unicron_elastic.agent.decide.decide`: SEV3 reattempt in
   place, SEV2 restart of only the failed worker (resumable workers), SEV1 give
   up the node (:class:`NodeGaveUp`, exit code 75). Plain scripts keep torchrun's
-  restart-all behaviour.
+  restart-all behaviour;
+* stops for good on a signal or any error: from the moment torch shuts the
+  workers down, no detection acts and nothing is respawned.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from subprocess import Popen
 from typing import Any
@@ -30,12 +34,13 @@ import structlog
 from prometheus_client import Counter, Histogram
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
 
 from unicron_elastic.agent import _torch_compat
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.decide import EXIT_GIVE_UP, Action, Decision, LadderPolicy, RankHistory, decide
 from unicron_elastic.agent.detectors import Detector
-from unicron_elastic.api import StoreError, UnicronError
+from unicron_elastic.api import ConfigError, StoreError, UnicronError
 from unicron_elastic.detection.hang import Finding, HangThresholds
 from unicron_elastic.events import Classification, ErrorEvent, Severity
 from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
@@ -51,6 +56,88 @@ DETECTION = Histogram("unicron_detection_latency_seconds", "From failure to dete
 
 GENERATION_ENV = "UNICRON_GENERATION"
 ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
+#: Signals that stop ``unicron-run`` (torch's default set of handled signals).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_shutting_down = threading.Event()  # set once the process cleans up: later stop signals are ignored
+_signals: dict[str, Any] = {"pending": None, "deferring": 0}  # main-thread state of the stop signal
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    """Raise torch's ``SignalException`` in the main thread, unless deferred or a shutdown is under way.
+
+    Raises:
+        SignalException: For a stop signal outside :func:`stop_signals_deferred`.
+    """
+    sig = signal.Signals(signum)
+    if _shutting_down.is_set():
+        log.warning("stop_signal_ignored", signal=sig.name, reason="shutdown under way (SIGKILL forces)")
+        return
+    _signals["pending"] = sig
+    if _signals["deferring"]:
+        log.info("stop_signal_deferred", signal=sig.name)
+        return
+    raise SignalException(f"Process {os.getpid()} got signal: {sig.name}", sigval=sig)
+
+
+def raise_pending_stop() -> None:
+    """Raise again a stop signal that was received but is not being acted on.
+
+    A ``SignalException`` raised in the middle of library code that catches
+    ``Exception`` (a health probe, a retry loop) is lost; the agent calls this
+    at points where it is safe to stop (every monitor interval, after a rendezvous).
+
+    Raises:
+        SignalException: A stop signal arrived and no shutdown has begun.
+    """
+    sig = _signals["pending"]
+    if sig is not None and not _shutting_down.is_set() and threading.current_thread() is threading.main_thread():
+        raise SignalException(f"Process {os.getpid()} got signal: {sig.name}", sigval=sig)
+
+
+@contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """A stop signal inside the block takes effect when the block ends (main thread).
+
+    For steps that must not be cut in half: starting etcd (its health probe
+    would swallow the exception) or worker processes (torch would lose track
+    of those started so far). In other threads (signals only reach the main
+    thread) it does nothing.
+
+    Raises:
+        SignalException: At the end of the block, for a stop signal received in it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _signals["deferring"] += 1
+    try:
+        yield
+    finally:
+        _signals["deferring"] -= 1
+    if not _signals["deferring"]:
+        raise_pending_stop()
+
+
+def install_stop_signals() -> None:
+    """Turn SIGTERM, SIGINT, SIGHUP and SIGQUIT into ``SignalException`` (main thread only).
+
+    Like torch's own handler (which it also replaces in the worker start-up,
+    see :func:`~unicron_elastic.agent._torch_compat.use_signal_handler`), but a
+    signal inside :func:`stop_signals_deferred` waits for the end of the block,
+    and once :func:`begin_shutdown` was called a further signal is logged and
+    ignored, so it cannot break off the clean-up (stopping the workers and etcd,
+    removing temp dirs). ``unicron-run`` installs it before it starts anything.
+    """
+    _torch_compat.use_signal_handler(_on_stop_signal)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+
+
+def begin_shutdown() -> None:
+    """From now on the process is cleaning up: stop signals are ignored (see :func:`install_stop_signals`)."""
+    _shutting_down.set()
 
 
 class NodeGaveUp(UnicronError):
@@ -77,6 +164,41 @@ class AgentConfig:
     node_ttl: int = 2
     node: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
+    def __post_init__(self) -> None:
+        """Refuse settings that would switch detection off silently.
+
+        Raises:
+            ConfigError: No detector is named, or ``node_ttl`` is not a whole number >= 1.
+        """
+        if not self.detectors:
+            raise ConfigError("--detectors names no detector; known: " + ", ".join(ALL_DETECTORS))
+        if isinstance(self.node_ttl, bool) or not isinstance(self.node_ttl, int) or self.node_ttl < 1:
+            raise ConfigError(f"--node-ttl (node_ttl={self.node_ttl!r}) must be a whole number of seconds >= 1")
+
+
+def make_detectors(config: AgentConfig, pm: Any = None) -> list[Detector]:
+    """The detectors ``config.detectors`` names, from the ``unicron_detectors`` hook.
+
+    Args:
+        config: The agent settings.
+        pm: The plugin manager (default: a new one with the installed plugins).
+
+    Returns:
+        One detector per name, in the order given.
+
+    Raises:
+        ConfigError: A name is provided by no plugin; the message lists the known ones.
+    """
+    provided: dict[str, Detector] = {}
+    for batch in call_isolated(pm or plugin_manager(), "unicron_detectors", config=config):
+        for detector in batch:
+            provided.setdefault(detector.name, detector)
+    unknown = [name for name in config.detectors if name not in provided]
+    if unknown:
+        raise ConfigError(f"--detectors: unknown detector(s) {', '.join(map(repr, unknown))}; "
+                          f"known: {', '.join(sorted(provided))}")
+    return [provided[name] for name in config.detectors]
+
 
 class UnicronAgent(LocalElasticAgent):
     """The agent ``unicron-run`` builds (``LocalElasticAgent`` arguments plus ``config``)."""
@@ -96,12 +218,19 @@ class UnicronAgent(LocalElasticAgent):
         self._handled_pids: set[int] = set()
         self._give_up: Decision | None = None
         self._stopping = False  # torch is stopping the workers: their exits are not failures
+        self._closed = False  # stopping for good (signal, error, end of run): never act or respawn again
+        self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
         self._pm = plugin_manager()
-        self._dir = tempfile.mkdtemp(prefix="unicron-")
-        self._channel = AgentChannel(self._dir, self._on_message)
-        os.environ[SOCKET_ENV] = self._channel.path
-        self._detectors = self._make_detectors()
+        self._detectors = make_detectors(self.config, self._pm)
         self._started = False
+        tmp = tempfile.mkdtemp(prefix="unicron-")
+        try:
+            self._channel = AgentChannel(tmp, self._on_message)
+        except BaseException:  # a signal or a socket error: leave no temp dir behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._dir: str | None = tmp
+        os.environ[SOCKET_ENV] = self._channel.path
 
     # -- set-up ----------------------------------------------------------------
     @property
@@ -113,21 +242,9 @@ class UnicronAgent(LocalElasticAgent):
     def task(self) -> str:
         return getattr(self._worker_group.spec.rdzv_handler, "task", "") or self._worker_group.spec.rdzv_handler.get_run_id()
 
-    def _make_detectors(self) -> list[Detector]:
-        provided: dict[str, Detector] = {}
-        for batch in call_isolated(self._pm, "unicron_detectors", config=self.config):
-            for detector in batch:
-                provided.setdefault(detector.name, detector)
-        chosen = []
-        for name in self.config.detectors:
-            if name in provided:
-                chosen.append(provided[name])
-            else:
-                log.error("unknown_detector", detector=name, known=sorted(provided))
-        return chosen
-
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
+        raise_pending_stop()  # a signal that the rendezvous' etcd calls swallowed
         self.generation += 1
         structlog.contextvars.bind_contextvars(
             run_id=worker_group.spec.rdzv_handler.get_run_id(),
@@ -148,13 +265,43 @@ class UnicronAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         with self._lock:
             self._stopping = True
-        super()._stop_workers(worker_group)
+        self._restarting = True
+        try:
+            super()._stop_workers(worker_group)  # calls self._shutdown()
+        finally:
+            self._restarting = False
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        """Stop the workers; unless for a restart, stop for good first (never respawn again).
+
+        torch calls this from ``run()`` on a signal (``death_sig`` is that
+        signal) and on any error or the end of the run, and from
+        :meth:`_stop_workers` before a restart of the group.
+        """
+        if not self._restarting:
+            self._close_for_good()
+        super()._shutdown(death_sig, timeout)
+
+    def _close_for_good(self) -> None:
+        """Under the lock: no detection acts and no worker is respawned from now on.
+
+        A respawn under way (it holds the lock) finishes first, so torch's
+        shutdown that follows sees and stops its process.
+        """
+        begin_shutdown()
+        with self._lock:
+            if not self._closed:
+                log.info("agent_stopping", pending_give_up=self._give_up is not None)
+            self._closed = True
+            self._stopping = True
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ[GENERATION_ENV] = str(self.generation)
-        ids = super()._start_workers(worker_group)
+        with stop_signals_deferred():  # a signal now: after torch recorded every worker, so it stops them all
+            ids = super()._start_workers(worker_group)
+            install_stop_signals()  # in case torch registered its own handler after all
         with self._lock:  # only now: exits seen before are the old generation's
-            self._stopping = False
+            self._stopping = self._closed
         self._notify_started(list(ids), f"gen{self.generation}")
         return ids
 
@@ -193,9 +340,7 @@ class UnicronAgent(LocalElasticAgent):
         store = self.store
         if store is not None:
             try:
-                seq = time.time_ns()
-                while not store.cas(store.keys.event(seq), event.to_json(), None).succeeded:
-                    seq += 1
+                store.append_event(event.to_json())  # keeps the newest store.event_retention events
             except StoreError as exc:
                 log.error("event_publish_failed", error=str(exc))
         call_isolated(self._pm, "unicron_event", event=event)
@@ -203,7 +348,8 @@ class UnicronAgent(LocalElasticAgent):
     def report(self, event: ErrorEvent) -> None:
         self.publish(event)
         if event.severity is Severity.SEV1 and event.node == self.node:
-            self._act(-1, Decision(Action.GIVE_UP, Severity.SEV1, RankHistory(), event.kind), event)
+            with self._lock:
+                self._act(-1, Decision(Action.GIVE_UP, Severity.SEV1, RankHistory(), event.kind), event)
 
     def lost_own_lease(self) -> None:
         self.report(ErrorEvent(Severity.SEV1, "lost_connection", "node", self.node, message="own lease expired"))
@@ -236,6 +382,8 @@ class UnicronAgent(LocalElasticAgent):
             self._decide(rank, event, responsive=False)
 
     def exception(self, rank: int, msg: dict[str, Any], classification: Classification, received: float) -> None:
+        if self._closed:
+            return  # stopping for good: a worker's exception on the way out is no failure to act on
         event = self._event(classification.severity, classification.kind, "exception", rank,
                             f"{msg['type']}: {msg['msg']}"[:500], time.time() - (time.monotonic() - received))
         self.publish(event)
@@ -246,8 +394,8 @@ class UnicronAgent(LocalElasticAgent):
             self._decide(rank, event, responsive=True, step=int(msg["step"]))
 
     def hang(self, rank: int, finding: Finding) -> None:
-        if self._process(rank) is None:
-            return  # finished or already dead: process supervision has it
+        if self._closed or self._process(rank) is None:
+            return  # stopping for good, or finished or already dead: process supervision has it
         occurred = time.time() - (time.monotonic() - finding.since)
         event = self._event(finding.severity, finding.kind, "hang", rank, finding.message, occurred)
         self.publish(event)
@@ -264,6 +412,9 @@ class UnicronAgent(LocalElasticAgent):
         self._act(rank, decision, event)
 
     def _act(self, rank: int, decision: Decision, event: ErrorEvent) -> None:
+        if self._closed:  # callers hold the lock: a shutdown that began is final
+            log.info("agent_action_skipped", action=decision.action.value, rank=rank, reason="agent stopping")
+            return
         log.info("agent_action", action=decision.action.value, rank=rank, reason=decision.reason)
         ACTIONS.labels(decision.action.value).inc()
         call_isolated(self._pm, "unicron_action", action=decision.action.value, event=event,
@@ -281,6 +432,8 @@ class UnicronAgent(LocalElasticAgent):
             self._execute(rank, decision, self._local_rank(rank))
 
     def _execute(self, rank: int, decision: Decision, local_rank: int | None) -> None:
+        if self._closed:
+            return
         self.actions.append((decision.action.value, rank))
         local_rank = self._local_rank(rank) if local_rank is None else local_rank
         if decision.action is Action.RESTART_WORKER and local_rank is not None:
@@ -293,6 +446,14 @@ class UnicronAgent(LocalElasticAgent):
         # RESTART_ALL: torch's monitor sees the failed process and restarts the group
 
     def _respawn(self, local_rank: int) -> None:
+        with self._lock:  # held by every caller already; re-entrant
+            if self._stopping or self._closed:
+                log.info("worker_restart_skipped", local_rank=local_rank, reason="agent stopping")
+                return
+            with stop_signals_deferred():  # (main thread) torch must know the new process before a stop
+                self._respawn_locked(local_rank)
+
+    def _respawn_locked(self, local_rank: int) -> None:
         worker = self._worker_group.workers[local_rank]
         restarts = self._history.get(worker.global_rank, RankHistory()).restarts
         env = {GENERATION_ENV: f"{self.generation}.{restarts}", "UNICRON_WORKER_RESTARTS": str(restarts)}
@@ -307,6 +468,8 @@ class UnicronAgent(LocalElasticAgent):
     # -- messages and monitoring -------------------------------------------------
     def _on_message(self, msg: dict[str, Any], received: float) -> None:
         if msg["t"] == "hello":
+            if self._local_rank(msg["rank"]) is None:
+                return  # not one of this agent's workers: no table grows with made-up ranks
             with self._lock:
                 self._replies[msg["rank"]] = str(msg["reply"])
                 history = self._history.get(msg["rank"], RankHistory())
@@ -318,6 +481,7 @@ class UnicronAgent(LocalElasticAgent):
                 log.exception("detector_failed", detector=detector.name)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        raise_pending_stop()  # a signal some library code swallowed
         with self._lock:
             procs = _torch_compat.worker_processes(self._pcontext)
             for local_rank, proc in procs.items():  # no-op while a give-up is pending
@@ -342,13 +506,35 @@ class UnicronAgent(LocalElasticAgent):
         try:
             return super().run(role)
         finally:
-            self._close()
+            self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Stop for good, then stop the detectors, close the channel and remove the temp dir (idempotent).
+
+        The detectors get at most the shutdown timeout together (a node detector
+        may wait on an unreachable etcd): one still stopping after it is left
+        to its daemon thread.
+        """
+        self._close_for_good()
+        if self._dir is None:
+            return
+        deadline = time.monotonic() + max(2.0, float(self._shutdown_timeout or 0))
         for detector in self._detectors:
+            self._stop_detector(detector, deadline)
+        self._channel.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir = None
+
+    @staticmethod
+    def _stop_detector(detector: Detector, deadline: float) -> None:
+        def stop() -> None:
             try:
                 detector.stop()
             except Exception:  # noqa: BLE001
                 log.exception("detector_stop_failed", detector=detector.name)
-        self._channel.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+
+        thread = threading.Thread(target=stop, daemon=True, name=f"unicron-stop-{detector.name}")
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.error("detector_stop_timeout", detector=detector.name)

@@ -1,4 +1,12 @@
-"""A private etcd server on loopback, for tests, demos and ``--standalone``."""
+"""A private etcd server on loopback, for tests, demos and ``--standalone``.
+
+The server dies with its owner, even when the owner is killed with SIGKILL: a
+small guard process (one per server) holds the read end of a pipe whose write
+end only the owner has; when the pipe closes without a "released" byte (the
+kernel closes it when the owner dies, however it dies) the guard kills etcd and
+removes its data dir. No ``preexec_fn`` (such as a parent-death ``prctl``) is
+used: in a process with threads (gRPC's, our watches) it can deadlock the fork.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +63,42 @@ def find_etcd_binary() -> str:
     )
 
 
+#: The guard: waits for EOF on the owner's pipe; without a "released" byte first
+#: (the owner died) it kills etcd (if that PID still runs etcd on this data dir)
+#: and removes the data dir and its log.
+_GUARD = """
+import os, shutil, signal, sys, time
+fd, pid, data_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+released = False
+while True:
+    chunk = os.read(fd, 64)
+    if not chunk:
+        break
+    released = released or b"x" in chunk
+if released:
+    sys.exit(0)
+def running():
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            cmdline = f.read()
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return data_dir.encode() in cmdline and state not in (b"Z", b"X")
+if running():
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+shutil.rmtree(data_dir, ignore_errors=True)
+try:
+    os.unlink(data_dir + ".log")
+except OSError:
+    pass
+"""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -66,7 +111,8 @@ class EmbeddedEtcd:
 
     Uses fast raft settings (heartbeat 50 ms, election timeout 500 ms) so that
     leases as short as 1 s work. The data directory is temporary and removed by
-    :meth:`stop`; an ``atexit`` hook stops a server its owner forgot.
+    :meth:`stop`; an ``atexit`` hook stops a server its owner forgot, and the
+    server dies with its owner process however that ends (see the module doc).
 
     Args:
         cluster: unicron cluster name for :attr:`config`.
@@ -82,6 +128,8 @@ class EmbeddedEtcd:
         self.data_dir: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file = None
+        self._guard: subprocess.Popen[bytes] | None = None
+        self._guard_pipe: int | None = None  # write end; closing it without "x" means: owner gone
 
     @property
     def config(self) -> EtcdConfig:
@@ -119,27 +167,67 @@ class EmbeddedEtcd:
         Raises:
             EtcdStartError: The server exited or did not answer in time.
         """
+        try:
+            return self._start()
+        except BaseException:  # a signal during start-up, or a failure: leave nothing behind
+            self.stop()
+            raise
+
+    def _start(self) -> EmbeddedEtcd:
         if self.data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="unicron-etcd-")
+        atexit.register(self.stop)
         log_path = Path(self.data_dir).parent / (Path(self.data_dir).name + ".log")
         self._log_file = open(log_path, "ab")  # noqa: SIM115 - kept open while etcd runs
         self.proc = subprocess.Popen(
             self._command(), stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
-        atexit.register(self.stop)
+        self._start_guard()
         probe = StatusStore(self.config)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 tail = log_path.read_bytes()[-2000:].decode(errors="replace")
-                self.stop()
                 raise EtcdStartError(f"etcd exited with code {self.proc.returncode}: {tail}")
             if probe.healthy():
                 log.info("embedded_etcd_started", endpoint=self.endpoint, pid=self.proc.pid)
                 return self
             time.sleep(0.05)
-        self.stop()
         raise EtcdStartError(f"etcd on {self.endpoint} not healthy after {self.startup_timeout}s")
+
+    def _start_guard(self) -> None:
+        """Start the process that stops etcd and removes the data dir if this process dies."""
+        assert self.proc is not None and self.data_dir is not None
+        read_end, write_end = os.pipe()  # the write end is not inherited by anything we start later
+        try:
+            self._guard = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _GUARD, str(read_end), str(self.proc.pid), self.data_dir],
+                pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._guard_pipe = write_end
+
+    def _release_guard(self) -> None:
+        """Tell the guard that this process took care of etcd itself, and reap it."""
+        if self._guard_pipe is not None:
+            try:
+                os.write(self._guard_pipe, b"x")
+            except OSError:
+                pass
+            os.close(self._guard_pipe)
+            self._guard_pipe = None
+        if self._guard is not None:
+            try:
+                self._guard.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._guard.kill()
+                self._guard.wait()
+            self._guard = None
 
     def kill(self) -> None:
         """Stop the server process but keep its data (for restart tests)."""
@@ -150,6 +238,7 @@ class EmbeddedEtcd:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._release_guard()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
