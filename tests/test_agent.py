@@ -238,3 +238,31 @@ def test_status_renders_nodes_and_events(store: StatusStore) -> None:
     assert "n1" in text and "running" in text
     assert "SEV2 task_hang" in text and "rank=3" in text
     assert "malformed value" in text
+
+
+class _Proc:
+    def __init__(self, pid: int, code: int | None) -> None:
+        self.pid, self.code = pid, code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def test_a_worker_that_dies_after_the_monitor_polled_it_is_not_handed_to_torch(monkeypatch) -> None:
+    """Seen under load with every rank killed in one step: rank 0 died between the monitor's loop
+    over the workers and its final check, torch's monitor saw the unhandled exit and stopped the
+    healthy, just-restarted ranks (exit 1). Until the agent handled that exit, torch must not look."""
+    from unicron_elastic.agent import _torch_compat
+    from unicron_elastic.agent.agent import UnicronAgent
+
+    agent = UnicronAgent.__new__(UnicronAgent)  # only the monitor's bookkeeping is used
+    agent._pcontext, agent._handled_pids = object(), set()
+    procs = {0: _Proc(10, -9), 1: _Proc(11, None)}
+    monkeypatch.setattr(_torch_compat, "worker_processes", lambda pcontext: procs)
+    assert agent._healthy_for_now()  # rank 0's exit is not handled yet
+    agent._handled_pids.add(10)  # handled and not respawned (restart-all, or stopping)
+    assert not agent._healthy_for_now()  # now torch's monitor reports the failure
+    procs[0] = _Proc(12, 0)
+    assert agent._healthy_for_now()  # one finished with 0, one running
+    procs[1] = _Proc(13, 0)
+    assert not agent._healthy_for_now()  # all finished: torch reports success

@@ -29,6 +29,9 @@ from unicron_elastic.testing import process_tree
 
 WORKER = os.path.join(EXAMPLES, "resilient_worker.py")
 REPEAT = int(os.environ.get("UNICRON_SIGNAL_REPEAT", "1"))
+#: Steps of 20 ms jitter far beyond 3x on a loaded machine: these tests are about stopping, not
+#: hang detection (tests/test_agent.py), so a false hang must not restart a worker here.
+HANG = "--hang-factor=100"
 #: A resumable worker that, like one saving a checkpoint, takes a moment (argv[2] s, default 0.3)
 #: to exit on SIGTERM/SIGINT (exit code 1): the window in which the agent used to take the stop for
 #: a crash and respawn it.
@@ -168,7 +171,7 @@ def _launch(tmp_path: Path, tmp: Path, *flags: str, nproc: int = 1,
             exit_delay: float = 0.3) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "launcher.log"
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.05",
-           "--log-format=json", *flags, _worker(tmp_path), str(tmp_path / "out"), str(exit_delay)]
+           HANG, "--log-format=json", *flags, _worker(tmp_path), str(tmp_path / "out"), str(exit_delay)]
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(tmp))
     return proc, log
@@ -305,7 +308,7 @@ def test_corrupt_rendezvous_state_stops_the_workers_without_respawn(etcd: Embedd
     log = tmp_path / "launcher.log"
     out = tmp_path / "out"
     cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
-           f"--rdzv-conf=cluster={cluster}", "--nproc-per-node=2", "--monitor-interval=0.05", "--log-format=json",
+           f"--rdzv-conf=cluster={cluster}", "--nproc-per-node=2", "--monitor-interval=0.05", HANG, "--log-format=json",
            _worker(tmp_path), str(out)]
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(job_tmp))
@@ -331,7 +334,7 @@ def test_etcd_outage_past_the_reconnect_timeout_stops_the_workers_without_respaw
     out = tmp_path / "out"
     cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={private_etcd.endpoint}", "--rdzv-id=outage",
            "--rdzv-conf=cluster=shutdown-outage,reconnect_timeout=2,request_timeout=1", "--nproc-per-node=2",
-           "--monitor-interval=0.05", "--log-format=json", _worker(tmp_path), str(out)]
+           "--monitor-interval=0.05", HANG, "--log-format=json", _worker(tmp_path), str(out)]
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(job_tmp))
     snapshot = Snapshot(proc.pid)

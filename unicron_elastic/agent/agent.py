@@ -491,15 +491,28 @@ class UnicronAgent(LocalElasticAgent):
             if self._give_up is not None:
                 self._stopping = True
                 raise NodeGaveUp(f"node {self.node} gives up its assignment: {self._give_up.reason}")
-            procs = _torch_compat.worker_processes(self._pcontext)
-            codes = [proc.poll() for proc in procs.values()]
-            if procs and all(code is None or code == 0 for code in codes) and any(code is None for code in codes):
+            if self._healthy_for_now():
                 return RunResult(state=WorkerState.HEALTHY)
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY, WorkerState.SUCCEEDED):
                 # torch has just closed the whole group (SIGTERM to the rest): those exits are not failures
                 self._stopping = True
             return result
+
+    def _healthy_for_now(self) -> bool:
+        """Whether torch's monitor must not look at the group this time (caller holds the lock).
+
+        True while some worker runs and every other one ended with 0, and also
+        when a worker failed *after* the loop above polled it (its exit is not
+        handled yet: it is, at the next interval or by the process detector,
+        which waits for the lock): torch's monitor would take that exit for
+        the group's failure and stop every worker, healthy ones included.
+        """
+        procs = _torch_compat.worker_processes(self._pcontext)
+        codes = {proc.pid: proc.poll() for proc in procs.values()}
+        if any(code not in (None, 0) and pid not in self._handled_pids for pid, code in codes.items()):
+            return True
+        return bool(procs) and all(code in (None, 0) for code in codes.values()) and None in codes.values()
 
     def run(self, role: str = "default") -> RunResult:
         """Run the workers until done; detectors and the channel close at the end."""
