@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,15 @@ def _cli_keeps_the_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     import unicron_elastic.cli
 
     monkeypatch.setattr(unicron_elastic.cli, "configure_logging", lambda *args, **kwargs: None)
+
+
+def json_log_entries(path: str | os.PathLike[str]) -> list[dict]:
+    """The JSON lines of a ``--log-format=json`` launcher log (other lines, e.g. torch's, skipped)."""
+    entries = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                entries.append(json.loads(line))
+            except ValueError:
+                pass
+    return entries

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN
+from conftest import BIN, json_log_entries
 from unicron_elastic.testing import kill_node
 
 pytestmark = pytest.mark.slow
@@ -166,14 +166,7 @@ class Job:
             return -1
 
     def logs(self) -> list[dict]:
-        entries = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    entries.append(json.loads(line))
-                except ValueError:
-                    pass
-        return entries
+        return json_log_entries(self.log_path)
 
     def of(self, event: str) -> list[dict]:
         return [e for e in self.logs() if e.get("event") == event]

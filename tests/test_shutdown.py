@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, EXAMPLES
+from conftest import BIN, EXAMPLES, json_log_entries
 from unicron_elastic.agent.agent import AgentConfig
 from unicron_elastic.api import ConfigError, EtcdConfig
 from unicron_elastic.launcher import agent_config, get_parser
@@ -134,14 +134,7 @@ def _assert_clean(snapshot: Snapshot, tmp: Path, seconds: float = 15) -> None:
 
 
 def _log_events(log: Path) -> list[dict]:
-    entries = []
-    for line in log.read_text().splitlines():
-        if line.startswith("{"):
-            try:
-                entries.append(json.loads(line))
-            except ValueError:
-                pass
-    return entries
+    return json_log_entries(log)
 
 
 @pytest.fixture()
@@ -300,6 +293,18 @@ def test_sigkill_of_the_launcher_takes_its_private_etcd_along(tmp_path: Path, jo
 # -- item 1: agent failure paths stop everything, never respawn -------------------------------
 
 
+def _start_training(cmd: list[str], log: Path, out: Path, job_tmp: Path,
+                    snapshots: list[Snapshot]) -> tuple[subprocess.Popen, Snapshot]:
+    """Start ``cmd`` logging to ``log``, wait until both workers train; its process tree is recorded."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(job_tmp))
+    snapshot = Snapshot(proc.pid)
+    snapshots.append(snapshot)
+    _wait_for(lambda: _training(out, 2), 60, "training steps", log, proc)
+    snapshot.add(proc.pid)
+    return proc, snapshot
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_corrupt_rendezvous_state_stops_the_workers_without_respawn(etcd: EmbeddedEtcd, tmp_path: Path,
@@ -310,12 +315,7 @@ def test_corrupt_rendezvous_state_stops_the_workers_without_respawn(etcd: Embedd
     cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
            f"--rdzv-conf=cluster={cluster}", "--nproc-per-node=2", "--monitor-interval=0.05", HANG, "--log-format=json",
            _worker(tmp_path), str(out)]
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(job_tmp))
-    snapshot = Snapshot(proc.pid)
-    snapshots.append(snapshot)
-    _wait_for(lambda: _training(out, 2), 60, "training steps", log, proc)
-    snapshot.add(proc.pid)
+    proc, snapshot = _start_training(cmd, log, out, job_tmp, snapshots)
     with StatusStore(EtcdConfig(host="127.0.0.1", port=etcd.client_port, cluster=cluster)) as store:
         store.put(store.keys.rdzv(run_id), b"not a rendezvous state")
     code = proc.wait(timeout=60)
@@ -335,12 +335,7 @@ def test_etcd_outage_past_the_reconnect_timeout_stops_the_workers_without_respaw
     cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={private_etcd.endpoint}", "--rdzv-id=outage",
            "--rdzv-conf=cluster=shutdown-outage,reconnect_timeout=2,request_timeout=1", "--nproc-per-node=2",
            "--monitor-interval=0.05", HANG, "--log-format=json", _worker(tmp_path), str(out)]
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(job_tmp))
-    snapshot = Snapshot(proc.pid)
-    snapshots.append(snapshot)
-    _wait_for(lambda: _training(out, 2), 60, "training steps", log, proc)
-    snapshot.add(proc.pid)
+    proc, snapshot = _start_training(cmd, log, out, job_tmp, snapshots)
     private_etcd.kill()  # and it stays down
     code = proc.wait(timeout=90)
     text = log.read_text()
