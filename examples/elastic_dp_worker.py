@@ -26,6 +26,15 @@ from unicron_elastic.testing import maybe_fail, toy_problem
 from unicron_elastic.worker import get_worker
 
 
+def _hold_for_joiner(ddp: ElasticDataParallel, world: int, worker) -> None:
+    """Wait until a rank waits to join or every rank is a member (bounded: 120 s)."""
+    worker.set_paused(True)  # waiting for a peer is not a hang
+    deadline = time.monotonic() + 120
+    while len(ddp.members) < world and not ddp.waiting() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker.set_paused(False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
@@ -37,6 +46,9 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
     parser.add_argument("--members", default=None, help="initial members, e.g. 0,1 (default: all)")
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [members]}: reconfigure at that step')
+    parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
+                        help="before STEP, wait (at most 120 s) until a rank asks to join or the group is full: "
+                             "a restarted rank is then admitted before training ends, however slow its start")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ.get("UNICRON_STORE", f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}").rsplit(":", 1)
@@ -61,6 +73,8 @@ def main() -> None:
     reports = []
     try:
         for step in range(args.steps if start is None else start, args.steps):
+            if step == args.hold_for_joiner:
+                _hold_for_joiner(ddp, world, worker)
             began = time.monotonic()
             reports.append({**vars(ddp.train_step(step)), "finished_at": time.time()})
             time.sleep(args.step_time)

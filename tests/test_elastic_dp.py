@@ -156,7 +156,8 @@ def test_killed_rank_is_restarted_by_the_agent_and_rejoins_from_a_replica(tmp_pa
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
     env.update(faults_env([fail_at(rank=2, step=1, micro_batch=5)], str(log)))
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={WORLD}", "--log-format=json",
-           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.4", "--out", str(tmp_path)]
+           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.4", "--out", str(tmp_path),
+           "--hold-for-joiner", str(steps - 2)]  # however slow the restart (loaded machine), it is admitted in time
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=140)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(log.read_text().splitlines()) == 1  # the fault fired

@@ -325,7 +325,8 @@ class ElasticDataParallel:
             time.sleep(0.01)
         raise TimeoutError(f"rank {self.rank} was not admitted to the data-parallel group in {timeout}s")
 
-    def _waiting(self) -> list[int]:
+    def waiting(self) -> list[int]:
+        """Ranks waiting in :meth:`join` to be admitted."""
         return [r for r in range(self.world_size) if self.store.check([f"unicron-dp/join/{r}"])]
 
     def _resume_if_no_replica(self) -> None:
@@ -337,7 +338,7 @@ class ElasticDataParallel:
         if not self.store.check(["unicron-dp/members"]):
             return
         last = json.loads(self.store.get("unicron-dp/members"))
-        waiting = self._waiting()
+        waiting = self.waiting()
         if not set(last["members"]) <= set(waiting) or self.rank != min(waiting):
             return
         state = self.fallback()
