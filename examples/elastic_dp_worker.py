@@ -1,7 +1,7 @@
 """Partial-iteration resumption on CPU/gloo: a tiny MLP trained by ElasticDataParallel.
 
-Environment: ``RANK``, ``WORLD_SIZE``, and ``UNICRON_STORE=host:port`` (a TCPStore that
-outlives workers) or, under ``unicron-run``/torchrun, the agent's store at
+Environment: ``RANK``, ``WORLD_SIZE``, and the meeting store: under ``unicron-run``
+etcd (``UNICRON_MEETING``), else a TCPStore that outlives workers at
 ``MASTER_ADDR:MASTER_PORT``; faults from ``unicron_elastic.testing``. Under
 ``unicron-run`` the worker declares itself resumable: when it dies the agent
 restarts it alone and it rejoins the group with state from a replica.
@@ -18,9 +18,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired
+from unicron_elastic.meeting import connect_meeting_store
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Excluded, Retired
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import maybe_fail, toy_problem
 from unicron_elastic.worker import get_worker
@@ -51,8 +51,7 @@ def main() -> None:
                              "a restarted rank is then admitted before training ends, however slow its start")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, port = os.environ.get("UNICRON_STORE", f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}").rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+    store = connect_meeting_store()  # etcd under unicron-run (survives any node), else the launcher's TCPStore
     worker = get_worker()
     worker.hello(resumable=True)
     restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
@@ -72,13 +71,21 @@ def main() -> None:
     start = ddp.join() if restarted or rank not in members else 0
     reports = []
     try:
-        for step in range(args.steps if start is None else start, args.steps):
+        step = args.steps if start is None else start
+        while step < args.steps:
             if step == args.hold_for_joiner:
                 _hold_for_joiner(ddp, world, worker)
             began = time.monotonic()
-            reports.append({**vars(ddp.train_step(step)), "finished_at": time.time()})
+            try:
+                reports.append({**vars(ddp.train_step(step)), "finished_at": time.time()})
+            except Excluded:  # alive but left out of a regroup: come back as a joiner
+                rejoined = ddp.join()
+                reports.append({"excluded_at": step, "rejoined_at": rejoined})
+                step = args.steps if rejoined is None else rejoined
+                continue
             time.sleep(args.step_time)
             worker.heartbeat(step, time.monotonic() - began)
+            step += 1
         ddp.finish()
     except Retired:
         reports.append({"retired_at": step})

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from unicron_elastic.store.keys import MeetingKeys
 
 
 def child_pids(pid: int) -> list[int]:
@@ -247,11 +250,28 @@ def run_workers(script: str, world: int, args: list[str], env: dict[str, str] | 
     base = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(store.port), UNICRON_STORE=f"127.0.0.1:{store.port}",
                 TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", **(env or {}))
+    store.set(MeetingKeys.LIVENESS, "1")  # like the agent: live/<rank> exists while the worker runs
+    for r in range(world):
+        store.set(MeetingKeys.live(r), "1")
     procs = [subprocess.Popen([sys.executable, script, *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    supervisor = threading.Thread(target=_keep_liveness, args=(store, procs), daemon=True)
+    supervisor.start()
     results = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=timeout)
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    supervisor.join()
     del store
     return results
+
+
+def _keep_liveness(store: object, procs: list) -> None:
+    """Delete ``live/<rank>`` within milliseconds of worker ``rank`` exiting (what the agent does)."""
+    running = dict(enumerate(procs))
+    while running:
+        for rank, proc in list(running.items()):
+            if proc.poll() is not None:
+                store.delete_key(MeetingKeys.live(rank))  # type: ignore[attr-defined]
+                del running[rank]
+        time.sleep(0.002)

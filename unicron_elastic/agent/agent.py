@@ -40,6 +40,7 @@ from unicron_elastic.agent import _torch_compat
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.decide import EXIT_GIVE_UP, Action, Decision, LadderPolicy, RankHistory, decide
 from unicron_elastic.agent.detectors import Detector
+from unicron_elastic.agent.meeting import MeetingPoint
 from unicron_elastic.api import ConfigError, StoreError, UnicronError
 from unicron_elastic.detection.hang import Finding, HangThresholds
 from unicron_elastic.events import Classification, ErrorEvent, Severity
@@ -231,6 +232,7 @@ class UnicronAgent(LocalElasticAgent):
             raise
         self._dir: str | None = tmp
         os.environ[SOCKET_ENV] = self._channel.path
+        self._meeting: MeetingPoint | None = None
 
     # -- set-up ----------------------------------------------------------------
     @property
@@ -254,6 +256,7 @@ class UnicronAgent(LocalElasticAgent):
         )
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
         log.info("agent_rendezvous_complete", world_size=world_size)
+        self._open_meeting(worker_group)
         if not self._started:
             self._started = True
             for detector in self._detectors:
@@ -261,6 +264,18 @@ class UnicronAgent(LocalElasticAgent):
                     detector.start(self)
                 except Exception:  # noqa: BLE001 - a broken detector must not stop the agent
                     log.exception("detector_start_failed", detector=detector.name)
+
+    def _open_meeting(self, worker_group: WorkerGroup) -> None:
+        """With the etcd rendezvous: the workers of this round meet in etcd, with liveness keys (nothing on one node)."""
+        store, handler = self.store, worker_group.spec.rdzv_handler
+        if store is None or not hasattr(handler, "current_round"):
+            return
+        if self._meeting is not None:
+            self._meeting.close()
+        self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl)
+        self._meeting.export()
+        for worker in worker_group.workers:
+            self._meeting.worker_started(worker.global_rank)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         with self._lock:
@@ -364,11 +379,13 @@ class UnicronAgent(LocalElasticAgent):
             if pid in self._handled_pids:
                 return
             self._handled_pids.add(pid)
-            if self._stopping or self._give_up is not None:
-                return
             rank, current = self.workers().get(local_rank, (-1, None))
             if current is None or current.pid != pid:
                 return  # a process torch already replaced (restart-all): not a new failure
+            if self._meeting is not None:
+                self._meeting.worker_exited(rank)  # peers regrouping stop waiting for it now
+            if self._stopping or self._give_up is not None:
+                return
             expected = self._expected_exit.pop(rank, None)
             if expected is not None:  # we killed it (hang): the decision is already made
                 self._execute(rank, expected, None)
@@ -456,6 +473,8 @@ class UnicronAgent(LocalElasticAgent):
     def _respawn_locked(self, local_rank: int) -> None:
         worker = self._worker_group.workers[local_rank]
         restarts = self._history.get(worker.global_rank, RankHistory()).restarts
+        if self._meeting is not None:
+            self._meeting.worker_started(worker.global_rank)
         env = {GENERATION_ENV: f"{self.generation}.{restarts}", "UNICRON_WORKER_RESTARTS": str(restarts)}
         started = time.monotonic()
         pid = _torch_compat.respawn(self._pcontext, local_rank, env)  # type: ignore[arg-type]
@@ -488,6 +507,11 @@ class UnicronAgent(LocalElasticAgent):
                 code = proc.poll()
                 if code not in (None, 0) and proc.pid not in self._handled_pids:
                     self.worker_exited(local_rank, proc.pid, code, time.time())
+                elif code == 0 and proc.pid not in self._handled_pids:
+                    self._handled_pids.add(proc.pid)  # finished: no longer live for peers that regroup
+                    rank = self.workers().get(local_rank, (-1, None))[0]
+                    if self._meeting is not None and rank >= 0:
+                        self._meeting.worker_exited(rank)
             if self._give_up is not None:
                 self._stopping = True
                 raise NodeGaveUp(f"node {self.node} gives up its assignment: {self._give_up.reason}")
@@ -531,6 +555,9 @@ class UnicronAgent(LocalElasticAgent):
         self._close_for_good()
         if self._dir is None:
             return
+        if self._meeting is not None:
+            self._meeting.close()
+            self._meeting = None
         deadline = time.monotonic() + max(2.0, float(self._shutdown_timeout or 0))
         for detector in self._detectors:
             self._stop_detector(detector, deadline)

@@ -50,6 +50,9 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         )
         return info
 
+    def current_round(self) -> int:
+        """The rendezvous round this node last joined (-1 before the first)."""
+        return int(getattr(self._state_holder.state, "round", -1))
 
     def _forget_agent_store(self) -> None:
         """Make the next round start a fresh agent TCPStore (pytorch/pytorch#135712).

@@ -97,3 +97,48 @@ class Keys:
     def leader(self, name: str = "coordinator") -> str:
         """Key of a leader election."""
         return f"{self.prefix}leader/{_check_part('election', name)}"
+
+    def meeting(self, run_id: str) -> str:
+        """Prefix of the workers' meeting store of a run (:class:`MeetingKeys` under it)."""
+        return f"{self.prefix}meeting/{_check_part('run_id', run_id)}/"
+
+
+class MeetingKeys:
+    """Keys of the workers' meeting store (a c10d store: etcd under :meth:`Keys.meeting`, or a TCPStore).
+
+    Survivors of a failure, joiners and the data-parallel engine meet here;
+    ``live/<rank>`` keys are kept by whoever supervises the workers (the
+    agent, attached to its node's lease) and ``LIVENESS`` says they are kept.
+    """
+
+    MEMBERS = "unicron-dp/members"  # {"generation", "members"} of the current group (the leader writes it)
+    LATEST = "unicron-dp/latest"  # the newest admission or resize (joiners wait for it)
+    JOIN_REQUESTS = "unicron-dp/join-requests"  # counter of ranks waiting to join
+    FINISHED = "unicron-dp/finished"  # the step training ended at
+    LIVENESS = "unicron-dp/liveness"  # present when live/<rank> keys are kept
+    SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot (safe_state bytes)
+
+    @staticmethod
+    def live(rank: int) -> str:
+        """Present while worker ``rank`` runs."""
+        return f"unicron-dp/live/{int(rank)}"
+
+    @staticmethod
+    def join(rank: int) -> str:
+        """Present while ``rank`` waits to join."""
+        return f"unicron-dp/join/{int(rank)}"
+
+    @staticmethod
+    def group(generation: int) -> str:
+        """Prefix of the gloo bootstrap of one generation's group."""
+        return f"unicron-dp/gen{int(generation)}/pg"
+
+    @staticmethod
+    def checkin(generation: int, rank: int) -> str:
+        """A survivor's check-in for ``generation`` (value: buckets it completed)."""
+        return f"unicron-dp/gen{int(generation)}/alive/{int(rank)}"
+
+    @staticmethod
+    def record(generation: int) -> str:
+        """The membership record of ``generation``, written once."""
+        return f"unicron-dp/gen{int(generation)}/record"

@@ -8,9 +8,13 @@ result does not depend on which rank computed which micro-batch.
 
 When a peer dies (gloo raises on the broken connection):
 
-* survivors abort the broken group so nobody waits for its timeout, check in
-  under a new *generation* in the store (``unicron-dp/gen<N>/``) with the number
-  of buckets they completed, and build a new gloo group of the survivors;
+* survivors destroy the broken group at once (closing its connections, so
+  survivors blocked on *them* fail too), check in under a new *generation*
+  with the number of buckets they completed, and follow that generation's
+  membership record, written once by whichever survivor decides it first
+  (:mod:`~unicron_elastic.strategy.membership`): a rank is left out when it
+  is known dead (its liveness key is gone) or, if alive but stuck, when it
+  missed the check-in deadline - it then rejoins (:class:`Excluded`);
 * scenario 1 (before the all-reduce, or in its first bucket): every bucket is
   redone; the dead rank's micro-batches are dealt round-robin to survivors,
   who add their gradients to the sums they kept;
@@ -30,12 +34,14 @@ leader, a healthy replica. When no replica is left, the lowest joiner resumes
 from ``fallback()`` and hands that state to the others. The global batch stays
 the same, so the parameter trajectory does not depend on the DP size.
 
-Assumes a single failure at a time (a second check-in timeout falls back to
-whoever checked in).
+Several ranks may die at once (a node), and a rank may die during the
+recovery from another failure: the next collective fails and the survivors
+regroup again under the next generation.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Callable
@@ -47,6 +53,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from unicron_elastic.store.keys import MeetingKeys as K
+from unicron_elastic.strategy.membership import MembershipRecord, decide_record, proposal, role
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal, redistribute
 from unicron_elastic.strategy.safe_state import dumps, loads
 
@@ -77,6 +85,10 @@ class StepReport:
 
 class Retired(Exception):
     """This rank is no longer a member of the data-parallel group (scale-in)."""
+
+
+class Excluded(Exception):
+    """This rank is alive but a failure's membership record left it out: it must rejoin (:meth:`ElasticDataParallel.join`)."""
 
 
 class ElasticDataParallel:
@@ -168,50 +180,93 @@ class ElasticDataParallel:
 
     # -- groups ----------------------------------------------------------------
     def _group(self) -> dist.ProcessGroupGloo:
-        store = dist.PrefixStore(f"unicron-dp/gen{self.generation}/pg", self.store)
+        store = dist.PrefixStore(K.group(self.generation), self.store)
         return dist.ProcessGroupGloo(store, self.members.index(self.rank), len(self.members), self.timeout)
 
     def _publish_members(self) -> None:
-        self.store.set("unicron-dp/members", json.dumps({"generation": self.generation, "members": self.members}))
+        self.store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
 
-    def _reform(self, done: int) -> tuple[list[int], int]:
-        """After a failure: new generation, survivors check in, new group.
+    def _drop_group(self) -> None:
+        """Destroy the broken group now, closing its connections.
 
-        Returns:
-            The dead ranks and the number of buckets every survivor completed.
+        ``ProcessGroupGloo.abort()`` does not close them (torch 2.13): a
+        survivor whose pending operation is with *this* rank stays blocked
+        until the group object is destroyed. Dropping it at once makes every
+        survivor see the failure within milliseconds instead of after a timeout.
         """
+        if self.pg is None:
+            return
+        pg, self.pg = self.pg, None
         try:
-            self.pg.abort()  # peers blocked on us in the broken ring fail fast
+            pg.abort()
         except RuntimeError:
             pass
-        self.generation += 1
-        base = f"unicron-dp/gen{self.generation}/alive/"
-        self.store.set(f"{base}{self.rank}", str(done))
+        del pg
+        gc.collect()  # the destructor closes the sockets; nothing else holds the group
+
+    def _alive(self) -> set[int] | None:
+        """Ranks whose liveness key exists; None when no one keeps liveness keys."""
+        if not self.store.check([K.LIVENESS]):
+            return None
+        return {r for r in self.members if self.store.check([K.live(r)])}
+
+    def _await_record(self, generation: int, done: int) -> MembershipRecord:
+        """Check in for ``generation`` and return its record, written once by whichever survivor decides first.
+
+        The wait ends when every previous member checked in or is known dead
+        (:func:`~unicron_elastic.strategy.membership.decide_record`), at the
+        latest ``checkin_timeout`` after this rank checked in.
+        """
+        self.store.set(K.checkin(generation, self.rank), str(done))
         deadline = time.monotonic() + self.checkin_timeout
         while True:
-            alive = [r for r in self.members if self.store.check([f"{base}{r}"])]
-            if len(alive) >= len(self.members) - 1 or time.monotonic() > deadline:
-                break
+            if self.store.check([K.record(generation)]):
+                return MembershipRecord.from_json(self.store.get(K.record(generation)))
+            checked = {r: int(self.store.get(K.checkin(generation, r))) for r in self.members
+                       if self.store.check([K.checkin(generation, r)])}
+            record = decide_record(generation, self.members, checked, self._alive(), time.monotonic() > deadline)
+            if record is not None:  # create-only: the first writer wins, everyone follows what is stored
+                stored = self.store.compare_set(K.record(generation), "", record.to_json())
+                return MembershipRecord.from_json(stored)
             time.sleep(0.002)
-        dead = [r for r in self.members if r not in alive]
-        agreed = min(int(self.store.get(f"{base}{r}")) for r in alive)
-        self.members = alive
-        self.pg = self._group()
-        if self.rank == alive[0]:
+
+    def _reform(self, done: int) -> tuple[list[int], int]:
+        """After a failure: drop the group, agree on the next generation's record, build its group.
+
+        Returns:
+            The ranks left out and the number of buckets every member completed.
+
+        Raises:
+            Excluded: This rank is alive but the record left it out (it checked
+                in after the deadline): it must come back as a joiner.
+        """
+        self._drop_group()
+        dead: list[int] = []
+        while self.pg is None:
+            self.generation += 1
+            record = self._await_record(self.generation, done)
+            if role(record, self.rank) == "joiner":
+                log.warning("dp_excluded", generation=record.generation, members=list(record.members))
+                raise Excluded(f"rank {self.rank} was left out of generation {record.generation} "
+                               f"(members {list(record.members)}): it must rejoin")
+            dead += record.dead
+            self.members, done = list(record.members), record.kept_buckets
+            try:
+                self.pg = self._group()
+            except (RuntimeError, dist.DistError) as exc:  # a member died before the group formed: once more
+                log.warning("dp_group_build_failed", generation=self.generation, error=str(exc)[:200])
+        if self.rank == self.members[0]:
             self._publish_members()
         self.on_group(self.members, self.generation)
-        log.warning("dp_group_reformed", generation=self.generation, dead=dead, survivors=alive, kept_buckets=agreed)
-        return dead, agreed
+        log.warning("dp_group_reformed", generation=self.generation, dead=dead,
+                    survivors=self.members, kept_buckets=done)
+        return dead, done
 
     # -- membership ----------------------------------------------------------------
     def _proposal(self, step: int) -> list[int]:
         """The leader's members for ``step``: the schedule's, else the current ones plus waiting joiners."""
-        wanted = list(self.schedule.get(step, self.members))
-        # without a plan, a restarted rank waiting to come back is admitted now
-        if not self.schedule and self.store.add("unicron-dp/join-requests", 0) > 0:
-            wanted += [r for r in range(self.world_size)
-                       if r not in wanted and self.store.check([f"unicron-dp/join/{r}"])]
-        return wanted
+        waiting = self.waiting() if not self.schedule and self.store.add(K.JOIN_REQUESTS, 0) > 0 else []
+        return proposal(step, self.members, self.schedule, waiting)
 
     def _encode(self, members: list[int] | None, dtype: torch.dtype) -> torch.Tensor:
         slots = torch.zeros(self.world_size + 1, dtype=dtype)
@@ -249,6 +304,7 @@ class ElasticDataParallel:
                 self.pg.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
             except RuntimeError as exc:
                 log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
+                self._drop_group()  # peers blocked on us fail now; this step's reduction regroups
                 return
             wanted = self._decode(payload)
         self._agreed.clear()
@@ -259,7 +315,7 @@ class ElasticDataParallel:
     def _resize(self, members: list[int], step: int) -> None:
         leader = self.members[0]
         if self.rank == leader:
-            self.store.set("unicron-dp/latest", json.dumps(
+            self.store.set(K.LATEST, json.dumps(
                 {"generation": self.generation + 1, "members": members, "step": step, "leader": leader}))
         if self.rank not in members:
             log.info("dp_retired", step=step, members=members)
@@ -269,11 +325,7 @@ class ElasticDataParallel:
 
     def _enter(self, generation: int, members: list[int], leader: int) -> None:
         newcomer = self.pg is None  # members that were already training hold the state
-        if self.pg is not None:
-            try:
-                self.pg.abort()
-            except RuntimeError:
-                pass
+        self._drop_group()
         self.generation, self.members = generation, members
         self.pg = self._group()
         if self.rank == leader:
@@ -284,7 +336,7 @@ class ElasticDataParallel:
     def finish(self) -> None:
         """Training is over: ranks still waiting in :meth:`join` give up waiting."""
         if self.members and self.rank == self.members[0]:
-            self.store.set("unicron-dp/finished", str(self.next_step))
+            self.store.set(K.FINISHED, str(self.next_step))
 
     def join(self, timeout: float = 120.0) -> int | None:
         """Wait until the group admits this rank, then load its state from a replica.
@@ -302,23 +354,23 @@ class ElasticDataParallel:
             RuntimeError: No replica is left and ``fallback`` has no state.
         """
         # only a generation newer than the group's current one can admit us (not a stale admission)
-        floor = json.loads(self.store.get("unicron-dp/members"))["generation"] if self.store.check(["unicron-dp/members"]) else -1
-        self.store.set(f"unicron-dp/join/{self.rank}", "1")
-        self.store.add("unicron-dp/join-requests", 1)
+        floor = json.loads(self.store.get(K.MEMBERS))["generation"] if self.store.check([K.MEMBERS]) else -1
+        self.store.set(K.join(self.rank), "1")
+        self.store.add(K.JOIN_REQUESTS, 1)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.store.check(["unicron-dp/finished"]):
-                log.info("dp_join_too_late", finished_at=int(self.store.get("unicron-dp/finished")))
+            if self.store.check([K.FINISHED]):
+                log.info("dp_join_too_late", finished_at=int(self.store.get(K.FINISHED)))
                 return None
-            if self.store.check(["unicron-dp/latest"]):
-                latest = json.loads(self.store.get("unicron-dp/latest"))
+            if self.store.check([K.LATEST]):
+                latest = json.loads(self.store.get(K.LATEST))
                 if self.rank in latest["members"] and latest["generation"] > max(floor, self.generation):
                     self.state_source = latest.get("source", "replica")
                     self._enter(latest["generation"], latest["members"], latest["leader"])
                     self._resume_state = None
                     self._synced_step = self.next_step
-                    self.store.delete_key(f"unicron-dp/join/{self.rank}")
-                    self.store.add("unicron-dp/join-requests", -1)
+                    self.store.delete_key(K.join(self.rank))
+                    self.store.add(K.JOIN_REQUESTS, -1)
                     log.info("dp_joined", step=self.next_step, members=self.members, state_from=self.state_source)
                     return self.next_step
             self._resume_if_no_replica()
@@ -327,7 +379,7 @@ class ElasticDataParallel:
 
     def waiting(self) -> list[int]:
         """Ranks waiting in :meth:`join` to be admitted."""
-        return [r for r in range(self.world_size) if self.store.check([f"unicron-dp/join/{r}"])]
+        return [r for r in range(self.world_size) if self.store.check([K.join(r)])]
 
     def _resume_if_no_replica(self) -> None:
         """If every member waits to join, the lowest waiting rank restarts the group from ``fallback``.
@@ -335,9 +387,9 @@ class ElasticDataParallel:
         Raises:
             RuntimeError: ``fallback`` has no state.
         """
-        if not self.store.check(["unicron-dp/members"]):
+        if not self.store.check([K.MEMBERS]):
             return
-        last = json.loads(self.store.get("unicron-dp/members"))
+        last = json.loads(self.store.get(K.MEMBERS))
         waiting = self.waiting()
         if not set(last["members"]) <= set(waiting) or self.rank != min(waiting):
             return
@@ -350,7 +402,7 @@ class ElasticDataParallel:
         self.state_source = state.get("source", "fallback")
         generation = max(last["generation"], self.generation) + 1
         log.warning("dp_no_replica_left", lost=last["members"], resume_step=self.next_step, source=self.state_source)
-        self.store.set("unicron-dp/latest", json.dumps({"generation": generation, "members": waiting, "step": self.next_step,
+        self.store.set(K.LATEST, json.dumps({"generation": generation, "members": waiting, "step": self.next_step,
                                                         "leader": self.rank, "source": self.state_source}))
 
     # -- state --------------------------------------------------------------------
@@ -448,6 +500,8 @@ class ElasticDataParallel:
             try:
                 for k in range(done, len(self.bounds)):
                     self.hook(self.rank, step, bucket=k)
+                    if self.pg is None:
+                        raise RuntimeError("the group failed before this reduction (membership sync)")
                     start, end = self.bounds[k]
                     last = k == len(self.bounds) - 1
                     if last:  # the next step's members ride along (the leader's proposal, zeros elsewhere)

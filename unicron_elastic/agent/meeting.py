@@ -1,0 +1,61 @@
+"""The agent's side of the workers' meeting store in etcd (see :mod:`unicron_elastic.meeting`).
+
+The agent tells its workers where the store is and keeps one liveness key per
+worker there: put when the worker starts, deleted within milliseconds of its
+exit, and attached to a lease of this node so that all of the node's keys
+vanish within one TTL when the node is lost.
+"""
+
+from __future__ import annotations
+
+import os
+
+import structlog
+
+from unicron_elastic.api import StoreError
+from unicron_elastic.meeting import MEETING_ENV, PASSWORD_ENV, encode_meeting
+from unicron_elastic.store.client import StatusStore
+from unicron_elastic.store.keys import MeetingKeys
+from unicron_elastic.store.lease import KeptLease
+
+log = structlog.get_logger(__name__)
+
+
+class MeetingPoint:
+    """One run's meeting store as the agent of one node keeps it.
+
+    Args:
+        store: The etcd status store of the ``unicron`` rendezvous.
+        run_id: The run.
+        round_: The rendezvous round the workers were started in (each round
+            of a restart-all meets in a fresh space).
+        ttl: Lease TTL of this node (seconds).
+    """
+
+    def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int) -> None:
+        self.store = store
+        self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
+        self.lease = KeptLease(store, ttl)
+        store.put(self.prefix + MeetingKeys.LIVENESS, b"1")
+
+    def export(self) -> None:
+        """Set :data:`~unicron_elastic.meeting.MEETING_ENV` (and the password variable) for the workers started next."""
+        os.environ[MEETING_ENV] = encode_meeting(self.store.config, self.prefix)
+        if self.store.config.password is not None:
+            os.environ.setdefault(PASSWORD_ENV, self.store.config.password)
+
+    def worker_started(self, rank: int) -> None:
+        """Worker ``rank`` runs (its liveness key lives with this node's lease)."""
+        self.store.put(self.prefix + MeetingKeys.live(rank), b"1", lease=self.lease.id)
+
+    def worker_exited(self, rank: int) -> None:
+        """Worker ``rank`` exited: peers regrouping stop waiting for it."""
+        try:
+            self.store.delete(self.prefix + MeetingKeys.live(rank))
+        except StoreError as exc:  # the lease removes it within one TTL
+            log.warning("liveness_delete_failed", rank=rank, error=str(exc)[:200])
+
+    def close(self) -> None:
+        """Revoke the lease (every liveness key of this node goes with it)."""
+        os.environ.pop(MEETING_ENV, None)
+        self.lease.close(revoke=True)
