@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
     parser.add_argument("--members", default=None, help="initial members, e.g. 0,1 (default: all)")
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [members]}: reconfigure at that step')
+    parser.add_argument("--grad-dtype", choices=["float32", "float64"], default="float32",
+                        help="dtype of the gradient sums (float64: bit-identical to a failure-free run)")
     parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
                         help="before STEP, wait (at most 120 s) until a rank asks to join or the group is full: "
                              "a restarted rank is then admitted before training ends, however slow its start")
@@ -67,6 +69,7 @@ def main() -> None:
         store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
         timeout=timedelta(seconds=20), hook=maybe_fail, members=members, joining=restarted or rank not in members,
         schedule={int(k): v for k, v in json.loads(args.schedule).items()},
+        grad_dtype=getattr(torch, args.grad_dtype),
     )
     start = ddp.join() if restarted or rank not in members else 0
     reports = []

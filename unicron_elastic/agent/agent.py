@@ -272,10 +272,24 @@ class UnicronAgent(LocalElasticAgent):
             return
         if self._meeting is not None:
             self._meeting.close()
-        self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl)
+        self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
+                                     worker_group.group_rank)
         self._meeting.export()
         for worker in worker_group.workers:
             self._meeting.worker_started(worker.global_rank)
+
+    def _exit_barrier(self) -> None:
+        """Wait for the other nodes to finish, not for nodes that were lost (torch's waits for all)."""
+        if self._meeting is None:
+            super()._exit_barrier()
+            return
+        started = time.monotonic()
+        try:
+            running = self._meeting.exit_barrier(self._worker_group.group_world_size, self._exit_barrier_timeout)
+        except StoreError as exc:
+            log.error("exit_barrier_failed", error=str(exc)[:200])
+            return
+        log.info("exit_barrier_done", seconds=round(time.monotonic() - started, 3), still_running=running)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         with self._lock:

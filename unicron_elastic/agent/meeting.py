@@ -9,6 +9,7 @@ vanish within one TTL when the node is lost.
 from __future__ import annotations
 
 import os
+import time
 
 import structlog
 
@@ -32,11 +33,13 @@ class MeetingPoint:
         ttl: Lease TTL of this node (seconds).
     """
 
-    def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int) -> None:
+    def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int) -> None:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
+        self.group_rank = group_rank
         self.lease = KeptLease(store, ttl)
         store.put(self.prefix + MeetingKeys.LIVENESS, b"1")
+        store.put(self.prefix + MeetingKeys.agent(group_rank), b"1", lease=self.lease.id)
 
     def export(self) -> None:
         """Set :data:`~unicron_elastic.meeting.MEETING_ENV` (and the password variable) for the workers started next."""
@@ -54,6 +57,29 @@ class MeetingPoint:
             self.store.delete(self.prefix + MeetingKeys.live(rank))
         except StoreError as exc:  # the lease removes it within one TTL
             log.warning("liveness_delete_failed", rank=rank, error=str(exc)[:200])
+
+    def exit_barrier(self, nodes: int, timeout: float) -> list[int]:
+        """Wait until the agent of every node finished its workers or is gone (its lease lapsed).
+
+        torch's exit barrier waits for every node of the round: a node that
+        was lost would hold the survivors for the whole timeout.
+
+        Args:
+            nodes: Nodes in the round.
+            timeout: Seconds to wait at most.
+
+        Returns:
+            The nodes (group ranks) still running when the wait ended (empty: all done or gone).
+        """
+        self.store.put(self.prefix + MeetingKeys.agent_done(self.group_rank), b"1")
+        deadline = time.monotonic() + timeout
+        while True:
+            running = [g for g in range(nodes)
+                       if self.store.get(self.prefix + MeetingKeys.agent_done(g)) is None
+                       and self.store.get(self.prefix + MeetingKeys.agent(g)) is not None]
+            if not running or time.monotonic() >= deadline:
+                return running
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Revoke the lease (every liveness key of this node goes with it)."""

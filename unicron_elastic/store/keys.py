@@ -124,6 +124,16 @@ class MeetingKeys:
         return f"unicron-dp/live/{int(rank)}"
 
     @staticmethod
+    def agent(group_rank: int) -> str:
+        """Present while the agent of node ``group_rank`` runs (on its lease)."""
+        return f"unicron-agents/{int(group_rank)}"
+
+    @staticmethod
+    def agent_done(group_rank: int) -> str:
+        """The agent of node ``group_rank`` saw its workers finish (exit barrier)."""
+        return f"unicron-agents/done/{int(group_rank)}"
+
+    @staticmethod
     def join(rank: int) -> str:
         """Present while ``rank`` waits to join."""
         return f"unicron-dp/join/{int(rank)}"

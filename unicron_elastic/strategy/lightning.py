@@ -49,6 +49,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from unicron_elastic.api import ConfigError
+from unicron_elastic.meeting import MEETING_ENV, connect_meeting_store
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, StepReport
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
@@ -220,7 +221,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
     def _connect_store(self) -> dist.Store:
-        """The launcher agent's store: it outlives workers, so survivors and joiners meet there.
+        """The workers' meeting store: etcd under ``unicron-run`` (survives any node), else the launcher's store.
 
         Raises:
             ConfigError: The launcher does not share its store with workers.
@@ -228,11 +229,27 @@ class UnicronMegatronStrategy(DDPStrategy):
         world = self.env.launch_world_size
         if world == 1 and "MASTER_PORT" not in os.environ:
             return dist.HashStore()
+        if os.environ.get(MEETING_ENV):
+            return connect_meeting_store()
+        return self._agent_store()
+
+    def _agent_store(self) -> dist.Store:
+        """The launcher agent's TCPStore (on the rank-0 node): it outlives workers.
+
+        Raises:
+            ConfigError: The launcher does not share its store with workers.
+        """
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") != "True":
             raise ConfigError("unicron_megatron needs the launcher's store (TORCHELASTIC_USE_AGENT_STORE=True, "
                               "unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE): a store hosted by a worker dies with it")
         return dist.TCPStore(self.env.main_address, self.env.main_port, is_master=False,
                              timeout=timedelta(seconds=60))
+
+    def _snapshot_store(self) -> dist.Store:
+        """Where the in-memory snapshot lives: the agent's TCPStore (bulk bytes never go to etcd)."""
+        if isinstance(self._store, dist.HashStore) or not os.environ.get(MEETING_ENV):
+            return self._store
+        return self._agent_store()
 
     def setup_distributed(self) -> None:
         """Connect to the launcher's store and build the first world (a joiner waits until it is admitted).
@@ -286,7 +303,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         if trainer.accumulate_grad_batches != 1:
             raise ConfigError("unicron_megatron accumulates micro-batches itself: use micro_batch/global_batch, "
                               "not accumulate_grad_batches")
-        self._memory = MemorySnapshot(self._store, self.snapshot_every)
+        self._memory = MemorySnapshot(self._snapshot_store(), self.snapshot_every)
         if self.checkpoint_dir is not None:
             self._disk = DiskCheckpoints(self.checkpoint_dir, self.checkpoint_every)
         self.engine = ElasticDataParallel(

@@ -78,7 +78,10 @@ class MemorySnapshot:
         self._thread.start()
 
     def _upload(self, state: EncodedState) -> None:
-        self.store.set(SNAPSHOT_KEY, pack(state))
+        try:
+            self.store.set(SNAPSHOT_KEY, pack(state))
+        except (RuntimeError, OSError) as exc:  # its host is gone: training goes on, a later save may succeed
+            log.warning("snapshot_upload_failed", error=str(exc)[:200])
 
     def wait(self) -> None:
         """Wait for the snapshot being written, if any."""
@@ -93,10 +96,15 @@ class MemorySnapshot:
             StateDecodingError: The value in the store is not a safe state
                 document (e.g. a pickle someone put there); nothing in it ran.
         """
-        if not self.store.check([SNAPSHOT_KEY]):
+        try:
+            if not self.store.check([SNAPSHOT_KEY]):
+                return None
+            payload = self.store.get(SNAPSHOT_KEY)
+        except (RuntimeError, OSError) as exc:  # the node holding it was lost
+            log.warning("snapshot_unreachable", error=str(exc)[:200])
             return None
         try:
-            return loads(self.store.get(SNAPSHOT_KEY))
+            return loads(payload)
         except StateDecodingError as exc:
             raise StateDecodingError(f"in-memory snapshot ({SNAPSHOT_KEY!r} in the agent's store): {exc}") from None
 

@@ -1,0 +1,102 @@
+"""Losing a whole node: real ``unicron-run`` launchers on loopback sharing a real etcd (issue 10).
+
+A "node" is a launcher with its own process tree; losing it SIGKILLs the whole
+tree (:func:`unicron_elastic.testing.kill_node`). The victim node is chosen by
+the rank that reaches a point of the step first: a ``hang`` fault parks that
+rank there and logs it, then the test kills its node. Survivors must finish
+with the parameters of a failure-free run (float64 gradient sums:
+``torch.equal``), every micro-batch of the failed step counted once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BIN, EXAMPLES
+from unicron_elastic.store import EmbeddedEtcd
+from unicron_elastic.testing import Fault, fail_at, faults_env, kill_node, process_tree, run_workers
+
+pytestmark = pytest.mark.slow
+WORKER = os.path.join(EXAMPLES, "elastic_dp_worker.py")
+STEPS, B, PER_NODE = 6, 6, 2
+COMMON = ["--steps", str(STEPS), "--grad-dtype", "float64", "--bucket-numel", "64"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> list[torch.Tensor]:
+    out = tmp_path_factory.mktemp("baseline")
+    results = run_workers(WORKER, 4, [*COMMON, "--out", str(out)], timeout=120)
+    assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-2000:]
+    return torch.load(out / "params0.pt")
+
+
+def _launch(etcd: EmbeddedEtcd, run_id: str, nodes: int, out: Path, fault: Fault) -> list[subprocess.Popen]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
+               **faults_env([fault], str(out / "faults.log")))
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+           f"--nnodes={nodes}", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05", "--log-format=json",
+           f"--rdzv-conf=cluster={run_id},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
+           WORKER, *COMMON, "--step-time", "0.2", "--out", str(out)]
+    out.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen(cmd, stdout=(out / f"node{i}.log").open("w"), stderr=subprocess.STDOUT, env=env)
+            for i in range(nodes)]
+
+
+def _wait_for_fault(out: Path, launchers: list[subprocess.Popen], deadline_s: float = 120) -> dict:
+    log = out / "faults.log"
+    deadline = time.monotonic() + deadline_s
+    while not (log.exists() and log.read_text().strip()):
+        assert time.monotonic() < deadline, "the fault did not fire"
+        assert all(p.poll() is None for p in launchers), (out / "node0.log").read_text()[-3000:]
+        time.sleep(0.01)
+    return json.loads(log.read_text().splitlines()[0])
+
+
+def _lose_node_of(fired: dict, launchers: list[subprocess.Popen]) -> int:
+    victim = next(i for i, p in enumerate(launchers) if fired["pid"] in process_tree(p.pid))
+    killed = kill_node(launchers[victim].pid)
+    assert len(killed) == 1 + PER_NODE  # the launcher and its workers
+    return victim
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("nodes", "fault", "failed_step"), [
+    (2, fail_at(rank=2, step=2, micro_batch=2, kind="hang"), 2),  # in the middle of a micro-batch
+    (2, fail_at(rank=0, step=2, bucket=1, kind="hang"), 2),  # rank 0's node, during a gradient bucket
+    (2, fail_at(rank=1, step=2, at="after_optimizer_step", kind="hang"), 3),  # rank 0's node, between steps
+], ids=["other-node-micro-batch", "rank0-node-bucket", "rank0-node-between-steps"])
+def test_a_lost_node_leaves_the_survivors_on_the_failure_free_trajectory(
+        etcd: EmbeddedEtcd, tmp_path: Path, baseline, nodes: int, fault: Fault, failed_step: int) -> None:
+    out = tmp_path / "out"
+    launchers = _launch(etcd, f"lose-{fault.rank}-{fault.step}", nodes, out, fault)
+    try:
+        fired = _wait_for_fault(out, launchers)
+        victim = _lose_node_of(fired, launchers)
+        survivors = [p for i, p in enumerate(launchers) if i != victim]
+        codes = [p.wait(timeout=150) for p in survivors]
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                kill_node(p.pid)
+    logs = "\n".join((out / f"node{i}.log").read_text()[-3000:] for i in range(nodes))
+    assert codes == [0] * len(survivors), logs
+    reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    lost = sorted(set(range(nodes * PER_NODE)) - set(reports))
+    assert fault.rank in lost and len(lost) == PER_NODE, (lost, logs)  # exactly the lost node's ranks
+    for rank in reports:
+        params = torch.load(out / f"params{rank}.pt")
+        assert all(torch.equal(ours, ref) for ours, ref in zip(params, baseline)), f"rank {rank} diverged"
+        steps = reports[rank]
+        assert [s["step"] for s in steps] == list(range(STEPS))  # trained to the last step
+        failed = steps[failed_step]
+        assert failed["recoveries"] >= 1 and sorted(failed["dead"]) == lost, failed
+        assert all(len(s["micro_batches"]) == B // len(reports) for s in steps[failed_step + 1:])  # smaller world after
+    counted = sorted(j for rank in reports for j in reports[rank][failed_step]["micro_batches"])
+    assert counted == list(range(B))  # every micro-batch of the failed step counted once
