@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,48 @@ def test_killed_rank_is_restarted_by_the_agent_and_rejoins_from_a_replica(tmp_pa
     for rank in range(WORLD):  # everyone, the restarted rank included, ends where a failure-free run ends
         for ours, ref in zip(torch.load(tmp_path / f"params{rank}.pt"), baseline):
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+# -- four ranks, every victim, every point: no healthy rank is ever excluded ------------
+
+POINTS4 = [dict(micro_batch=None), dict(bucket=0), dict(bucket=2), dict(at="before_optimizer_step"),
+           dict(at="after_optimizer_step")]
+
+
+@pytest.fixture(scope="module")
+def baseline_f64(tmp_path_factory) -> list[torch.Tensor]:
+    out = tmp_path_factory.mktemp("baseline_f64")
+    results = run_workers(WORKER, 4, ["--steps", "3", "--out", str(out), "--bucket-numel", "64",
+                                      "--grad-dtype", "float64"], timeout=90)
+    assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-2000:]
+    return torch.load(out / "params0.pt")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", range(4))
+@pytest.mark.parametrize("point", range(len(POINTS4)), ids=["micro-batch", "bucket0", "bucket2", "before-step",
+                                                            "after-step"])
+def test_four_ranks_any_victim_any_point_survivors_bit_identical(tmp_path: Path, baseline_f64, victim: int,
+                                                                  point: int) -> None:
+    where = dict(POINTS4[point])
+    if "micro_batch" in where:
+        where["micro_batch"] = victim + 4 if victim < 2 else victim  # its second micro-batch, or its only one
+    fault = fail_at(rank=victim, step=1, **where)
+    started = time.monotonic()
+    results = run_workers(WORKER, 4, ["--steps", "3", "--out", str(tmp_path), "--bucket-numel", "64",
+                                      "--grad-dtype", "float64"], faults_env([fault], str(tmp_path / "faults.log")),
+                          timeout=90)
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1, "the fault did not fire"
+    assert results[victim].returncode == -9
+    survivors = [r for r in range(4) if r != victim]
+    for r in survivors:  # none excluded, none hung: each finished every step
+        assert results[r].returncode == 0, results[r].stderr[-3000:]
+        reports = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert [rep["step"] for rep in reports] == [0, 1, 2]
+        assert sorted(d for rep in reports for d in rep["dead"]) == [victim]
+        params = torch.load(tmp_path / f"params{r}.pt")
+        assert all(torch.equal(ours, ref) for ours, ref in zip(params, baseline_f64)), f"rank {r} diverged"
+    failed = 2 if "at" in where else 1  # after the last bucket: the next step finds the loss
+    counted = sorted(j for r in survivors for j in json.loads((tmp_path / f"rank{r}.json").read_text())[failed]["micro_batches"])
+    assert counted == list(range(B))
+    assert time.monotonic() - started < 60
