@@ -9,6 +9,12 @@ completed step
 * with plain torchrun: restart of all workers, reload of the last checkpoint
   (every 4 steps), recomputation of the lost steps (target: unicron >= 10x faster).
 
+Then a whole node lost: two launchers x 2 ranks sharing an etcd, the node of
+rank 2 SIGKILLed (launcher and workers) in the middle of step 6; seconds from
+the kill to the survivors' completed step under ``unicron-run`` (target: node
+TTL + 1 s) vs plain torchrun's restart-all + checkpoint reload + redo
+(target: >= 10x).
+
 Then failure-free step time of ElasticDataParallel vs the same loop with one
 plain ``torch.distributed.all_reduce`` under torchrun.
 
@@ -19,7 +25,7 @@ torchrun, runs alternated: failure-free step time (target overhead <= 2%), and
 kill -> next completed step vs DDP's torchrun restart-all + ``last.ckpt``
 reload (every 4 steps) + recomputation.
 
-    python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch]
+    python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
-from unicron_elastic.testing import fail_at, faults_env, run_workers
+from unicron_elastic.store import EmbeddedEtcd
+from unicron_elastic.testing import fail_at, faults_env, kill_node, process_tree, run_workers
 
 ROOT = Path(__file__).resolve().parent
 ELASTIC = str(ROOT.parent / "examples" / "elastic_dp_worker.py")
@@ -72,6 +80,53 @@ def plain(tmp: Path, width: int, faults) -> list[dict]:
     env = dict(_env(tmp, faults), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=180)
     return [json.loads(line) for line in (tmp / "steps0.jsonl").read_text().splitlines()]
+
+
+NODE_FAULT = fail_at(rank=2, step=KILL_STEP, micro_batch=2, kind="hang")  # parks rank 2; its node is then lost
+NODE_TTL = 2  # unicron-run's default --node-ttl
+FAST_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
+
+
+def _two_nodes(etcd: EmbeddedEtcd, tmp: Path, launcher: list[str], script: str, width: int) -> float:
+    """Two launchers x 2 ranks; the node of rank 2 is lost mid-step. Returns the kill time."""
+    run_id = tmp.name.replace("_", "-")
+    cmd = [*launcher, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--nnodes=1:2",
+           "--nproc-per-node=2", "--monitor-interval=0.05", f"--rdzv-conf=cluster={run_id},{FAST_RDZV}",
+           script, "--steps", str(STEPS), "--width", str(width), "--out", str(tmp)]
+    env = dict(_env(tmp, [NODE_FAULT]), PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.pop("WORLD_SIZE")
+    nodes = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
+    try:
+        log = tmp / "faults.log"
+        while not (log.exists() and log.read_text().strip()):
+            time.sleep(0.005)
+        pid = json.loads(log.read_text().splitlines()[0])["pid"]
+        victim = next(p for p in nodes if pid in process_tree(p.pid))
+        kill_node(victim.pid)
+        killed = time.time()
+        for p in nodes:
+            if p is not victim:
+                p.wait(timeout=240)
+        return killed
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                kill_node(p.pid)
+
+
+def node_lost(etcd: EmbeddedEtcd, width: int) -> tuple[float, float]:
+    """Kill -> survivors' completed step: unicron-run vs torchrun (restart-all, checkpoint, redo)."""
+    results = []
+    for launcher, script, steps_of in (
+        ([os.path.join(BIN, "unicron-run")], ELASTIC, lambda tmp: json.loads((tmp / "rank0.json").read_text())),
+        ([os.path.join(BIN, "torchrun"), "--rdzv-backend=unicron", "--max-restarts=1"], PLAIN,
+         lambda tmp: [json.loads(line) for line in (tmp / "steps0.jsonl").read_text().splitlines()]),
+    ):
+        tmp = Path(tempfile.mkdtemp(prefix="unicron_node_lost_"))
+        killed = _two_nodes(etcd, tmp, launcher, script, width)
+        results.append(next_completed(steps_of(tmp), killed))
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results[0], results[1]
 
 
 def next_completed(steps: list[dict], killed: float) -> float:
@@ -151,7 +206,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--gpt-width", type=int, default=128)
     parser.add_argument("--skip-torch", action="store_true", help="only the Lightning comparison")
+    parser.add_argument("--only-node-lost", action="store_true", help="only the node-lost row")
     args = parser.parse_args()
+    if args.only_node_lost:
+        print_node_lost(args.runs, args.width)
+        return
     if args.skip_torch:
         lightning(args.runs, args.gpt_width)
         return
@@ -177,7 +236,24 @@ def main() -> None:
     print(f"ElasticDataParallel   : {fa * 1e3:8.2f} ms")
     print(f"plain all-reduce loop : {fb * 1e3:8.2f} ms")
     print(f"overhead              : {overhead:+8.1f} %  (torch level; the <= 2% target is for Lightning, below)")
+    print_node_lost(args.runs, args.width)
     lightning(args.runs, args.gpt_width)
+
+
+def print_node_lost(runs: int, width: int) -> None:
+    """The node-lost row: two launchers x 2 ranks, the node of rank 2 SIGKILLed mid-step."""
+    etcd = EmbeddedEtcd().start()
+    try:
+        pairs = [node_lost(etcd, width) for _ in range(runs)]
+    finally:
+        etcd.stop()
+    a, b = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    print(f"\n== node lost (2 launchers x 2 ranks, the node of rank 2 SIGKILLed mid-step), median of {runs} ==")
+    print(f"unicron-run, kill -> survivors' step done       : {a:8.3f} s   target <= node TTL + 1 = {NODE_TTL + 1} s: "
+          f"{'met' if a <= NODE_TTL + 1 else 'NOT met'}")
+    print(f"torchrun restart-all + checkpoint reload + redo : {b:8.3f} s")
+    print(f"speed-up                                        : {b / a:8.1f}x   target >= 10x: {'met' if b / a >= 10 else 'NOT met'}")
+    print("per-run (unicron, restart-all) s:", [(round(x, 3), round(y, 3)) for x, y in pairs])
 
 
 if __name__ == "__main__":

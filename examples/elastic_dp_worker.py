@@ -27,10 +27,10 @@ from unicron_elastic.worker import get_worker
 
 
 def _hold_for_joiner(ddp: ElasticDataParallel, world: int, worker) -> None:
-    """Wait until a rank waits to join or every rank is a member (bounded: 120 s)."""
+    """Wait until every rank is a member or waits to join (bounded: 120 s)."""
     worker.set_paused(True)  # waiting for a peer is not a hang
     deadline = time.monotonic() + 120
-    while len(ddp.members) < world and not ddp.waiting() and time.monotonic() < deadline:
+    while len(set(ddp.members) | set(ddp.waiting())) < world and time.monotonic() < deadline:
         time.sleep(0.05)
     worker.set_paused(False)
 
@@ -49,8 +49,8 @@ def main() -> None:
     parser.add_argument("--grad-dtype", choices=["float32", "float64"], default="float32",
                         help="dtype of the gradient sums (float64: bit-identical to a failure-free run)")
     parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
-                        help="before STEP, wait (at most 120 s) until a rank asks to join or the group is full: "
-                             "a restarted rank is then admitted before training ends, however slow its start")
+                        help="before STEP, wait (at most 120 s) until every rank is a member or asks to join: "
+                             "restarted ranks are then admitted before training ends, however slow their start")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = connect_meeting_store()  # etcd under unicron-run (survives any node), else the launcher's TCPStore
@@ -69,7 +69,7 @@ def main() -> None:
         store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
         timeout=timedelta(seconds=20), hook=maybe_fail, members=members, joining=restarted or rank not in members,
         schedule={int(k): v for k, v in json.loads(args.schedule).items()},
-        grad_dtype=getattr(torch, args.grad_dtype),
+        grad_dtype=getattr(torch, args.grad_dtype), pause=worker.set_paused,
     )
     start = ddp.join() if restarted or rank not in members else 0
     reports = []
@@ -80,7 +80,7 @@ def main() -> None:
                 _hold_for_joiner(ddp, world, worker)
             began = time.monotonic()
             try:
-                reports.append({**vars(ddp.train_step(step)), "finished_at": time.time()})
+                reports.append({**vars(ddp.train_step(step)), "finished_at": time.time(), "pid": os.getpid()})
             except Excluded:  # alive but left out of a regroup: come back as a joiner
                 rejoined = ddp.join()
                 reports.append({"excluded_at": step, "rejoined_at": rejoined})

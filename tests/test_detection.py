@@ -108,6 +108,25 @@ def test_no_alarm_during_warmup_or_checkpoint_pause() -> None:
     assert monitor.check(now + 100.7).kind == "task_hang"
 
 
+def test_a_bounded_pause_protects_only_until_its_bound() -> None:
+    # a regroup is a declared pause; a rank stuck in it past its bound is still found
+    monitor = IterationMonitor(HangThresholds(warmup=5))
+    now, _ = _run(monitor, [0.2] * 6)
+    monitor.set_state(now, paused=True, pause_for=10.0)
+    assert monitor.check(now + 10.5) is None  # within the bound (+ 3x the mean)
+    assert monitor.check(now + 10.7).kind == "task_hang"  # stuck past it
+
+
+def test_a_regroup_that_ends_in_time_is_no_hang() -> None:
+    monitor = IterationMonitor(HangThresholds(warmup=5))
+    now, _ = _run(monitor, [0.2] * 6)
+    monitor.set_state(now, paused=True, pause_for=10.0)
+    monitor.set_state(now + 5, paused=False)
+    assert monitor.check(now + 5.5) is None
+    monitor.set_state(now + 5.5, paused=True)  # an unbounded pause (checkpoint) after it is unbounded again
+    assert monitor.check(now + 1000) is None
+
+
 def test_statistics_reset_per_configuration() -> None:
     monitor = IterationMonitor()
     now, _ = _run(monitor, [0.1] * 20)

@@ -37,13 +37,18 @@ def baseline(tmp_path_factory) -> list[torch.Tensor]:
     return torch.load(out / "params0.pt")
 
 
-def _launch(etcd: EmbeddedEtcd, run_id: str, nodes: int, out: Path, fault: Fault) -> list[subprocess.Popen]:
+def _command(etcd: EmbeddedEtcd, run_id: str, nodes: int, out: Path, *extra: str) -> list[str]:
+    return [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+            f"--nnodes={nodes}", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05", "--log-format=json",
+            f"--rdzv-conf=cluster={run_id},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
+            WORKER, *COMMON, "--step-time", "0.2", "--out", str(out), *extra]
+
+
+def _launch(etcd: EmbeddedEtcd, run_id: str, nodes: int, out: Path, fault: Fault,
+            *extra: str) -> list[subprocess.Popen]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
                **faults_env([fault], str(out / "faults.log")))
-    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
-           f"--nnodes={nodes}", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05", "--log-format=json",
-           f"--rdzv-conf=cluster={run_id},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
-           WORKER, *COMMON, "--step-time", "0.2", "--out", str(out)]
+    cmd = _command(etcd, run_id, nodes, out, *extra)
     out.mkdir(parents=True, exist_ok=True)
     return [subprocess.Popen(cmd, stdout=(out / f"node{i}.log").open("w"), stderr=subprocess.STDOUT, env=env)
             for i in range(nodes)]
@@ -100,3 +105,41 @@ def test_a_lost_node_leaves_the_survivors_on_the_failure_free_trajectory(
         assert all(len(s["micro_batches"]) == B // len(reports) for s in steps[failed_step + 1:])  # smaller world after
     counted = sorted(j for rank in reports for j in reports[rank][failed_step]["micro_batches"])
     assert counted == list(range(B))  # every micro-batch of the failed step counted once
+
+
+@pytest.mark.timeout(300)
+def test_the_lost_node_started_again_rejoins_without_restarting_anyone(etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                       baseline) -> None:
+    out = tmp_path / "out"
+    fault = fail_at(rank=2, step=1, micro_batch=2, kind="hang")
+    hold = ["--hold-for-joiner", str(STEPS - 2)]  # the run outlasts the node's return, however slow
+    launchers = _launch(etcd, "rejoin", 2, out, fault, *hold)
+    again: subprocess.Popen | None = None
+    try:
+        victim = _lose_node_of(_wait_for_fault(out, launchers), launchers)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
+                   **faults_env([fault], str(out / "faults.log")))
+        again = subprocess.Popen(_command(etcd, "rejoin", 2, out, *hold), env=env, stderr=subprocess.STDOUT,
+                                 stdout=(out / "again.log").open("w"))  # same flags, as an operator would
+        survivor = launchers[1 - victim]
+        codes = [survivor.wait(timeout=200), again.wait(timeout=60)]
+    finally:
+        for p in [*launchers, *([again] if again else [])]:
+            if p.poll() is None:
+                kill_node(p.pid)
+    logs = (out / f"node{1 - victim}.log").read_text()[-3000:] + (out / "again.log").read_text()[-3000:]
+    assert codes == [0, 0], logs
+    assert "rendezvous_rejoined" in (out / "again.log").read_text()
+    reports = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
+    for r in (0, 1):  # the healthy workers: one process each, every step, never restarted
+        assert [s["step"] for s in reports[r]] == list(range(STEPS))
+        assert len({s["pid"] for s in reports[r]}) == 1
+        assert reports[r][1]["dead"] == [2, 3]
+    for r in (2, 3):  # the returned node's ranks joined from a replica and trained to the end
+        joined = reports[r][0]
+        assert joined["state_from"] == "replica" and 2 <= joined["joined_at"] < STEPS, joined
+        assert [s["step"] for s in reports[r][1:]] == list(range(joined["joined_at"], STEPS))
+    for r in range(4):
+        params = torch.load(out / f"params{r}.pt")
+        assert all(torch.equal(ours, ref) for ours, ref in zip(params, baseline)), f"rank {r} diverged"
+    assert reports[0][-1]["micro_batches"] == [0, 4]  # the full world again (B = 6 over 4 ranks), same global batch

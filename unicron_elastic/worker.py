@@ -86,9 +86,19 @@ class WorkerChannel:
         finally:
             self._send({"t": "state", name: False})
 
-    def set_paused(self, paused: bool) -> None:
-        """Enter or leave a pause that must not count as a hang (see :meth:`checkpointing`)."""
-        self._send({"t": "state", "paused": bool(paused)})
+    def set_paused(self, paused: bool, pause_for: float | None = None) -> None:
+        """Enter or leave a pause that must not count as a hang (see :meth:`checkpointing`).
+
+        Args:
+            paused: Entering (True) or leaving the pause.
+            pause_for: A bound in seconds: a worker still paused after it is
+                watched for hangs again (a regroup that got stuck is found).
+                None: unbounded.
+        """
+        msg: dict[str, Any] = {"t": "state", "paused": bool(paused)}
+        if paused and pause_for is not None:
+            msg["pause_for"] = float(pause_for)
+        self._send(msg)
 
     def checkpointing(self) -> AbstractContextManager[None]:
         """A pause (checkpoint, evaluation) that must not count as a hang."""

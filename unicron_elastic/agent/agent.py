@@ -233,6 +233,9 @@ class UnicronAgent(LocalElasticAgent):
         self._dir: str | None = tmp
         os.environ[SOCKET_ENV] = self._channel.path
         self._meeting: MeetingPoint | None = None
+        handler = self._worker_group.spec.rdzv_handler
+        if hasattr(handler, "rejoin"):  # the unicron rendezvous: a returning node takes its place, no restart-all
+            handler.rejoin = True
 
     # -- set-up ----------------------------------------------------------------
     @property
@@ -256,6 +259,8 @@ class UnicronAgent(LocalElasticAgent):
         )
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
         log.info("agent_rendezvous_complete", world_size=world_size)
+        if getattr(worker_group.spec.rdzv_handler, "rejoined", False):
+            os.environ["UNICRON_WORKER_RESTARTS"] = "1"  # its workers join the running task from a replica
         self._open_meeting(worker_group)
         if not self._started:
             self._started = True
@@ -273,7 +278,7 @@ class UnicronAgent(LocalElasticAgent):
         if self._meeting is not None:
             self._meeting.close()
         self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
-                                     worker_group.group_rank)
+                                     worker_group.group_rank, worker_group.group_world_size)
         self._meeting.export()
         for worker in worker_group.workers:
             self._meeting.worker_started(worker.global_rank)

@@ -64,6 +64,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "resumable": (_boolean, "true or false"),
     "fatal": (_boolean, "true or false"),
     "paused": (_boolean, "true or false"),
+    "pause_for": (_duration, f"a finite number of seconds in [0, {MAX_DURATION:g}]"),
     "collective": (_boolean, "true or false"),
     "exiting": (_boolean, "true or false"),
     "reply": (_string(107), "a socket path of at most 107 characters"),

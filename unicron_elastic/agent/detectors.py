@@ -191,7 +191,8 @@ class HangDetector(Detector):
             if msg["t"] == "beat":
                 finding = monitor.heartbeat(received, float(msg["dur"]))
             elif msg["t"] == "state":
-                monitor.set_state(received, paused=msg.get("paused"), in_collective=msg.get("collective"))
+                monitor.set_state(received, paused=msg.get("paused"), in_collective=msg.get("collective"),
+                                  pause_for=msg.get("pause_for"))
                 finding = None
             else:
                 return

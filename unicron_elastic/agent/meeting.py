@@ -31,15 +31,19 @@ class MeetingPoint:
         round_: The rendezvous round the workers were started in (each round
             of a restart-all meets in a fresh space).
         ttl: Lease TTL of this node (seconds).
+        group_rank: This node's rank in the round.
+        nodes: Nodes in the round.
     """
 
-    def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int) -> None:
+    def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int, nodes: int) -> None:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
         self.group_rank = group_rank
         self.lease = KeptLease(store, ttl)
         store.put(self.prefix + MeetingKeys.LIVENESS, b"1")
+        store.put(self.prefix + MeetingKeys.AGENTS_WORLD, str(int(nodes)).encode())
         store.put(self.prefix + MeetingKeys.agent(group_rank), b"1", lease=self.lease.id)
+        store.put(self.prefix + MeetingKeys.agent_seen(group_rank), b"1")
 
     def export(self) -> None:
         """Set :data:`~unicron_elastic.meeting.MEETING_ENV` (and the password variable) for the workers started next."""

@@ -98,6 +98,7 @@ class IterationMonitor:
         self._slow_run = 0
         self._slow_since = now
         self.paused = False
+        self._pause_until: float | None = None
         self.in_collective = False
         self._reported_hang = False
 
@@ -145,19 +146,31 @@ class IterationMonitor:
         self._reported_hang = False
         return finding
 
-    def set_state(self, now: float, *, paused: bool | None = None, in_collective: bool | None = None) -> None:
-        """The worker entered or left a pause (checkpoint) or a collective."""
+    def set_state(self, now: float, *, paused: bool | None = None, in_collective: bool | None = None,
+                  pause_for: float | None = None) -> None:
+        """The worker entered or left a pause (checkpoint, regroup) or a collective.
+
+        A pause with ``pause_for`` seconds protects the worker only that long:
+        after it, silence counts towards a hang again (a stuck regroup is found).
+        """
         if paused is not None:
             if self.paused and not paused:
                 self.last_beat = now  # the pause does not count towards a hang
+            if paused:
+                bounded = pause_for is not None and math.isfinite(pause_for) and pause_for >= 0
+                self._pause_until = now + pause_for if bounded else None
             self.paused = paused
         if in_collective is not None:
             self.in_collective = in_collective
 
     def deadline(self) -> float | None:
         """Monotonic time after which silence is a hang (None: no alarm possible now)."""
-        if self.paused or self.count < self.thresholds.warmup or self.mean <= 0 or self._reported_hang:
+        if self.count < self.thresholds.warmup or self.mean <= 0 or self._reported_hang:
             return None
+        if self.paused:
+            if self._pause_until is None:
+                return None
+            return self._pause_until + self.thresholds.hang_factor * self.mean  # the bound passed: watched again
         return self.last_beat + self.thresholds.hang_factor * self.mean
 
     def check(self, now: float) -> Finding | None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import structlog
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
@@ -15,8 +18,10 @@ from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate
 from unicron_elastic.rendezvous.options import BackendOptions, parse_options
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
+from unicron_elastic.store.keys import MeetingKeys
 
 log = structlog.get_logger(__name__)
+_CLAIM_TTL_S = 30  # a claimed place is freed again if the claiming agent dies before taking it over
 
 
 class UnicronRendezvousHandler(DynamicRendezvousHandler):
@@ -28,9 +33,22 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     gate: JoinGate = OpenGate()
     task: str = ""
     status_store: StatusStore | None = None
+    #: Set by ``unicron-run``'s agent: a node that arrives while the round runs takes the
+    #: place of a lost node instead of making every node restart (torch's ``num_nodes_waiting``).
+    rejoin: bool = False
+    #: This node took a lost node's place in a running round (its workers join as joiners).
+    rejoined: bool = False
+    _rejoined_round: int = -1
+    _joined_before: bool = False
 
     def next_rendezvous(self) -> RendezvousInfo:
-        """Wait for the plan to admit this node, then join the next round."""
+        """Wait for the plan to admit this node, then join the running round (rejoin) or the next one."""
+        self.rejoined = False
+        if self.rejoin and not self._joined_before:  # a restart-all of this node is no rejoin
+            info = self._rejoin_running_round()
+            self._joined_before = True
+            if info is not None:
+                return info
         request = JoinRequest(
             run_id=self.get_run_id(),
             task=self.task,
@@ -50,8 +68,81 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         )
         return info
 
+    def _rejoin_running_round(self) -> RendezvousInfo | None:
+        """Take a lost node's place in the running round, waiting (up to the join timeout) for one to be free.
+
+        A round runs while the agent of one of its nodes is alive in the
+        round's meeting space (torch's own rendezvous state is not asked: its
+        heartbeat bookkeeping may already have dropped every participant). A
+        place is free when its node started workers and its agent key vanished
+        (lease lapsed) before it finished. Claimed create-only, so two arriving
+        nodes never take the same place.
+
+        Returns:
+            The rendezvous of the running round as the lost node's rank, or None
+            when no round runs (then the normal rendezvous follows).
+
+        Raises:
+            RendezvousTimeoutError: A round runs, but no place was free within the join timeout.
+        """
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        while True:
+            running = self._running_round()
+            if running is None:
+                return None
+            round_, prefix, nodes, alive = running
+            for g in range(nodes):
+                if g not in alive and self._place_free(prefix, g) and self._claim(prefix, g):
+                    return self._running_round_info(round_, g, nodes)
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(f"round {round_} of {self.get_run_id()!r} runs with every place "
+                                             f"taken; no lost node's place freed within the join timeout")
+            time.sleep(0.1)
+
+    def _running_round(self) -> tuple[int, str, int, list[int]] | None:
+        """The newest round whose meeting space has a live agent: (round, prefix, nodes, live group ranks)."""
+        store = self.status_store
+        assert store is not None
+        base = store.keys.meeting(self.get_run_id())
+        rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
+        for round_ in sorted((int(r) for r in rounds if r.isdigit()), reverse=True):
+            prefix = f"{base}{round_}/"
+            world = store.get(prefix + MeetingKeys.AGENTS_WORLD)
+            if world is None:
+                continue
+            nodes = int(world.value)
+            alive = [g for g in range(nodes) if store.get(prefix + MeetingKeys.agent(g)) is not None]
+            if alive:
+                return round_, prefix, nodes, alive
+        return None
+
+    def _place_free(self, prefix: str, group_rank: int) -> bool:
+        store = self.status_store
+        assert store is not None
+        return store.get(prefix + MeetingKeys.agent_seen(group_rank)) is not None \
+            and store.get(prefix + MeetingKeys.agent_done(group_rank)) is None
+
+    def _claim(self, prefix: str, group_rank: int) -> bool:
+        """Create-only claim of place ``group_rank`` (expires unless the agent takes it over)."""
+        store = self.status_store
+        assert store is not None
+        claim = store.cas(prefix + MeetingKeys.agent(group_rank), str(self._this_node), None,
+                          lease=store.grant_lease(_CLAIM_TTL_S))
+        return claim.succeeded
+
+    def _running_round_info(self, round_: int, group_rank: int, nodes: int) -> RendezvousInfo:
+        store = dist.PrefixStore(f"torch.rendezvous.{self.get_run_id()}.{round_}", self._store)  # torch's layout
+        self._rejoined_round = round_
+        addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
+        port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
+        self.rejoined = True
+        log.warning("rendezvous_rejoined", run_id=self.get_run_id(), round=round_, rank=group_rank, nodes=nodes)
+        return RendezvousInfo(store, group_rank, nodes, RendezvousStoreInfo(addr, port))
+
     def current_round(self) -> int:
         """The rendezvous round this node last joined (-1 before the first)."""
+        if self.rejoined:
+            return self._rejoined_round
         return int(getattr(self._state_holder.state, "round", -1))
 
     def _forget_agent_store(self) -> None:

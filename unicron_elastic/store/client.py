@@ -309,6 +309,10 @@ class StatusStore:
         resp = self.call(lambda c: c.get_prefix_response(prefix, count_only=True), f"count {prefix}*")
         return int(resp.count)
 
+    def grant_lease(self, ttl: int) -> int:
+        """Grant a lease of ``ttl`` seconds that nobody keeps alive; returns its ID."""
+        return int(self.call(lambda c: c.lease(int(ttl)), "lease grant").id)
+
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
         """Write a key; returns the revision of the write."""
         resp = self.call(lambda c: c.put(key, value, lease=lease), f"put {key}")

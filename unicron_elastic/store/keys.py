@@ -128,6 +128,13 @@ class MeetingKeys:
         """Present while the agent of node ``group_rank`` runs (on its lease)."""
         return f"unicron-agents/{int(group_rank)}"
 
+    AGENTS_WORLD = "unicron-agents/world"  # nodes in the round (a rejoining node takes that size)
+
+    @staticmethod
+    def agent_seen(group_rank: int) -> str:
+        """The agent of node ``group_rank`` started this round's workers (stays after the node is lost)."""
+        return f"unicron-agents/seen/{int(group_rank)}"
+
     @staticmethod
     def agent_done(group_rank: int) -> str:
         """The agent of node ``group_rank`` saw its workers finish (exit barrier)."""

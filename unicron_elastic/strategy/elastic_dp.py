@@ -105,7 +105,8 @@ class ElasticDataParallel:
         world_size: Initial data-parallel size.
         bucket_numel: Elements per gradient bucket (None: one bucket).
         timeout: Timeout of collectives.
-        checkin_timeout: How long survivors wait for each other after a failure.
+        checkin_timeout: After a failure, how long survivors wait for a rank that is alive but has
+            not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
         hook: Called as ``hook(rank, step, micro_batch=j)`` before each
             micro-batch and ``hook(rank, step, bucket=k)`` before each bucket's
             reduction (fault injection: ``unicron_elastic.testing.maybe_fail``).
@@ -120,6 +121,10 @@ class ElasticDataParallel:
         fallback: Called by a joiner when no replica is left (every member is
             waiting to join): returns the state to resume from (in-memory
             snapshot, then persisted checkpoint) or None.
+        pause: Called as ``pause(True, bound_s)`` when a regroup begins and
+            ``pause(False, None)`` when it ends (e.g. ``Worker.set_paused``:
+            a regroup is a declared pause for the hang detector, bounded so a
+            rank stuck in it is still found).
         grad_dtype: Dtype of the gradient sums and their all-reduce. float64
             makes the result independent of who computed which micro-batch
             (float32 sums depend on the order: after a failure the last bits
@@ -148,6 +153,7 @@ class ElasticDataParallel:
         on_group: Callable[[list[int], int], None] | None = None,
         fallback: Callable[[], dict[str, Any] | None] | None = None,
         grad_dtype: torch.dtype = torch.float32,
+        pause: Callable[[bool, float | None], None] | None = None,
     ) -> None:
         self.model, self.optimizer, self.plan = model, optimizer, plan
         self.batch, self.loss_fn, self.store = batch, loss_fn, store
@@ -163,6 +169,7 @@ class ElasticDataParallel:
         self.on_group = on_group or (lambda members, generation: None)
         self.fallback = fallback or (lambda: None)
         self.grad_dtype = grad_dtype
+        self.pause = pause or (lambda paused, bound: None)
         self.state_source: str | None = None  # where a joiner's state came from
         self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others
         self._synced_step = -1  # the last step whose membership this rank agreed on
@@ -243,6 +250,7 @@ class ElasticDataParallel:
         self._drop_group()
         dead: list[int] = []
         while self.pg is None:
+            self.pause(True, self.checkin_timeout + self.timeout.total_seconds())  # each attempt is bounded
             self.generation += 1
             record = self._await_record(self.generation, done)
             if role(record, self.rank) == "joiner":
@@ -258,6 +266,7 @@ class ElasticDataParallel:
         if self.rank == self.members[0]:
             self._publish_members()
         self.on_group(self.members, self.generation)
+        self.pause(False, None)
         log.warning("dp_group_reformed", generation=self.generation, dead=dead,
                     survivors=self.members, kept_buckets=done)
         return dead, done

@@ -106,7 +106,8 @@ class UnicronMegatronStrategy(DDPStrategy):
             format (``step-<s>.state``; None: none).
         checkpoint_every: Steps between those saves.
         timeout: Collective timeout.
-        checkin_timeout: How long survivors wait for each other after a failure.
+        checkin_timeout: After a failure, how long survivors wait for a rank that is alive but has
+            not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
         join_timeout: How long a restarted rank waits to be admitted.
         members: The launch ranks that train from the start (default: all);
             the others wait to be added by ``schedule``.
@@ -245,11 +246,20 @@ class UnicronMegatronStrategy(DDPStrategy):
         return dist.TCPStore(self.env.main_address, self.env.main_port, is_master=False,
                              timeout=timedelta(seconds=60))
 
-    def _snapshot_store(self) -> dist.Store:
-        """Where the in-memory snapshot lives: the agent's TCPStore (bulk bytes never go to etcd)."""
+    def _snapshot_store(self) -> dist.Store | None:
+        """Where the in-memory snapshot lives: the agent's TCPStore (bulk bytes never go to etcd).
+
+        None (no snapshots, a warning) when its node is gone: a node that
+        rejoined after the rank-0 node was lost trains on without one.
+        """
         if isinstance(self._store, dist.HashStore) or not os.environ.get(MEETING_ENV):
             return self._store
-        return self._agent_store()
+        try:
+            return dist.TCPStore(self.env.main_address, self.env.main_port, is_master=False,
+                                 timeout=timedelta(seconds=5))
+        except (RuntimeError, OSError) as exc:
+            log.warning("snapshot_store_unreachable", error=str(exc)[:200])
+            return None
 
     def setup_distributed(self) -> None:
         """Connect to the launcher's store and build the first world (a joiner waits until it is admitted).
@@ -273,7 +283,9 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def _on_group(self, members: list[int], generation: int) -> None:
         """The data-parallel members changed: rebuild the world Lightning and megatron-core use."""
-        self._worker.set_paused(True)  # until this step completes: regrouping is not a hang
+        # until this step completes: regrouping is not a hang, but one stuck past its bound is
+        timeout = (self._timeout or timedelta(seconds=60)).total_seconds()
+        self._worker.set_paused(True, pause_for=self.checkin_timeout + 2 * timeout)
         self._paused = True
         index = members.index(self.env.launch_rank)
         build_world(self._store, generation, index, len(members), self.tp, self.pp,

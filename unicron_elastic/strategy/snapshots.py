@@ -45,22 +45,23 @@ class MemorySnapshot:
     """The latest state, serialized in the memory of the store's host.
 
     Args:
-        store: The rendezvous store (outlives workers).
+        store: The rendezvous store (outlives workers); None: its host is
+            unreachable, no snapshots.
         every: Steps between snapshots (0: never).
 
     Raises:
         ConfigError: ``every`` < 0.
     """
 
-    def __init__(self, store: dist.Store, every: int) -> None:
+    def __init__(self, store: dist.Store | None, every: int) -> None:
         if every < 0:
             raise ConfigError(f"snapshot_every={every} must be >= 0")
         self.store, self.every = store, every
         self._thread: threading.Thread | None = None
 
     def due(self, step: int) -> bool:
-        """Whether a snapshot is due at the start of ``step``."""
-        return self.every > 0 and step % self.every == 0
+        """Whether a snapshot is due at the start of ``step`` (never without a store)."""
+        return self.store is not None and self.every > 0 and step % self.every == 0
 
     def save(self, state: dict[str, Any]) -> None:
         """Copy the tensors of ``state`` now; serialize and upload in the background.
@@ -96,6 +97,8 @@ class MemorySnapshot:
             StateDecodingError: The value in the store is not a safe state
                 document (e.g. a pickle someone put there); nothing in it ran.
         """
+        if self.store is None:
+            return None
         try:
             if not self.store.check([SNAPSHOT_KEY]):
                 return None
