@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--ckpt-every", type=int, default=4)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (as the elastic worker)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -53,6 +54,7 @@ def main() -> None:
             p.grad = (flat[offset : offset + p.numel()] / plan.num_micro_batches).view_as(p)
             offset += p.numel()
         optimizer.step()
+        time.sleep(args.step_time)
         with log.open("a") as f:
             f.write(json.dumps({"step": step, "finished_at": time.time(),
                                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}) + "\n")

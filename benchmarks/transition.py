@@ -84,6 +84,7 @@ def plain(tmp: Path, width: int, faults) -> list[dict]:
 
 NODE_FAULT = fail_at(rank=2, step=KILL_STEP, micro_batch=2, kind="hang")  # parks rank 2; its node is then lost
 NODE_TTL = 2  # unicron-run's default --node-ttl
+NODE_STEP_TIME = 0.1  # seconds added per step: with 20 ms steps the default hang factor (3x) flags any hiccup
 FAST_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
 
 
@@ -92,10 +93,11 @@ def _two_nodes(etcd: EmbeddedEtcd, tmp: Path, launcher: list[str], script: str, 
     run_id = tmp.name.replace("_", "-")
     cmd = [*launcher, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--nnodes=1:2",
            "--nproc-per-node=2", "--monitor-interval=0.05", f"--rdzv-conf=cluster={run_id},{FAST_RDZV}",
-           script, "--steps", str(STEPS), "--width", str(width), "--out", str(tmp)]
+           script, "--steps", str(STEPS), "--width", str(width), "--out", str(tmp), "--step-time", str(NODE_STEP_TIME)]
     env = dict(_env(tmp, [NODE_FAULT]), PATH=BIN + os.pathsep + os.environ["PATH"])
     env.pop("WORLD_SIZE")
-    nodes = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
+    nodes = [subprocess.Popen(cmd, env=env, stdout=(tmp / f"node{i}.log").open("w"), stderr=subprocess.STDOUT)
+             for i in range(2)]
     try:
         log = tmp / "faults.log"
         while not (log.exists() and log.read_text().strip()):

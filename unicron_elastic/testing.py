@@ -252,7 +252,7 @@ def run_workers(script: str, world: int, args: list[str], env: dict[str, str] | 
                 TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", **(env or {}))
     store.set(MeetingKeys.LIVENESS, "1")  # like the agent: live/<rank> exists while the worker runs
     for r in range(world):
-        store.set(MeetingKeys.live(r), "1")
+        store.set(MeetingKeys.live(r), "0")  # the incarnation: these workers are never restarted
     procs = [subprocess.Popen([sys.executable, script, *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     supervisor = threading.Thread(target=_keep_liveness, args=(store, procs), daemon=True)

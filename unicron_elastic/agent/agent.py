@@ -281,7 +281,7 @@ class UnicronAgent(LocalElasticAgent):
                                      worker_group.group_rank, worker_group.group_world_size)
         self._meeting.export()
         for worker in worker_group.workers:
-            self._meeting.worker_started(worker.global_rank)
+            self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0")
 
     def _exit_barrier(self) -> None:
         """Wait for the other nodes to finish, not for nodes that were lost (torch's waits for all)."""
@@ -493,7 +493,7 @@ class UnicronAgent(LocalElasticAgent):
         worker = self._worker_group.workers[local_rank]
         restarts = self._history.get(worker.global_rank, RankHistory()).restarts
         if self._meeting is not None:
-            self._meeting.worker_started(worker.global_rank)
+            self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.{restarts}")
         env = {GENERATION_ENV: f"{self.generation}.{restarts}", "UNICRON_WORKER_RESTARTS": str(restarts)}
         started = time.monotonic()
         pid = _torch_compat.respawn(self._pcontext, local_rank, env)  # type: ignore[arg-type]

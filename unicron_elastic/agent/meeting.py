@@ -51,9 +51,14 @@ class MeetingPoint:
         if self.store.config.password is not None:
             os.environ.setdefault(PASSWORD_ENV, self.store.config.password)
 
-    def worker_started(self, rank: int) -> None:
-        """Worker ``rank`` runs (its liveness key lives with this node's lease)."""
-        self.store.put(self.prefix + MeetingKeys.live(rank), b"1", lease=self.lease.id)
+    def worker_started(self, rank: int, incarnation: str) -> None:
+        """Worker ``rank`` runs as ``incarnation`` (its liveness key lives with this node's lease).
+
+        Peers compare the value with the one their group was formed with: a
+        restarted worker is a new incarnation, a joiner, not the member they
+        wait for.
+        """
+        self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=self.lease.id)
 
     def worker_exited(self, rank: int) -> None:
         """Worker ``rank`` exited: peers regrouping stop waiting for it."""

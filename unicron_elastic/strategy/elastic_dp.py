@@ -61,6 +61,8 @@ from unicron_elastic.strategy.safe_state import dumps, loads
 log = structlog.get_logger(__name__)
 
 Hook = Callable[..., None]
+#: compare_set(key, _ABSENT, _ABSENT) returns the value, or _ABSENT when the key does not exist: a get that never waits.
+_ABSENT = b"\x00unicron-absent"
 
 
 @dataclass
@@ -180,8 +182,10 @@ class ElasticDataParallel:
         size = bucket_numel or numel
         self.bounds = [(start, min(start + size, numel)) for start in range(0, numel, size)]
         self.pg: dist.ProcessGroupGloo | None = None
+        self._incarnations: dict[int, bytes] = {}
         if not joining:
             self.pg = self._group()
+            self._note_incarnations()
             if self.rank == self.members[0]:
                 self._publish_members()
 
@@ -212,10 +216,28 @@ class ElasticDataParallel:
         gc.collect()  # the destructor closes the sockets; nothing else holds the group
 
     def _alive(self) -> set[int] | None:
-        """Ranks whose liveness key exists; None when no one keeps liveness keys."""
+        """Members whose liveness key exists; None when no one keeps liveness keys."""
+        return self._alive_among(self.members)
+
+    def _alive_among(self, ranks: list[int]) -> set[int] | None:
+        """Those of ``ranks`` alive in the incarnation this rank trained with; None when no one keeps liveness keys.
+
+        The liveness value names the incarnation: a rank restarted since the
+        group formed is a joiner, not the member that must check in.
+        """
         if not self.store.check([K.LIVENESS]):
             return None
-        return {r for r in self.members if self.store.check([K.live(r)])}
+        live = self._incarnations_of(ranks)
+        return {r for r, seen in live.items() if self._incarnations.get(r, seen) == seen}
+
+    def _incarnations_of(self, ranks: list[int]) -> dict[int, bytes]:
+        """The liveness values of ``ranks`` that have one (read without waiting: a key may vanish any time)."""
+        values = {r: bytes(self.store.compare_set(K.live(r), _ABSENT, _ABSENT)) for r in ranks}
+        return {r: v for r, v in values.items() if v != _ABSENT}
+
+    def _note_incarnations(self) -> None:
+        """Remember which incarnation of each member this group was formed with."""
+        self._incarnations = self._incarnations_of(self.members)
 
     def _await_record(self, generation: int, done: int) -> MembershipRecord:
         """Check in for ``generation`` and return its record, written once by whichever survivor decides first.
@@ -247,8 +269,9 @@ class ElasticDataParallel:
             Excluded: This rank is alive but the record left it out (it checked
                 in after the deadline): it must come back as a joiner.
         """
-        self._drop_group()
         dead: list[int] = []
+        self.pause(True, self.checkin_timeout + self.timeout.total_seconds())  # before anything slow
+        self._drop_group()
         while self.pg is None:
             self.pause(True, self.checkin_timeout + self.timeout.total_seconds())  # each attempt is bounded
             self.generation += 1
@@ -261,8 +284,9 @@ class ElasticDataParallel:
             self.members, done = list(record.members), record.kept_buckets
             try:
                 self.pg = self._group()
-            except (RuntimeError, dist.DistError) as exc:  # a member died before the group formed: once more
+            except (RuntimeError, LookupError) as exc:  # a member died before the group formed: once more
                 log.warning("dp_group_build_failed", generation=self.generation, error=str(exc)[:200])
+        self._note_incarnations()
         if self.rank == self.members[0]:
             self._publish_members()
         self.on_group(self.members, self.generation)
@@ -312,6 +336,7 @@ class ElasticDataParallel:
             try:
                 self.pg.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
             except RuntimeError as exc:
+                self.pause(True, self.checkin_timeout + self.timeout.total_seconds())  # regrouping: no hang
                 log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
                 self._drop_group()  # peers blocked on us fail now; this step's reduction regroups
                 return
@@ -337,6 +362,7 @@ class ElasticDataParallel:
         self._drop_group()
         self.generation, self.members = generation, members
         self.pg = self._group()
+        self._note_incarnations()
         if self.rank == leader:
             self._publish_members()
         self.on_group(members, generation)
@@ -350,17 +376,17 @@ class ElasticDataParallel:
     def join(self, timeout: float = 120.0) -> int | None:
         """Wait until the group admits this rank, then load its state from a replica.
 
-        When no replica is left (every member of the group is itself waiting to
-        join), the lowest waiting rank resumes from ``fallback()`` (in-memory
-        snapshot, else persisted checkpoint) and hands that state to the others.
-        :attr:`state_source` says which it was.
+        When no replica is left (every member of the group that is still alive
+        is itself waiting to join), the lowest waiting rank resumes from
+        ``fallback()`` (in-memory snapshot, else persisted checkpoint), else
+        from step 0 with its fresh state and a warning, and hands that state to
+        the others. :attr:`state_source` says which it was.
 
         Returns:
             The step to continue from; None if training finished first.
 
         Raises:
             TimeoutError: Not admitted within ``timeout`` seconds.
-            RuntimeError: No replica is left and ``fallback`` has no state.
         """
         # only a generation newer than the group's current one can admit us (not a stale admission)
         floor = json.loads(self.store.get(K.MEMBERS))["generation"] if self.store.check([K.MEMBERS]) else -1
@@ -394,18 +420,23 @@ class ElasticDataParallel:
         """If every member waits to join, the lowest waiting rank restarts the group from ``fallback``.
 
         Raises:
-            RuntimeError: ``fallback`` has no state.
+        When nothing is left (no replica, no snapshot, no checkpoint), it
+        resumes from step 0 with its own fresh state and logs
+        ``dp_restart_from_step_0``.
         """
         if not self.store.check([K.MEMBERS]):
             return
         last = json.loads(self.store.get(K.MEMBERS))
         waiting = self.waiting()
-        if not set(last["members"]) <= set(waiting) or self.rank != min(waiting):
-            return
+        alive = self._alive_among(last["members"])
+        holders = [r for r in last["members"] if r not in waiting and (alive is None or r in alive)]
+        if holders or not waiting or self.rank != min(waiting):
+            return  # a member that holds the state is alive (or nobody waits to resume)
         state = self.fallback()
-        if state is None:
-            raise RuntimeError(f"no replica of the state is left and there is no snapshot or checkpoint "
-                               f"(members {last['members']} all lost)")
+        if state is None:  # nothing persisted: this joiner's fresh state is step 0's
+            log.warning("dp_restart_from_step_0", lost=last["members"],
+                        reason="no replica, no in-memory snapshot and no checkpoint is left")
+            state = {**self.get_state(), "step": 0, "source": "step0"}
         self._apply_state(state)
         self._resume_state = state  # what we broadcast: our own live state is only partly restored yet
         self.state_source = state.get("source", "fallback")
