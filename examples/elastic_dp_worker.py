@@ -93,7 +93,7 @@ def main() -> None:
     except Retired:
         reports.append({"retired_at": step})
     if restarted:
-        reports.insert(0, {"joined_at": start, "state_from": "replica" if start is not None else None})
+        reports.insert(0, {"joined_at": start, "state_from": ddp.state_source if start is not None else None})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(reports))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")

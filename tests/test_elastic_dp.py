@@ -221,3 +221,53 @@ def test_four_ranks_any_victim_any_point_survivors_bit_identical(tmp_path: Path,
     counted = sorted(j for r in survivors for j in json.loads((tmp_path / f"rank{r}.json").read_text())[failed]["micro_batches"])
     assert counted == list(range(B))
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(200)
+def test_every_replica_lost_and_nothing_persisted_restarts_from_step_0(tmp_path: Path) -> None:
+    from conftest import BIN
+
+    steps = 6
+    reference = tmp_path / "reference"
+    assert [r.returncode for r in train(reference, [], steps=steps)] == [0] * WORLD
+    baseline = torch.load(reference / "params0.pt")
+    log = tmp_path / "faults.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.update(faults_env([fail_at(rank=r, step=2, micro_batch=r) for r in range(WORLD)], str(log)))
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={WORLD}", "--log-format=json",
+           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.2", "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(log.read_text().splitlines()) == WORLD  # every rank died in step 2
+    assert "dp_restart_from_step_0" in result.stdout + result.stderr  # said clearly
+    for rank in range(WORLD):
+        back = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert back[0] == {"joined_at": 0, "state_from": "step0"}  # no replica, snapshot or checkpoint
+        assert [r["step"] for r in back[1:]] == list(range(steps))
+        for ours, ref in zip(torch.load(tmp_path / f"params{rank}.pt"), baseline):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("faults", [
+    [fail_at(rank=0, step=1, micro_batch=0), fail_at(rank=3, step=1, micro_batch=3)],  # two at once, rank 0 too
+    [fail_at(rank=1, step=1, micro_batch=5), fail_at(rank=2, step=1, bucket=1)],  # the second during the redo
+], ids=["two-in-one-step", "second-during-recovery"])
+def test_two_failures_in_one_step_survivors_bit_identical(tmp_path: Path, baseline_f64, faults: list[Fault]) -> None:
+    results = run_workers(WORKER, 4, ["--steps", "3", "--out", str(tmp_path), "--bucket-numel", "64",
+                                      "--grad-dtype", "float64"], faults_env(faults, str(tmp_path / "faults.log")),
+                          timeout=90)
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 2, "a fault did not fire"
+    victims = sorted(f.rank for f in faults)
+    survivors = [r for r in range(4) if r not in victims]
+    assert all(results[v].returncode == -9 for v in victims)
+    counted = []
+    for r in survivors:
+        assert results[r].returncode == 0, results[r].stderr[-3000:]
+        reports = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert [rep["step"] for rep in reports] == [0, 1, 2]
+        assert sorted(reports[1]["dead"]) == victims
+        counted += reports[1]["micro_batches"]
+        params = torch.load(tmp_path / f"params{r}.pt")
+        assert all(torch.equal(ours, ref) for ours, ref in zip(params, baseline_f64)), f"rank {r} diverged"
+    assert sorted(counted) == list(range(B))  # every micro-batch of the failed step counted once
