@@ -143,3 +143,59 @@ def test_the_lost_node_started_again_rejoins_without_restarting_anyone(etcd: Emb
         params = torch.load(out / f"params{r}.pt")
         assert all(torch.equal(ours, ref) for ours, ref in zip(params, baseline)), f"rank {r} diverged"
     assert reports[0][-1]["micro_batches"] == [0, 4]  # the full world again (B = 6 over 4 ranks), same global batch
+
+
+# -- the Lightning strategy: a whole node lost, rank 0's included ------------------------------
+
+GPT = os.path.join(EXAMPLES, "lightning_gpt.py")
+GPT_STEPS = 8
+
+
+def _gpt(etcd: EmbeddedEtcd, run_id: str, out: Path, nodes: int, faults: list[Fault]) -> list[subprocess.Popen]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
+               **faults_env(faults, str(out / "faults.log")))
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+           f"--nnodes={nodes}", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05",
+           f"--rdzv-conf=cluster={run_id},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
+           GPT, "--steps", str(GPT_STEPS), "--out", str(out), "--step-time", "0.2"]
+    out.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen(cmd, stdout=(out / f"node{i}.log").open("w"), stderr=subprocess.STDOUT, env=env)
+            for i in range(nodes)]
+
+
+@pytest.fixture(scope="module")
+def gpt_baseline(etcd: EmbeddedEtcd, tmp_path_factory) -> list[torch.Tensor]:
+    out = tmp_path_factory.mktemp("gpt_baseline")
+    launchers = _gpt(etcd, "gpt-baseline", out, 2, [])
+    assert [p.wait(timeout=200) for p in launchers] == [0, 0], (out / "node0.log").read_text()[-3000:]
+    params = [torch.load(out / f"params{r}.pt") for r in range(4)]
+    assert all(all(torch.equal(a, b) for a, b in zip(params[0], other)) for other in params[1:])
+    return params[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [0, 2], ids=["rank0-node", "other-node"])
+def test_lightning_task_survives_a_lost_node_with_default_detectors(etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                    gpt_baseline, victim: int) -> None:
+    out = tmp_path / "out"
+    fault = fail_at(rank=victim, step=3, micro_batch=victim, kind="hang")  # its first micro-batch of step 3
+    launchers = _gpt(etcd, f"gpt-lose-{victim}", out, 2, [fault])
+    try:
+        lost = _lose_node_of(_wait_for_fault(out, launchers, deadline_s=200), launchers)
+        survivor = launchers[1 - lost]
+        code = survivor.wait(timeout=200)
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                kill_node(p.pid)
+    assert code == 0, (out / f"node{1 - lost}.log").read_text()[-4000:]
+    assert "worker_restarted" not in (out / f"node{1 - lost}.log").read_text()  # default detectors: no false hang
+    done = sorted(int(p.stem[4:]) for p in out.glob("rank*.json"))
+    assert victim not in done and len(done) == PER_NODE, done
+    for rank in done:
+        summary = json.loads((out / f"rank{rank}.json").read_text())
+        assert summary["global_step"] == GPT_STEPS and summary["joined_at"] is None  # no restart
+        failed = summary["reports"][fault.step]
+        assert failed["recoveries"] == 1 and sorted(failed["dead"]) == sorted(set(range(4)) - set(done))
+        params = torch.load(out / f"params{rank}.pt")
+        assert all(torch.equal(ours, ref) for ours, ref in zip(params, gpt_baseline)), f"rank {rank} diverged"
