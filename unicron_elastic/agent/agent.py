@@ -24,7 +24,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from subprocess import Popen
@@ -401,7 +401,7 @@ class UnicronAgent(LocalElasticAgent):
             rank, current = self.workers().get(local_rank, (-1, None))
             if current is None or current.pid != pid:
                 return  # a process torch already replaced (restart-all): not a new failure
-            if self._meeting is not None:
+            if self._meeting is not None and not self._stopping:  # (stopping: close() revokes the lease)
                 self._meeting.worker_exited(rank)  # peers regrouping stop waiting for it now
             if self._stopping or self._give_up is not None:
                 return
@@ -529,7 +529,7 @@ class UnicronAgent(LocalElasticAgent):
                 elif code == 0 and proc.pid not in self._handled_pids:
                     self._handled_pids.add(proc.pid)  # finished: no longer live for peers that regroup
                     rank = self.workers().get(local_rank, (-1, None))[0]
-                    if self._meeting is not None and rank >= 0:
+                    if self._meeting is not None and rank >= 0 and not self._stopping:
                         self._meeting.worker_exited(rank)
             if self._give_up is not None:
                 self._stopping = True
@@ -565,35 +565,36 @@ class UnicronAgent(LocalElasticAgent):
             self.close()
 
     def close(self) -> None:
-        """Stop for good, then stop the detectors, close the channel and remove the temp dir (idempotent).
+        """Stop for good, then close the meeting point and the detectors, the channel and the temp dir (idempotent).
 
-        The detectors get at most the shutdown timeout together (a node detector
-        may wait on an unreachable etcd): one still stopping after it is left
-        to its daemon thread.
+        The meeting point (its lease revoked) and the detectors get at most the
+        shutdown timeout together (either may wait on an unreachable etcd): one
+        still stopping after it is left to its daemon thread.
         """
         self._close_for_good()
         if self._dir is None:
             return
-        if self._meeting is not None:
-            self._meeting.close()
-            self._meeting = None
         deadline = time.monotonic() + max(2.0, float(self._shutdown_timeout or 0))
+        if self._meeting is not None:  # revoking the lease may wait on an unreachable etcd: bounded too
+            self._bounded(self._meeting.close, "meeting", deadline)
+            self._meeting = None
         for detector in self._detectors:
-            self._stop_detector(detector, deadline)
+            self._bounded(detector.stop, detector.name, deadline)
         self._channel.close()
         shutil.rmtree(self._dir, ignore_errors=True)
         self._dir = None
 
     @staticmethod
-    def _stop_detector(detector: Detector, deadline: float) -> None:
-        def stop() -> None:
+    def _bounded(stop: Callable[[], None], name: str, deadline: float) -> None:
+        """Run ``stop`` on a daemon thread, waiting for it until ``deadline`` at most."""
+        def run() -> None:
             try:
-                detector.stop()
+                stop()
             except Exception:  # noqa: BLE001
-                log.exception("detector_stop_failed", detector=detector.name)
+                log.exception("detector_stop_failed", detector=name)
 
-        thread = threading.Thread(target=stop, daemon=True, name=f"unicron-stop-{detector.name}")
+        thread = threading.Thread(target=run, daemon=True, name=f"unicron-stop-{name}")
         thread.start()
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
-            log.error("detector_stop_timeout", detector=detector.name)
+            log.error("detector_stop_timeout", detector=name)

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy.membership import MembershipRecord, decide_record, proposal, role
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal, redistribute
-from unicron_elastic.strategy.safe_state import dumps, loads
+from unicron_elastic.strategy.state_transfer import broadcast_state
 
 log = structlog.get_logger(__name__)
 
@@ -465,32 +465,25 @@ class ElasticDataParallel:
         self.next_step = int(state["step"])
 
     def _broadcast_state(self, root: int, apply: bool = True) -> None:
-        """The state (:meth:`state`) from the replica at ``root`` to every other member.
+        """The state (:meth:`state`) from the replica at ``root`` to every other member, tensor by tensor.
 
-        The state travels as raw tensor bytes plus JSON (:mod:`~unicron_elastic.strategy.safe_state`):
-        receiving it never unpickles anything.
+        A JSON skeleton first, then each tensor in its own broadcast, received
+        into a preallocated tensor (:mod:`~unicron_elastic.strategy.state_transfer`):
+        no blob, and receiving never unpickles anything.
 
         Args:
             root: Index of the sending member.
             apply: Load what arrives (False for members that hold the state already).
 
         Raises:
-            StateEncodingError: (sender) The state holds a value the format cannot carry.
-            StateDecodingError: (receiver) What arrived is not a safe state document.
+            StateEncodingError: (sender) The state holds a value the format cannot carry
+                (the receivers are told at once and raise StateDecodingError).
+            StateDecodingError: (receiver) What arrived is not a safe state.
         """
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        if self.members.index(self.rank) == root:
-            payload = torch.frombuffer(bytearray(dumps(self.state())), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self.pg.broadcast([size], opts).wait()
-        if self.members.index(self.rank) != root:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.pg.broadcast([payload], opts).wait()
-        if self.members.index(self.rank) != root and apply:
-            self._apply_state(loads(payload.numpy()))
+        index = self.members.index(self.rank)
+        state = broadcast_state(self.pg, root, index, self.state() if index == root else None)
+        if index != root and apply:
+            self._apply_state(state)
 
     # -- one step ----------------------------------------------------------------
     def _compute(self, step: int, micro_batches: list[int]) -> torch.Tensor:

@@ -78,7 +78,7 @@ class MembershipRecord:
                        tuple(raw["members"]), raw["kept_buckets"], tuple(raw.get("dead", ())))
         except MembershipError:
             raise
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:  # RecursionError: deep nesting
             raise MembershipError(f"malformed membership record {text[:200]!r}: {exc}") from exc
 
 

@@ -29,6 +29,13 @@ Anything else (enums, arbitrary objects, object arrays, sparse tensors) is
 refused when the state is *encoded*, with the path of the value, rather than
 being pickled. Tensors come back on the CPU, each with its own memory;
 tensors that shared storage no longer do. Pure: no I/O.
+
+The pieces serve other carriers of the same skeleton too
+(:mod:`~unicron_elastic.strategy.state_transfer` broadcasts the skeleton and
+then each array on its own): :func:`encode` splits a state, :func:`dump_json` /
+:func:`load_json` write and read a skeleton as strictly as documents do,
+:func:`tensor_dtype` / :func:`array_dtype` check a dtype against the
+allow-list, and :func:`decode` rebuilds the state from a skeleton and its arrays.
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ import math
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -60,6 +68,7 @@ _DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "complex128", "comp
 TORCH_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
 _NUMPY_DTYPE = re.compile(r"[<>|=][biufc]\d{1,2}")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_T = TypeVar("_T")
 CARRIED = ("None, bool, int, float, str, bytes, list, tuple, dict, OrderedDict, torch.Size, torch.dtype, "
            "torch.device, dense tensors and numeric numpy arrays/scalars")
 
@@ -116,11 +125,7 @@ def pack_parts(encoded: EncodedState) -> list[Buffer]:
     for chunk in chunks:
         layout.append([offset, chunk.nbytes])
         offset = _aligned(offset + chunk.nbytes)
-    try:
-        header = json.dumps({"tree": encoded.tree, "buffers": layout}, allow_nan=False,
-                            separators=(",", ":")).encode()
-    except (ValueError, RecursionError) as exc:
-        raise StateEncodingError(f"the state cannot be written as JSON: {exc}") from exc
+    header = dump_json({"tree": encoded.tree, "buffers": layout})
     head = MAGIC + struct.pack("<Q", len(header)) + header
     parts: list[Buffer] = [head, bytes(_aligned(len(head)) - len(head))]
     written = 0
@@ -149,21 +154,101 @@ def loads(data: Buffer) -> Any:
     """
     view = memoryview(data).cast("B")
     if len(view) < _PREFIX or bytes(view[: len(MAGIC)]) != MAGIC:
-        raise StateDecodingError(f"not a unicron state document ({_looks_like(view)}); refused")
+        raise StateDecodingError(f"not a unicron state document ({looks_like(view)}); refused")
     (length,) = struct.unpack_from("<Q", view, len(MAGIC))
     if length > len(view) - _PREFIX:
         raise StateDecodingError(f"truncated unicron state document: header of {length} bytes, "
                                  f"{len(view) - _PREFIX} present")
+    doc = load_json(view[_PREFIX : _PREFIX + length])
+    if not isinstance(doc, dict) or set(doc) != {"tree", "buffers"} or not isinstance(doc["buffers"], list):
+        raise StateDecodingError("the header is not {'tree': ..., 'buffers': [...]}")
+    decoder = _DocumentDecoder(view, _aligned(_PREFIX + length), doc["buffers"])
+    return _decoding(lambda: decoder.node(doc["tree"], "state"))
+
+
+def decode(tree: Any, buffers: Sequence[torch.Tensor | np.ndarray]) -> Any:
+    """The state a skeleton describes, with its tensors and arrays taken from ``buffers``.
+
+    The inverse of :func:`encode` for carriers that move the skeleton and the
+    arrays separately. Each buffer must be a tensor (numpy array) of exactly
+    the dtype and shape the skeleton gives it, and may be referred to once; it
+    is used as it is, not copied (a tensor marked as a parameter is wrapped in
+    one, sharing its memory). Whoever filled a ``bool`` buffer from raw bytes
+    must make every byte 0 or 1 first.
+
+    Args:
+        tree: The skeleton (:attr:`EncodedState.tree`), as read by :func:`load_json`.
+        buffers: The arrays, in the order the skeleton indexes them.
+
+    Returns:
+        The state.
+
+    Raises:
+        StateDecodingError: The skeleton is malformed (unknown tags, dtypes
+            outside the allow-list, bad shapes) or does not match ``buffers``.
+    """
+    decoder = _BufferDecoder(buffers)
+    return _decoding(lambda: decoder.node(tree, "state"))
+
+
+def dump_json(doc: Any) -> bytes:
+    """``doc`` (a skeleton, or a header holding one) as compact UTF-8 JSON, refusing bare NaN/Infinity.
+
+    Raises:
+        StateEncodingError: ``doc`` cannot be written as JSON (e.g. an integer
+            with more digits than Python converts, or nesting too deep).
+    """
     try:
-        doc = json.loads(bytes(view[_PREFIX : _PREFIX + length]), parse_constant=_no_constant)
-        if not isinstance(doc, dict) or set(doc) != {"tree", "buffers"} or not isinstance(doc["buffers"], list):
-            raise StateDecodingError("the header is not {'tree': ..., 'buffers': [...]}")
-        return _Decoder(view, _aligned(_PREFIX + length), doc["buffers"]).node(doc["tree"], "state")
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    except (ValueError, RecursionError) as exc:
+        raise StateEncodingError(f"the state cannot be written as JSON: {exc}") from exc
+
+
+def load_json(data: Buffer) -> Any:
+    """The JSON value in ``data``, read as strictly as a document's header (no bare NaN/Infinity).
+
+    Raises:
+        StateDecodingError: ``data`` is not UTF-8 JSON, holds a bare
+            non-finite constant, or is nested too deeply.
+    """
+    return _decoding(lambda: json.loads(bytes(data), parse_constant=_no_constant), what="header")
+
+
+def tensor_dtype(name: Any, path: str = "state") -> torch.dtype:
+    """The torch dtype called ``name`` (e.g. ``"bfloat16"``), if the format carries it.
+
+    Raises:
+        StateDecodingError: ``name`` is not one of :data:`TORCH_DTYPES`.
+    """
+    dtype = TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise StateDecodingError(f"{path}: unsupported tensor dtype {name!r}"[:300])
+    return dtype
+
+
+def array_dtype(name: Any, path: str = "state") -> np.dtype:
+    """The numpy dtype with the string ``name`` (e.g. ``"<f8"``), if numeric.
+
+    Raises:
+        StateDecodingError: ``name`` is not a numeric (bool, int, uint, float, complex) numpy dtype string.
+    """
+    if not (isinstance(name, str) and _NUMPY_DTYPE.fullmatch(name)):
+        raise StateDecodingError(f"{path}: unsupported numpy dtype {name!r}"[:300])
+    try:
+        return np.dtype(name)
+    except TypeError as exc:  # e.g. "<f3": the pattern allows sizes numpy lacks
+        raise StateDecodingError(f"{path}: unsupported numpy dtype {name!r}: {exc}") from None
+
+
+def _decoding(step: Callable[[], _T], what: str = "unicron state document") -> _T:
+    """``step()``, with any error a malformed input can cause turned into a :class:`StateDecodingError`."""
+    try:
+        return step()
     except StateDecodingError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError,
             RuntimeError, binascii.Error) as exc:
-        raise StateDecodingError(f"malformed unicron state document: {type(exc).__name__}: {exc}") from None
+        raise StateDecodingError(f"malformed {what}: {type(exc).__name__}: {exc}"[:1000]) from None
 
 
 # -- encoding -----------------------------------------------------------------------------------
@@ -265,7 +350,8 @@ def _no_constant(name: str) -> None:
     raise StateDecodingError(f"the header holds the bare JSON constant {name} (non-finite floats are tagged)")
 
 
-def _looks_like(view: memoryview) -> str:
+def looks_like(view: memoryview) -> str:
+    """What bytes that are not what was expected seem to be, for an error message (a pickle, a torch.save zip)."""
     head = bytes(view[:4])
     if head[:1] == b"\x80":
         return "it looks like a pickle: loading it could run code"
@@ -275,8 +361,7 @@ def _looks_like(view: memoryview) -> str:
 
 
 class _Decoder:
-    def __init__(self, view: memoryview, base: int, layout: list[Any]) -> None:
-        self.view, self.base, self.layout = view, base, layout
+    """Rebuilds a state from its skeleton; subclasses supply the arrays the skeleton refers to."""
 
     def node(self, obj: Any, path: str) -> Any:
         if isinstance(obj, list):
@@ -327,9 +412,40 @@ class _Decoder:
             raise StateDecodingError(f"{path}: a shape must be a list of non-negative integers")
         return values
 
-    def chunk(self, obj: dict[str, Any], itemsize: int, path: str) -> tuple[list[int], int, int]:
-        """The shape, offset and byte count of the buffer ``obj`` refers to, checked against the document."""
-        shape, index = self.ints(obj["shape"], path), obj["i"]
+    def tensor(self, obj: dict[str, Any], path: str) -> torch.Tensor:
+        dtype = tensor_dtype(obj["dtype"], path)
+        tensor = self.tensor_data(obj["i"], dtype, self.ints(obj["shape"], path), path)
+        if obj.get("param") is True:
+            return torch.nn.Parameter(tensor, requires_grad=obj.get("grad") is True)
+        return tensor.requires_grad_() if obj.get("grad") is True else tensor
+
+    def array(self, obj: dict[str, Any], path: str) -> np.ndarray | np.generic:
+        dtype = array_dtype(obj["dtype"], path)
+        shape = self.ints(obj["shape"], path)
+        array = self.array_data(obj["i"], dtype, shape, path)
+        if obj.get("scalar") is True:
+            if shape:
+                raise StateDecodingError(f"{path}: a numpy scalar must have shape []")
+            return array[()]
+        return array
+
+    def tensor_data(self, index: Any, dtype: torch.dtype, shape: list[int], path: str) -> torch.Tensor:
+        """The tensor of buffer ``index``, of ``dtype`` and ``shape``."""
+        raise NotImplementedError
+
+    def array_data(self, index: Any, dtype: np.dtype, shape: list[int], path: str) -> np.ndarray:
+        """The numpy array of buffer ``index``, of ``dtype`` and ``shape``."""
+        raise NotImplementedError
+
+
+class _DocumentDecoder(_Decoder):
+    """Arrays copied out of a document's bytes (:func:`loads`)."""
+
+    def __init__(self, view: memoryview, base: int, layout: list[Any]) -> None:
+        self.view, self.base, self.layout = view, base, layout
+
+    def chunk(self, index: Any, shape: list[int], itemsize: int, path: str) -> tuple[int, int]:
+        """The offset and byte count of buffer ``index``, checked against the document."""
         if type(index) is not int or not 0 <= index < len(self.layout):
             raise StateDecodingError(f"{path}: buffer index {index!r} out of range")
         entry = self.layout[index]
@@ -340,35 +456,53 @@ class _Decoder:
             raise StateDecodingError(f"{path}: {nbytes} bytes do not hold shape {shape} of {itemsize}-byte items")
         if self.base + offset + nbytes > len(self.view):
             raise StateDecodingError(f"{path}: buffer at {offset} (+{nbytes} bytes) lies past the end of the document")
-        return shape, self.base + offset, nbytes
+        return self.base + offset, nbytes
 
-    def tensor(self, obj: dict[str, Any], path: str) -> torch.Tensor:
-        dtype = TORCH_DTYPES.get(obj["dtype"]) if isinstance(obj["dtype"], str) else None
-        if dtype is None:
-            raise StateDecodingError(f"{path}: unsupported tensor dtype {obj['dtype']!r}")
-        shape, start, nbytes = self.chunk(obj, dtype.itemsize, path)
+    def tensor_data(self, index: Any, dtype: torch.dtype, shape: list[int], path: str) -> torch.Tensor:
+        start, nbytes = self.chunk(index, shape, dtype.itemsize, path)
         if nbytes == 0:
-            tensor = torch.empty(shape, dtype=dtype)
-        else:
-            raw = torch.from_numpy(np.frombuffer(self.view, dtype=np.uint8, count=nbytes, offset=start).copy())
-            tensor = (raw.ne(0) if dtype == torch.bool else raw.view(dtype)).reshape(shape)
-        if obj.get("param") is True:
-            return torch.nn.Parameter(tensor, requires_grad=obj.get("grad") is True)
-        return tensor.requires_grad_() if obj.get("grad") is True else tensor
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.from_numpy(np.frombuffer(self.view, dtype=np.uint8, count=nbytes, offset=start).copy())
+        return (raw.ne(0) if dtype == torch.bool else raw.view(dtype)).reshape(shape)
 
-    def array(self, obj: dict[str, Any], path: str) -> np.ndarray | np.generic:
-        if not (isinstance(obj["dtype"], str) and _NUMPY_DTYPE.fullmatch(obj["dtype"])):
-            raise StateDecodingError(f"{path}: unsupported numpy dtype {obj['dtype']!r}")
-        dtype = np.dtype(obj["dtype"])
-        shape, start, nbytes = self.chunk(obj, dtype.itemsize, path)
+    def array_data(self, index: Any, dtype: np.dtype, shape: list[int], path: str) -> np.ndarray:
+        start, nbytes = self.chunk(index, shape, dtype.itemsize, path)
         if nbytes == 0:
-            array = np.empty(shape, dtype=dtype)
-        elif dtype.kind == "b":
-            array = np.frombuffer(self.view, dtype=np.uint8, count=nbytes, offset=start).astype(dtype).reshape(shape)
-        else:
-            array = np.frombuffer(self.view, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape).copy()
-        if obj.get("scalar") is True:
-            if shape:
-                raise StateDecodingError(f"{path}: a numpy scalar must have shape []")
-            return array[()]
-        return array
+            return np.empty(shape, dtype=dtype)
+        if dtype.kind == "b":
+            return np.frombuffer(self.view, dtype=np.uint8, count=nbytes, offset=start).astype(dtype).reshape(shape)
+        return np.frombuffer(self.view, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape).copy()
+
+
+class _BufferDecoder(_Decoder):
+    """Arrays given as they are (:func:`decode`): checked, not copied, each used once."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor | np.ndarray]) -> None:
+        self.buffers = buffers
+        self.used: set[int] = set()
+
+    def take(self, index: Any, kind: type, dtype: Any, shape: list[int], path: str) -> Any:
+        if type(index) is not int or not 0 <= index < len(self.buffers):
+            raise StateDecodingError(f"{path}: buffer index {index!r} out of range")
+        if index in self.used:
+            raise StateDecodingError(f"{path}: buffer {index} is referred to twice")
+        buffer = self.buffers[index]
+        if not isinstance(buffer, kind) or buffer.dtype != dtype or list(buffer.shape) != shape:
+            has = f"{_kind(buffer)} of dtype {getattr(buffer, 'dtype', None)} and shape " \
+                  f"{list(getattr(buffer, 'shape', []))}"
+            raise StateDecodingError(f"{path}: buffer {index} is a {has}, not a {_kind(kind)} of dtype {dtype} and "
+                                     f"shape {shape}")
+        self.used.add(index)
+        return buffer
+
+    def tensor_data(self, index: Any, dtype: torch.dtype, shape: list[int], path: str) -> torch.Tensor:
+        return self.take(index, torch.Tensor, dtype, shape, path)
+
+    def array_data(self, index: Any, dtype: np.dtype, shape: list[int], path: str) -> np.ndarray:
+        return self.take(index, np.ndarray, dtype, shape, path)
+
+
+def _kind(buffer: Any) -> str:
+    kind = buffer if isinstance(buffer, type) else type(buffer)
+    return "torch tensor" if issubclass(kind, torch.Tensor) else "numpy array" if issubclass(kind, np.ndarray) \
+        else f"{kind.__module__}.{kind.__qualname__}"
