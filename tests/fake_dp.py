@@ -449,7 +449,7 @@ class _Rank:
 class Sim:
     """Runs a :class:`Scenario`; what happened is left in its attributes for the tests."""
 
-    def __init__(self, scenario: Scenario, max_rounds: int = 20_000) -> None:
+    def __init__(self, scenario: Scenario, max_rounds: int = 2_000) -> None:  # runs take < 400
         self.scenario, self.max_rounds = scenario, max_rounds
         self.rng = random.Random(scenario.seed)
         self.store = FakeStore()
