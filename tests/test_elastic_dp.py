@@ -144,22 +144,34 @@ def test_scale_out_2_to_4_with_state_from_a_replica(tmp_path: Path, baseline4) -
 # -- under unicron-run: the agent restarts the dead rank, which rejoins ---------
 
 
-@pytest.mark.timeout(200)
-def test_killed_rank_is_restarted_by_the_agent_and_rejoins_from_a_replica(tmp_path: Path) -> None:
-    from conftest import BIN
-
-    steps = 12
+def _reference(tmp_path: Path, steps: int) -> list[torch.Tensor]:
+    """Parameters of a failure-free run of ``steps`` (rank 0's)."""
     reference = tmp_path / "reference"
     assert [r.returncode for r in train(reference, [], steps=steps)] == [0] * WORLD
-    baseline = torch.load(reference / "params0.pt")
+    return torch.load(reference / "params0.pt")
 
-    log = tmp_path / "faults.log"
+
+def _unicron_run(tmp_path: Path, faults: list[Fault], steps: int, step_time: float, timeout: float,
+                 *extra: str) -> subprocess.CompletedProcess:
+    """The example worker under ``unicron-run --standalone`` with ``faults`` (logged to tmp_path/faults.log)."""
+    from conftest import BIN
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
-    env.update(faults_env([fail_at(rank=2, step=1, micro_batch=5)], str(log)))
+    env.update(faults_env(faults, str(tmp_path / "faults.log")))
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={WORLD}", "--log-format=json",
-           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.4", "--out", str(tmp_path),
-           "--hold-for-joiner", str(steps - 2)]  # however slow the restart (loaded machine), it is admitted in time
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=140)
+           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", str(step_time),
+           "--out", str(tmp_path), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.timeout(200)
+def test_killed_rank_is_restarted_by_the_agent_and_rejoins_from_a_replica(tmp_path: Path) -> None:
+    steps = 12
+    baseline = _reference(tmp_path, steps)
+    log = tmp_path / "faults.log"
+    result = _unicron_run(tmp_path, [fail_at(rank=2, step=1, micro_batch=5)], steps, 0.4, 140,
+                          # however slow the restart (loaded machine), it is admitted in time
+                          "--hold-for-joiner", str(steps - 2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(log.read_text().splitlines()) == 1  # the fault fired
     agent = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
@@ -225,18 +237,10 @@ def test_four_ranks_any_victim_any_point_survivors_bit_identical(tmp_path: Path,
 
 @pytest.mark.timeout(200)
 def test_every_replica_lost_and_nothing_persisted_restarts_from_step_0(tmp_path: Path) -> None:
-    from conftest import BIN
-
     steps = 6
-    reference = tmp_path / "reference"
-    assert [r.returncode for r in train(reference, [], steps=steps)] == [0] * WORLD
-    baseline = torch.load(reference / "params0.pt")
+    baseline = _reference(tmp_path, steps)
     log = tmp_path / "faults.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
-    env.update(faults_env([fail_at(rank=r, step=2, micro_batch=r) for r in range(WORLD)], str(log)))
-    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={WORLD}", "--log-format=json",
-           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.2", "--out", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    result = _unicron_run(tmp_path, [fail_at(rank=r, step=2, micro_batch=r) for r in range(WORLD)], steps, 0.2, 180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(log.read_text().splitlines()) == WORLD  # every rank died in step 2
     assert "dp_restart_from_step_0" in result.stdout + result.stderr  # said clearly

@@ -52,6 +52,11 @@ def _torch_pickle(marker: Path) -> bytes:
     return buffer.getvalue()
 
 
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` as a flat uint8 tensor (conjugate and negative views resolved)."""
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
 def same(a: Any, b: Any) -> bool:
     """Equal in type and value, to the bit (NaN equals NaN, -0.0 differs from 0.0)."""
     if type(a) is not type(b):
@@ -60,8 +65,7 @@ def same(a: Any, b: Any) -> bool:
         return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
     if isinstance(a, torch.Tensor):
         return (a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
-                and a.detach().contiguous().reshape(-1).view(torch.uint8).tolist()
-                == b.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+                and torch.equal(raw_bytes(a), raw_bytes(b)))
     if isinstance(a, (np.ndarray, np.generic)):
         return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     if isinstance(a, dict):

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from test_safe_state import raw_bytes, same
 from unicron_elastic.api import StateDecodingError, StateEncodingError
 from unicron_elastic.strategy.safe_state import decode, encode
 from unicron_elastic.strategy.state_transfer import FORMAT, MAX_ERROR_BYTES, broadcast_state
@@ -74,31 +75,6 @@ def _together(world: int, work: Callable[[int], Any]) -> list[Any]:
 
 def _broadcast(pgs: list[Recording], root: int, state: Any, **kwargs: Any) -> list[Any]:
     return _together(len(pgs), lambda r: broadcast_state(pgs[r], root, r, state if r == root else None, **kwargs))
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equal in type and value, to the bit, tensors compared with torch.equal on their bytes."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
-    if isinstance(a, torch.Tensor):
-        return (a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
-                and torch.equal(_bytes(a), _bytes(b)))
-    if isinstance(a, (np.ndarray, np.generic)):
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, dict):
-        if getattr(a, "_metadata", None) != getattr(b, "_metadata", None):
-            return False
-        return len(a) == len(b) and all(same(ka, kb) and same(va, vb)
-                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
