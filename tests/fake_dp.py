@@ -27,11 +27,10 @@ of the engine:
 Ranks die at *points* (start of a step, a micro-batch, entering or having
 entered a bucket, checking in, polling, deciding, building a group, recomputing a moved
 micro-batch), or together with another rank wherever they are (a node lost).
-A rank waiting to join cannot die. When the group of a resize (a joiner
-admitted between steps) does not form because a member died after the last
-bucket, the old members regroup under the next generation at the start of the
-step and the joiners wait for the next admission (``ElasticDataParallel._resize``
-has no such path yet: its ``_enter`` raises).
+A rank waiting to join cannot die. A resize (a joiner admitted between steps)
+is the leader's create-only record, like a failure's; when its group does not
+form (a member died, or is behind), the members regroup under the next
+generation and the joiners wait for the next admission.
 """
 
 from __future__ import annotations
@@ -43,7 +42,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.membership import MembershipRecord, decide_record, proposal, role
+from unicron_elastic.strategy.membership import (
+    CheckIn,
+    MembershipRecord,
+    decide_record,
+    formation,
+    proposal,
+    resize_record,
+    role,
+)
 from unicron_elastic.strategy.microbatch import deal, redistribute
 
 BASE = 1 << 8  # micro-batch j weighs BASE**j: counts below BASE decode exactly
@@ -140,7 +147,7 @@ class Poll:
     rank: int
     generation: int
     previous: tuple[int, ...]
-    checked_in: dict[int, int]
+    checked_in: dict[int, CheckIn]
     alive: frozenset[int] | None
     deadline_passed: bool
     really_alive: frozenset[int]
@@ -273,6 +280,7 @@ class _Rank:
         self.joining = joining
         self.in_recovery = False
         self.agreed: tuple[int, list[int]] | None = None
+        self.deal_base: tuple[int, list[int], list[int]] | None = None
         self.last_label: Label | None = None
 
     # -- points where a rank may die -------------------------------------------------
@@ -296,22 +304,25 @@ class _Rank:
             except _Excluded:
                 if not (yield from self.join()):
                     return
-        self.sim.store.set(K.FINISHED, str(self.next_step))  # any member: the leader may die after the last bucket
+        self.sim.store.set(K.FINISHED, str(self.next_step))  # any member (ElasticDataParallel.finish)
+
+    def assignment(self, s: int) -> dict[int, list[int]]:
+        """``ElasticDataParallel._assignment``: dealt over the step's base, the ranks lost since redistributed."""
+        base, dead = self.members, []
+        if self.deal_base is not None and self.deal_base[0] == s:
+            _, base, dead = self.deal_base
+        dealt = deal(self.sim.scenario.micro_batches, list(base))
+        moved = redistribute(dealt, dead) if dead else {}
+        return {r: dealt.get(r, []) + moved.get(r, []) for r in self.members}
 
     def train_step(self, s: int) -> Generator[None, None, None]:
         sc = self.sim.scenario
         if self.agreed is not None and self.agreed[0] == s and self.agreed[1] != self.members:
-            old_members, old_generation = self.members, self.generation
-            try:
-                yield from self.resize(self.agreed[1], s)
-            except _Failed:  # a member died after the last bucket: regroup without the joiners
-                self.group.drop(self.rank)
-                self.sim.resize_failures.append((s, self.rank))
-                self.members, self.generation = old_members, old_generation + 1
-                yield from self.reform(s, 0)
+            wanted, self.agreed = self.agreed[1], None
+            yield from self.resize(wanted, s)
         self.agreed = None
         yield from self.point("step", s)
-        assignment = deal(sc.micro_batches, self.members)
+        assignment = self.assignment(s)
         local = [0] * sc.buckets
         for j in assignment[self.rank]:
             yield from self.point("micro", s, j)
@@ -335,39 +346,78 @@ class _Rank:
                         self.agreed = (s + 1, list(agreed))
                 break
             except _Failed:
-                dead, done = yield from self.reform(s, done)
-                moved = redistribute(assignment, dead)
-                assignment = {r: assignment[r] + moved[r] for r in self.members}
+                base, dead, done = yield from self.reform(s, done)
+                if base is not None:  # the leader's resize record: the step starts over, dealt afresh
+                    self.deal_base = (s, base, dead)
+                    assignment = self.assignment(s)
+                    local = [0] * sc.buckets
+                    for j in assignment[self.rank]:
+                        yield from self.point("redo", s, j)
+                        _add(local, gradient(s, j, sc.buckets))
+                else:
+                    moved = redistribute(assignment, dead)
+                    assignment = {r: assignment[r] + moved[r] for r in self.members}
+                    for j in moved.get(self.rank, []):
+                        yield from self.point("redo", s, j)
+                        _add(local, gradient(s, j, sc.buckets))
                 self.sim.assignments.setdefault((s, self.generation), {})[self.rank] = {
                     r: sorted(js) for r, js in assignment.items()}
-                for j in moved.get(self.rank, []):
-                    yield from self.point("redo", s, j)
-                    _add(local, gradient(s, j, sc.buckets))
         self.sim.reduced.setdefault(s, {})[self.rank] = tuple(reduced)
         self.next_step = s + 1
 
-    def reform(self, s: int, done: int) -> Generator[None, None, tuple[list[int], int]]:
-        """Drop the group, agree on the next generation's record, build its group (``ElasticDataParallel._reform``)."""
+    def checkins(self, g: int, ranks: list[int] | tuple[int, ...]) -> dict[int, CheckIn]:
+        store = self.sim.store
+        return {r: CheckIn.from_json(store.get(K.checkin(g, r))) for r in ranks if store.check([K.checkin(g, r)])}
+
+    def form(self, record: MembershipRecord, s: int) -> Generator[None, None, bool]:
+        """Wait until every member checked in, then build the group (``ElasticDataParallel._form``); False: not formed."""
+        sim, sc = self.sim, self.sim.scenario
+        polls, verdict = 0, "wait"
+        while verdict == "wait":
+            yield from self.point("form", s, record.generation)
+            verdict = formation(record, self.checkins(record.generation, record.members),
+                                sim.alive_among(list(record.members)), sc.deadline is not None and polls >= sc.deadline)
+            polls += 1
+        if verdict == "abandon":  # it never connects: members already building fail (gloo: after its timeout)
+            sim.abandoned.append((record.generation, self.rank))
+            sim.group(record.generation, list(record.members)).drop(self.rank)
+            return False
+        self.group = sim.group(record.generation, self.members)
+        try:
+            seq = self.group.enter(self.rank, ("form",), 0, build=True)
+            yield from self.group.wait(self.rank, seq, build=True)
+        except _Failed:
+            self.group.drop(self.rank)
+            self.group = None
+            return False
+        return True
+
+    def reform(self, s: int, done: int) -> Generator[None, None, tuple[list[int] | None, list[int], int]]:
+        """Drop the group, follow the next generation's record, build its group (``ElasticDataParallel._regroup``)."""
         sim, sc, store = self.sim, self.sim.scenario, self.sim.store
         self.in_recovery = True
-        self.group.drop(self.rank)
+        if self.group is not None:
+            self.group.drop(self.rank)
+        self.group = None
         for _ in range(sc.late.get(self.rank, 0)):
             yield
+        base: list[int] | None = None
         dead: list[int] = []
         while True:
             self.generation += 1
             g = self.generation
             yield from self.point("checkin", s, g)
-            store.set(K.checkin(g, self.rank), str(done))
+            store.set(K.checkin(g, self.rank), CheckIn(s, done).to_json())
             polls = 0
             while True:
                 yield from self.point("poll", s, g)
                 if store.check([K.record(g)]):
                     record = MembershipRecord.from_json(store.get(K.record(g)))
                     break
-                checked = {r: int(store.get(K.checkin(g, r))) for r in self.members
-                           if store.check([K.checkin(g, r)])}
+                checked = self.checkins(g, self.members)
                 alive = sim.alive_among(self.members)
+                if alive is not None:
+                    alive -= set(sim.waiting())
                 passed = sc.deadline is not None and polls >= sc.deadline
                 polls += 1
                 record = decide_record(g, self.members, checked, alive, passed)
@@ -381,44 +431,69 @@ class _Rank:
                     record = MembershipRecord.from_json(stored)
                     break
             sim.adopted.setdefault(g, {})[self.rank] = record
-            if role(record, self.rank) == "joiner":
-                sim.excluded.append((g, self.rank))
+            if role(record, self.rank, s) == "joiner":
+                sim.excluded.append((g, self.rank, "behind" if s < record.step else "left out"))
                 self.in_recovery = False
                 raise _Excluded
-            dead += record.dead
+            if record.resize:
+                base, dead = list(record.members), []
+            dead += [r for r in record.dead if r not in dead]
             self.members, done = list(record.members), record.kept_buckets
-            self.group = sim.group(g, self.members)
-            try:
-                yield from self.point("form", s, g)
-                seq = self.group.enter(self.rank, ("form",), 0, build=True)
-                yield from self.group.wait(self.rank, seq, build=True)
-            except _Failed:
-                self.group.drop(self.rank)
-                continue
-            if self.rank == self.members[0]:
-                store.set(K.MEMBERS, json.dumps({"generation": g, "members": self.members}))
-            self.in_recovery = False
-            return dead, done
+            if (yield from self.form(record, s)):
+                break
+        if self.rank == self.members[0]:
+            store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
+        self.in_recovery = False
+        return base, dead, done
 
     def resize(self, wanted: list[int], s: int) -> Generator[None, None, None]:
-        """Between steps: enter the next generation with the agreed members (``ElasticDataParallel._resize``)."""
-        store, leader = self.sim.store, self.members[0]
-        members = sorted(wanted)
-        assert self.rank in members, "the fake has no schedule: members only grow between steps"
-        if self.rank == leader:
-            store.set(K.LATEST, json.dumps({"generation": self.generation + 1, "members": members,
-                                            "step": s, "leader": leader}))
-        self.group.drop(self.rank)
-        yield from self.enter(self.generation + 1, members, s if self.rank == leader else None)
-        if self.rank == leader:
-            store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
+        """Between steps: the leader's resize record, followed by all (``ElasticDataParallel._resize``)."""
+        store = self.sim.store
+        previous = list(self.members)
+        assert set(previous) <= set(wanted), "the fake has no schedule: members only grow between steps"
+        g = self.generation + 1
+        if self.rank == previous[0] and not self.checkins(g, previous):
+            proposed = resize_record(g, previous, wanted, s)
+            if MembershipRecord.from_json(store.compare_set(K.record(g), "", proposed.to_json())) == proposed:
+                store.set(K.LATEST, json.dumps({"generation": g, "members": list(proposed.members), "step": s,
+                                                "leader": previous[0]}))
+        base, dead = previous, []
+        while True:
+            new_base, lost, _ = yield from self.reform(s, 0)
+            if new_base is not None:
+                base, dead = new_base, []
+            dead += lost
+            self.deal_base = (s, base, dead)
+            if new_base is None:
+                return
+            root = min(set(previous) & set(self.members))
+            try:  # the replica sends the state (here: the step) to the newcomers
+                seq = self.group.enter(self.rank, ("state",), 0, s if self.rank == root else None)
+                yield from self.group.wait(self.rank, seq)
+                return
+            except _Failed:
+                self.sim.resize_failures.append((s, self.rank))
 
-    def enter(self, generation: int, members: list[int], step: int | None) -> Generator[None, None, None]:
-        self.generation, self.members = generation, list(members)
-        self.group = self.sim.group(generation, self.members)
-        seq = self.group.enter(self.rank, ("form",), 0, step, build=True)
-        _, sent = yield from self.group.wait(self.rank, seq, build=True)  # the old leader sends the step
+    def enter(self, latest: dict) -> Generator[None, None, bool]:
+        """(A joiner) check in, form the announced group, receive the state (``ElasticDataParallel._enter``)."""
+        store = self.sim.store
+        g = latest["generation"]
+        record = MembershipRecord.from_json(store.get(K.record(g))) if store.check([K.record(g)]) else None
+        if record is None or self.rank not in record.members:
+            return False
+        store.set(K.checkin(g, self.rank), CheckIn(record.step, 0).to_json())
+        self.generation, self.members = g, list(record.members)
+        if not (yield from self.form(record, record.step)):
+            return False
+        try:
+            seq = self.group.enter(self.rank, ("state",), 0)
+            _, sent = yield from self.group.wait(self.rank, seq)
+        except _Failed:
+            self.group.drop(self.rank)
+            self.group = None
+            return False
         self.next_step = sent
+        return True
 
     def join(self) -> Generator[None, None, bool]:
         """Ask to join; wait for an admission (``ElasticDataParallel.join``). False: training finished first."""
@@ -434,15 +509,12 @@ class _Rank:
             if store.check([K.LATEST]):
                 latest = json.loads(store.get(K.LATEST))
                 if self.rank in latest["members"] and latest["generation"] > max(floor, self.generation):
-                    try:
-                        yield from self.enter(latest["generation"], latest["members"], None)
-                    except _Failed:  # a member died before the group formed: wait for the next admission
-                        self.group.drop(self.rank)
-                        continue
-                    self.sim.admitted.append((latest["generation"], self.rank))
-                    store.delete_key(K.join(self.rank))
-                    self.joining = False
-                    return True
+                    if (yield from self.enter(latest)):
+                        self.sim.admitted.append((latest["generation"], self.rank))
+                        store.delete_key(K.join(self.rank))
+                        self.joining = False
+                        return True
+                    floor = max(floor, latest["generation"])  # that group did not form: wait for the next one
             yield
 
 
@@ -460,10 +532,11 @@ class Sim:
         self.polls: list[Poll] = []
         self.adopted: dict[int, dict[int, MembershipRecord]] = {}  # generation -> rank -> record followed
         self.written: dict[int, int] = {}  # generation -> round its record was stored
-        self.excluded: list[tuple[int, int]] = []  # (generation, rank) left out while alive
+        self.excluded: list[tuple[int, int, str]] = []  # (generation, rank, "behind" | "left out") while alive
         self.admitted: list[tuple[int, int]] = []  # (generation, rank) joiners admitted
         self.join_requests: list[tuple[int, int]] = []  # (round, rank)
-        self.resize_failures: list[tuple[int, int]] = []  # (step, rank): a resize whose group did not form
+        self.resize_failures: list[tuple[int, int]] = []  # (step, rank): a resize whose state transfer failed
+        self.abandoned: list[tuple[int, int]] = []  # (generation, rank): a group that did not form
         self.deaths: list[Death] = []
         self.reduced: dict[int, dict[int, tuple]] = {}  # step -> rank -> reduced gradient
         self.assignments: dict[tuple[int, int], dict[int, dict[int, list[int]]]] = {}
@@ -508,8 +581,9 @@ class Sim:
     def _advance(self, rank: int) -> None:
         try:
             next(self.running[rank])
-        except StopIteration:
+        except StopIteration:  # it exited: its agent deletes its liveness key
             del self.running[rank]
+            self.store.delete_key(K.live(rank))
         except _Died as died:
             self._kill(rank, died.args[0])
             if rank in self.scenario.together:

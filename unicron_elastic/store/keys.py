@@ -152,7 +152,7 @@ class MeetingKeys:
 
     @staticmethod
     def checkin(generation: int, rank: int) -> str:
-        """A survivor's check-in for ``generation`` (value: buckets it completed)."""
+        """A rank's check-in for ``generation`` (value: :class:`~unicron_elastic.strategy.membership.CheckIn` JSON)."""
         return f"unicron-dp/gen{int(generation)}/alive/{int(rank)}"
 
     @staticmethod

@@ -10,11 +10,16 @@ When a peer dies (gloo raises on the broken connection):
 
 * survivors destroy the broken group at once (closing its connections, so
   survivors blocked on *them* fail too), check in under a new *generation*
-  with the number of buckets they completed, and follow that generation's
-  membership record, written once by whichever survivor decides it first
-  (:mod:`~unicron_elastic.strategy.membership`): a rank is left out when it
-  is known dead (its liveness key is gone) or, if alive but stuck, when it
-  missed the check-in deadline - it then rejoins (:class:`Excluded`);
+  with their step and the number of its buckets they completed, and follow
+  that generation's membership record, written once by whichever survivor
+  decides it first (:mod:`~unicron_elastic.strategy.membership`): a rank is
+  left out when it is known dead (its liveness key is gone), when it is
+  behind (the last bucket completed on others, who already stepped), or, if
+  alive but stuck, when it missed the check-in deadline - it then rejoins
+  (:class:`Excluded`);
+* a group is built only once every member of the record checked in (a
+  member that will not come - dead, behind - makes the others regroup under
+  the next generation instead of waiting for gloo's timeout);
 * scenario 1 (before the all-reduce, or in its first bucket): every bucket is
   redone; the dead rank's micro-batches are dealt round-robin to survivors,
   who add their gradients to the sums they kept;
@@ -24,10 +29,12 @@ When a peer dies (gloo raises on the broken connection):
   reduced again.
 
 Reconfiguration happens between steps: the group's leader (lowest member)
-broadcasts each step's membership (following a ``schedule`` - the coordinator's
-plan); ranks that are no longer members retire; new ranks (``joining=True``,
-e.g. a worker the agent restarted) ask to join; without a schedule the leader
-admits them at the next step boundary, with one the schedule alone decides.
+proposes each step's membership (following a ``schedule`` - the coordinator's
+plan) and, when it changes, writes the next generation's record create-only
+(a *resize* record; a failure's record written first wins); ranks that are no
+longer members retire; new ranks (``joining=True``, e.g. a worker the agent
+restarted) ask to join; without a schedule the leader admits them at the next
+step boundary, with one the schedule alone decides.
 They receive the state (by default model, optimizer, RNG; the Lightning
 strategy sends its whole checkpoint dict) and the step by broadcast from the
 leader, a healthy replica. When no replica is left, the lowest joiner resumes
@@ -44,7 +51,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -54,7 +61,16 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.membership import MembershipRecord, decide_record, proposal, role
+from unicron_elastic.strategy.membership import (
+    CheckIn,
+    MembershipError,
+    MembershipRecord,
+    decide_record,
+    formation,
+    proposal,
+    resize_record,
+    role,
+)
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal, redistribute
 from unicron_elastic.strategy.state_transfer import broadcast_state
 
@@ -85,12 +101,36 @@ class StepReport:
     kept_buckets: int = 0
 
 
+@dataclass(frozen=True)
+class _Regrouped:
+    """What a regroup changed for the step in progress.
+
+    Attributes:
+        base: Members the step's micro-batches are dealt over afresh (a resize
+            record was followed), or None: the deal stands.
+        dead: Ranks left out since (their micro-batches go to the members).
+        done: Buckets of the step every member completed.
+    """
+
+    base: list[int] | None
+    dead: list[int]
+    done: int
+
+
 class Retired(Exception):
     """This rank is no longer a member of the data-parallel group (scale-in)."""
 
 
 class Excluded(Exception):
-    """This rank is alive but a failure's membership record left it out: it must rejoin (:meth:`ElasticDataParallel.join`)."""
+    """This rank is alive but a membership record left it out: it must rejoin (:meth:`ElasticDataParallel.join`).
+
+    Attributes:
+        record: The record that left it out.
+    """
+
+    def __init__(self, message: str, record: MembershipRecord | None = None) -> None:
+        super().__init__(message)
+        self.record = record
 
 
 class ElasticDataParallel:
@@ -177,6 +217,7 @@ class ElasticDataParallel:
         self._synced_step = -1  # the last step whose membership this rank agreed on
         self._agreed: dict[int, list[int]] = {}  # members of the next step, agreed in this step's all-reduce
         self._pending: tuple[int, StepReport, dict[int, list[int]], torch.Tensor] | None = None
+        self._deal_base: tuple[int, list[int], list[int]] | None = None  # (step, dealt over, lost since)
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         size = bucket_numel or numel
@@ -216,8 +257,9 @@ class ElasticDataParallel:
         gc.collect()  # the destructor closes the sockets; nothing else holds the group
 
     def _alive(self) -> set[int] | None:
-        """Members whose liveness key exists; None when no one keeps liveness keys."""
-        return self._alive_among(self.members)
+        """Members that may still check in: liveness key of the same incarnation, not waiting to join."""
+        alive = self._alive_among(self.members)
+        return None if alive is None else alive - set(self.waiting())
 
     def _alive_among(self, ranks: list[int]) -> set[int] | None:
         """Those of ``ranks`` alive in the incarnation this rank trained with; None when no one keeps liveness keys.
@@ -239,53 +281,95 @@ class ElasticDataParallel:
         """Remember which incarnation of each member this group was formed with."""
         self._incarnations = self._incarnations_of(self.members)
 
-    def _await_record(self, generation: int, done: int) -> MembershipRecord:
-        """Check in for ``generation`` and return its record, written once by whichever survivor decides first.
+    def _checkins(self, generation: int, ranks: Sequence[int]) -> dict[int, CheckIn]:
+        """The check-ins of ``ranks`` for ``generation`` (a malformed one is ignored, with a warning)."""
+        found: dict[int, CheckIn] = {}
+        for r in ranks:
+            if not self.store.check([K.checkin(generation, r)]):
+                continue
+            try:
+                found[r] = CheckIn.from_json(self.store.get(K.checkin(generation, r)))
+            except MembershipError as exc:
+                log.warning("dp_checkin_malformed", generation=generation, rank=r, error=str(exc)[:200])
+        return found
+
+    def _stored_record(self, generation: int) -> MembershipRecord | None:
+        if not self.store.check([K.record(generation)]):
+            return None
+        return MembershipRecord.from_json(self.store.get(K.record(generation)))
+
+    def _await_record(self, generation: int, checkin: CheckIn) -> MembershipRecord:
+        """Check in for ``generation`` and return its record, written once by whichever rank decides first.
 
         The wait ends when every previous member checked in or is known dead
         (:func:`~unicron_elastic.strategy.membership.decide_record`), at the
-        latest ``checkin_timeout`` after this rank checked in.
+        latest ``checkin_timeout`` after this rank checked in, or when the
+        leader's resize record is there.
         """
-        self.store.set(K.checkin(generation, self.rank), str(done))
+        self.store.set(K.checkin(generation, self.rank), checkin.to_json())
         deadline = time.monotonic() + self.checkin_timeout
         while True:
-            if self.store.check([K.record(generation)]):
-                return MembershipRecord.from_json(self.store.get(K.record(generation)))
-            checked = {r: int(self.store.get(K.checkin(generation, r))) for r in self.members
-                       if self.store.check([K.checkin(generation, r)])}
-            record = decide_record(generation, self.members, checked, self._alive(), time.monotonic() > deadline)
+            stored = self._stored_record(generation)
+            if stored is not None:
+                return stored
+            record = decide_record(generation, self.members, self._checkins(generation, self.members),
+                                   self._alive(), time.monotonic() > deadline)
             if record is not None:  # create-only: the first writer wins, everyone follows what is stored
-                stored = self.store.compare_set(K.record(generation), "", record.to_json())
-                return MembershipRecord.from_json(stored)
+                return MembershipRecord.from_json(self.store.compare_set(K.record(generation), "", record.to_json()))
             time.sleep(0.002)
 
-    def _reform(self, done: int) -> tuple[list[int], int]:
-        """After a failure: drop the group, agree on the next generation's record, build its group.
+    def _form(self, record: MembershipRecord) -> dist.ProcessGroupGloo | None:
+        """Build the group of ``record`` once every member checked in; None when it will not form (regroup).
+
+        See :func:`~unicron_elastic.strategy.membership.formation`.
+        """
+        deadline = time.monotonic() + self.checkin_timeout
+        while True:
+            verdict = formation(record, self._checkins(record.generation, record.members),
+                                self._alive_among(list(record.members)), time.monotonic() > deadline)
+            if verdict == "build":
+                break
+            if verdict == "abandon":
+                log.warning("dp_group_abandoned", generation=record.generation, members=list(record.members))
+                return None
+            time.sleep(0.002)
+        try:
+            return self._group()
+        except (RuntimeError, LookupError) as exc:  # a member died while the group formed
+            log.warning("dp_group_build_failed", generation=record.generation, error=str(exc)[:200])
+            return None
+
+    def _regroup(self, step: int, done: int) -> _Regrouped:
+        """Drop the group, follow the next generation's record, build its group (again if it does not form).
+
+        Args:
+            step: The step this rank is in.
+            done: Buckets of ``step`` it completed.
 
         Returns:
-            The ranks left out and the number of buckets every member completed.
+            What changed (see :class:`_Regrouped`).
 
         Raises:
-            Excluded: This rank is alive but the record left it out (it checked
-                in after the deadline): it must come back as a joiner.
+            Excluded: This rank is alive but a record left it out (it checked
+                in after the deadline, or it is behind the members' step).
         """
-        dead: list[int] = []
-        self.pause(True, self.checkin_timeout + self.timeout.total_seconds())  # before anything slow
+        bound = self.checkin_timeout * 2 + self.timeout.total_seconds()
+        self.pause(True, bound)  # before anything slow
         self._drop_group()
+        base: list[int] | None = None
+        dead: list[int] = []
         while self.pg is None:
-            self.pause(True, self.checkin_timeout + self.timeout.total_seconds())  # each attempt is bounded
+            self.pause(True, bound)  # each attempt is bounded
             self.generation += 1
-            record = self._await_record(self.generation, done)
-            if role(record, self.rank) == "joiner":
-                log.warning("dp_excluded", generation=record.generation, members=list(record.members))
-                raise Excluded(f"rank {self.rank} was left out of generation {record.generation} "
-                               f"(members {list(record.members)}): it must rejoin")
-            dead += record.dead
+            record = self._await_record(self.generation, CheckIn(step, done))
+            if role(record, self.rank, step) == "joiner":
+                raise Excluded(f"rank {self.rank} (step {step}) was left out of generation {record.generation} "
+                               f"(members {list(record.members)}, step {record.step}): it must rejoin", record)
+            if record.resize:  # the leader's resize (this rank failed the step's membership sync): deal afresh
+                base, dead = list(record.members), []
+            dead += [r for r in record.dead if r not in dead]
             self.members, done = list(record.members), record.kept_buckets
-            try:
-                self.pg = self._group()
-            except (RuntimeError, LookupError) as exc:  # a member died before the group formed: once more
-                log.warning("dp_group_build_failed", generation=self.generation, error=str(exc)[:200])
+            self.pg = self._form(record)
         self._note_incarnations()
         if self.rank == self.members[0]:
             self._publish_members()
@@ -293,7 +377,7 @@ class ElasticDataParallel:
         self.pause(False, None)
         log.warning("dp_group_reformed", generation=self.generation, dead=dead,
                     survivors=self.members, kept_buckets=done)
-        return dead, done
+        return _Regrouped(base, dead, done)
 
     # -- membership ----------------------------------------------------------------
     def _proposal(self, step: int) -> list[int]:
@@ -346,31 +430,86 @@ class ElasticDataParallel:
             return
         self._resize(sorted(wanted), step)
 
-    def _resize(self, members: list[int], step: int) -> None:
-        leader = self.members[0]
-        if self.rank == leader:
-            self.store.set(K.LATEST, json.dumps(
-                {"generation": self.generation + 1, "members": members, "step": step, "leader": leader}))
-        if self.rank not in members:
-            log.info("dp_retired", step=step, members=members)
-            raise Retired(f"rank {self.rank} leaves the data-parallel group at step {step}")
-        self._enter(self.generation + 1, members, leader)
-        log.info("dp_resized", step=step, members=members, generation=self.generation)
+    def _resize(self, wanted: list[int], step: int) -> None:
+        """Between steps: change the members to ``wanted`` (joiners admitted, the schedule's members).
 
-    def _enter(self, generation: int, members: list[int], leader: int) -> None:
-        newcomer = self.pg is None  # members that were already training hold the state
-        self._drop_group()
-        self.generation, self.members = generation, members
-        self.pg = self._group()
+        The leader writes the next generation's record create-only
+        (:meth:`_propose_resize`); every member checks in and follows the
+        stored record - the leader's, or a failure's when a rank was already
+        recovering into that generation. A replica sends the state to the
+        newcomers; if the group does not form, the members regroup without them.
+
+        Raises:
+            Retired: The record the rank follows is the resize and leaves it out.
+            Excluded: A failure's record left this rank out.
+        """
+        previous = list(self.members)
+        if self.rank == previous[0]:
+            self._propose_resize(self.generation + 1, previous, wanted, step)
+        try:
+            outcome = self._regroup(step, 0)
+        except Excluded as exc:
+            if exc.record is not None and exc.record.resize and self.rank not in exc.record.members:
+                log.info("dp_retired", step=step, members=list(exc.record.members))
+                raise Retired(f"rank {self.rank} leaves the data-parallel group at step {step}") from exc
+            raise
+        self._deal_base = (step, outcome.base or previous, outcome.dead)
+        if outcome.base is not None:  # the resize's group formed: a replica sends the state to the newcomers
+            root = min(set(previous) & set(self.members))
+            self._broadcast_state(self.members.index(root), apply=False)
+        log.info("dp_resized", step=step, members=self.members, generation=self.generation,
+                 resized=outcome.base is not None)
+
+    def _propose_resize(self, generation: int, previous: list[int], wanted: list[int], step: int) -> None:
+        """(The leader) write the resize record of ``generation`` create-only and announce it to the joiners.
+
+        Nothing is written when a rank already checked in for ``generation``:
+        it is recovering from a failure, whose record decides (the joiners are
+        proposed again at the next step).
+
+        Raises:
+            MembershipError: ``wanted`` keeps no member of ``previous`` (no replica would hold the state).
+        """
+        if self._checkins(generation, previous):
+            log.info("dp_resize_deferred", generation=generation, step=step)
+            return
+        keep = set(previous) & set(wanted)
+        if not keep:
+            raise MembershipError(f"members {wanted} for step {step} keep none of {previous}: no replica holds the state")
+        proposed = resize_record(generation, previous, wanted, step)
+        stored = MembershipRecord.from_json(self.store.compare_set(K.record(generation), "", proposed.to_json()))
+        if stored == proposed:
+            self._announce(proposed, min(keep))
+
+    def _announce(self, record: MembershipRecord, root: int, source: str = "replica") -> None:
+        """Tell the ranks waiting in :meth:`join` that ``record`` admits them, ``root`` sending the state from ``source``."""
+        self.store.set(K.LATEST, json.dumps({"generation": record.generation, "members": list(record.members),
+                                             "step": record.step, "leader": root, "source": source}))
+
+    def _enter(self, latest: dict[str, Any]) -> bool:
+        """(A joiner) enter the group that ``latest`` announced and load the state from its replica.
+
+        Returns:
+            False when the group did not form (wait for the next admission).
+        """
+        record = self._stored_record(latest["generation"])
+        if record is None or self.rank not in record.members:
+            return False
+        self.store.set(K.checkin(record.generation, self.rank), CheckIn(record.step, 0).to_json())
+        self.generation, self.members = record.generation, list(record.members)
+        self.pg = self._form(record)
+        if self.pg is None:
+            return False
         self._note_incarnations()
-        if self.rank == leader:
+        if self.rank == self.members[0]:
             self._publish_members()
-        self.on_group(members, generation)
-        self._broadcast_state(members.index(leader), apply=newcomer)
+        self.on_group(self.members, self.generation)
+        self._broadcast_state(self.members.index(latest["leader"]))
+        return True
 
     def finish(self) -> None:
-        """Training is over: ranks still waiting in :meth:`join` give up waiting."""
-        if self.members and self.rank == self.members[0]:
+        """Training is over: ranks still waiting in :meth:`join` give up waiting (any member says so)."""
+        if self.rank in self.members and self.pg is not None:
             self.store.set(K.FINISHED, str(self.next_step))
 
     def join(self, timeout: float = 120.0) -> int | None:
@@ -400,14 +539,16 @@ class ElasticDataParallel:
             if self.store.check([K.LATEST]):
                 latest = json.loads(self.store.get(K.LATEST))
                 if self.rank in latest["members"] and latest["generation"] > max(floor, self.generation):
-                    self.state_source = latest.get("source", "replica")
-                    self._enter(latest["generation"], latest["members"], latest["leader"])
-                    self._resume_state = None
-                    self._synced_step = self.next_step
-                    self.store.delete_key(K.join(self.rank))
-                    self.store.add(K.JOIN_REQUESTS, -1)
-                    log.info("dp_joined", step=self.next_step, members=self.members, state_from=self.state_source)
-                    return self.next_step
+                    source = latest.get("source", "replica")
+                    if self._enter(latest):
+                        self.state_source = source
+                        self._resume_state = None
+                        self._synced_step = self.next_step
+                        self.store.delete_key(K.join(self.rank))
+                        self.store.add(K.JOIN_REQUESTS, -1)
+                        log.info("dp_joined", step=self.next_step, members=self.members, state_from=source)
+                        return self.next_step
+                    floor = max(floor, latest["generation"])  # that group did not form: wait for the next one
             self._resume_if_no_replica()
             time.sleep(0.01)
         raise TimeoutError(f"rank {self.rank} was not admitted to the data-parallel group in {timeout}s")
@@ -440,10 +581,18 @@ class ElasticDataParallel:
         self._apply_state(state)
         self._resume_state = state  # what we broadcast: our own live state is only partly restored yet
         self.state_source = state.get("source", "fallback")
-        generation = max(last["generation"], self.generation) + 1
+        generation = self._free_generation(max(last["generation"], self.generation) + 1)
         log.warning("dp_no_replica_left", lost=last["members"], resume_step=self.next_step, source=self.state_source)
-        self.store.set(K.LATEST, json.dumps({"generation": generation, "members": waiting, "step": self.next_step,
-                                                        "leader": self.rank, "source": self.state_source}))
+        record = resize_record(generation, last["members"], waiting, self.next_step)
+        stored = MembershipRecord.from_json(self.store.compare_set(K.record(generation), "", record.to_json()))
+        if stored == record:
+            self._announce(record, self.rank, self.state_source)
+
+    def _free_generation(self, generation: int) -> int:
+        """The first generation from ``generation`` on that has no record yet."""
+        while self.store.check([K.record(generation)]):
+            generation += 1
+        return generation
 
     # -- state --------------------------------------------------------------------
     def _default_state(self) -> dict[str, Any]:
@@ -501,6 +650,15 @@ class ElasticDataParallel:
                 view.add_(p.grad)  # in place into the sum's dtype: no temporary copies
         return total
 
+    def _assignment(self, step: int) -> dict[int, list[int]]:
+        """Who computes which micro-batch of ``step``: dealt over the step's base, the ranks lost since redistributed."""
+        base, dead = self.members, []
+        if self._deal_base is not None and self._deal_base[0] == step:
+            _, base, dead = self._deal_base
+        dealt = deal(self.plan.num_micro_batches, list(base))
+        moved = redistribute(dealt, dead) if dead else {}
+        return {r: dealt.get(r, []) + moved.get(r, []) for r in self.members}
+
     def begin_step(self, step: int) -> StepReport:
         """Agree on the members of ``step`` and compute this rank's micro-batches.
 
@@ -512,7 +670,7 @@ class ElasticDataParallel:
         """
         self._sync_membership(step)
         report = StepReport(step)
-        assignment = deal(self.plan.num_micro_batches, self.members)
+        assignment = self._assignment(step)
         report.micro_batches = list(assignment[self.rank])
         self._pending = (step, report, assignment, self._compute(step, report.micro_batches))
         return report
@@ -551,11 +709,18 @@ class ElasticDataParallel:
                 break
             except RuntimeError as exc:
                 log.warning("dp_collective_failed", step=step, bucket=done, error=str(exc)[:200])
-                dead, done = self._reform(done)
+                outcome = self._regroup(step, done)
+                done = outcome.done
                 report.recoveries += 1
-                report.dead += dead
+                report.dead += outcome.dead
                 report.kept_buckets = done
-                moved = redistribute(assignment, dead)
+                if outcome.base is not None:  # the leader's resize record: this step starts over, dealt afresh
+                    self._deal_base = (step, outcome.base, outcome.dead)
+                    assignment = self._assignment(step)
+                    report.micro_batches = list(assignment[self.rank])
+                    local = self._compute(step, report.micro_batches)
+                    continue
+                moved = redistribute(assignment, outcome.dead)
                 extra = moved.get(self.rank, [])
                 assignment = {r: assignment[r] + moved[r] for r in self.members}
                 if extra:

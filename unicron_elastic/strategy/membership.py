@@ -2,8 +2,8 @@
 
 After a collective of generation ``N`` fails, every survivor drops the old
 group (closing its connections, so peers blocked on it fail too), checks in for
-generation ``N + 1`` with the number of gradient buckets it completed, and
-polls. Each poll evaluates :func:`decide_record` on what the store shows; the
+generation ``N + 1`` with its step and the number of gradient buckets of that
+step it completed (:class:`CheckIn`), and polls. Each poll evaluates :func:`decide_record` on what the store shows; the
 first rank that gets a record writes it *create-only*, so exactly one record
 exists per generation and every survivor follows it:
 
@@ -11,7 +11,17 @@ exists per generation and every survivor follows it:
   (its liveness key is gone: the agent deletes it when the process exits, the
   node's etcd lease when the node is lost) - no "n - 1" guess, no fixed wait;
 * the deadline (``checkin_timeout``) bounds the wait for a rank that is alive
-  but stuck; it is then left out and comes back as a joiner (:func:`role`).
+  but stuck; it is then left out and comes back as a joiner (:func:`role`);
+* the members are the ranks at the newest step: when the *last* bucket's
+  all-reduce completed on some survivors and failed on others, the first ones
+  stepped their optimizer and fail in the next step; the others are *behind*
+  (their step's result exists, but not in them) and come back as joiners, with
+  the state of a replica.
+
+A resize between steps (joiners admitted, the schedule's members) is a record
+too: the leader writes it create-only for the next generation
+(:func:`resize_record`), so a failure that a rank is still recovering from and
+a resize can never both start the same generation.
 
 Between steps the leader proposes the next step's members with
 :func:`proposal` (the coordinator's schedule, else the current members plus
@@ -32,25 +42,70 @@ class MembershipError(UnicronError, ValueError):
 
 
 @dataclass(frozen=True)
+class CheckIn:
+    """What a survivor reports for a new generation.
+
+    Attributes:
+        step: The optimizer step it is in.
+        done: Gradient buckets of ``step`` it completed (reduced) before the failure.
+    """
+
+    step: int
+    done: int
+
+    def __post_init__(self) -> None:
+        if not (_whole(self.step) and _whole(self.done)) or self.step < 0 or self.done < 0:
+            raise MembershipError(f"step and done must be whole numbers >= 0: {self!r}")
+
+    def to_json(self) -> str:
+        """The check-in as stored."""
+        return json.dumps({"step": self.step, "done": self.done})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CheckIn:
+        """Parse a stored check-in.
+
+        Raises:
+            MembershipError: Not a valid check-in.
+        """
+        try:
+            raw = json.loads(text)
+            return cls(raw["step"], raw["done"])
+        except MembershipError:
+            raise
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            raise MembershipError(f"malformed check-in {text[:200]!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
 class MembershipRecord:
     """The members of one generation, written once.
 
     Attributes:
         generation: The generation this record starts.
         members: Sorted, distinct ranks; not empty.
-        kept_buckets: Gradient buckets every member completed before the failure.
-        dead: Previous members left out (dead, or not checked in by the deadline).
+        kept_buckets: Gradient buckets of ``step`` every member completed before the failure.
+        dead: Previous members left out: dead, not checked in by the deadline,
+            or behind (checked in from an earlier step). Sorted, distinct.
+        step: The step the members are in (a rank in another step is not a member).
+        resize: Written by the leader between steps (:func:`resize_record`):
+            the step's micro-batches are dealt over these members afresh.
     """
 
     generation: int
     members: tuple[int, ...]
     kept_buckets: int
     dead: tuple[int, ...] = ()
+    step: int = 0
+    resize: bool = False
 
     def __post_init__(self) -> None:
         if not self.members or list(self.members) != sorted(set(self.members)):
             raise MembershipError(f"members {self.members!r} must be sorted, distinct and not empty")
-        if any(not _whole(v) or v < 0 for v in (self.generation, self.kept_buckets, *self.members, *self.dead)):
+        if list(self.dead) != sorted(set(self.dead)):
+            raise MembershipError(f"dead {self.dead!r} must be sorted and distinct")
+        values = (self.generation, self.kept_buckets, self.step, *self.members, *self.dead)
+        if any(not _whole(v) or v < 0 for v in values) or not isinstance(self.resize, bool):
             raise MembershipError(f"generation, buckets and ranks must be whole numbers >= 0: {self!r}")
         if set(self.dead) & set(self.members):
             raise MembershipError(f"ranks {sorted(set(self.dead) & set(self.members))} are both dead and members")
@@ -63,7 +118,8 @@ class MembershipRecord:
     def to_json(self) -> str:
         """The record as stored."""
         return json.dumps({"generation": self.generation, "members": list(self.members),
-                           "kept_buckets": self.kept_buckets, "dead": list(self.dead)})
+                           "kept_buckets": self.kept_buckets, "dead": list(self.dead), "step": self.step,
+                           "resize": self.resize})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> MembershipRecord:
@@ -75,7 +131,8 @@ class MembershipRecord:
         try:
             raw = json.loads(text)
             return cls(int(raw["generation"]) if _whole(raw["generation"]) else raw["generation"],
-                       tuple(raw["members"]), raw["kept_buckets"], tuple(raw.get("dead", ())))
+                       tuple(raw["members"]), raw["kept_buckets"], tuple(raw.get("dead", ())), raw.get("step", 0),
+                       raw.get("resize", False))
         except MembershipError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:  # RecursionError: deep nesting
@@ -86,14 +143,14 @@ def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[int, int],
+def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[int, CheckIn],
                   alive: Collection[int] | None, deadline_passed: bool) -> MembershipRecord | None:
     """The record of ``generation`` if it can be decided now, else None (keep waiting).
 
     Args:
         generation: The new generation.
         previous: Members of the generation that failed.
-        checked_in: Rank -> buckets completed, for the ranks that checked in
+        checked_in: Rank -> its check-in, for the ranks that checked in
             (ranks that are not previous members are ignored).
         alive: Ranks whose liveness is known (their key exists); None when no
             liveness is kept (then only the deadline ends the wait for a rank
@@ -102,8 +159,9 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
 
     Returns:
         The record: every previous member checked in or is known dead (or the
-        deadline passed); members are the live ranks that checked in. None
-        while a live previous member has not checked in, or when no live
+        deadline passed); members are the live ranks that checked in from the
+        newest step among them (the others are behind: left out, they rejoin).
+        None while a live previous member has not checked in, or when no live
         member checked in at all.
     """
     def live(rank: int) -> bool:
@@ -112,16 +170,73 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
     waiting_for = [r for r in previous if r not in checked_in and live(r)]
     if waiting_for and not deadline_passed:
         return None
-    members = tuple(sorted(r for r in set(previous) if r in checked_in and live(r)))
-    if not members:
+    candidates = [r for r in set(previous) if r in checked_in and live(r)]
+    if not candidates:
         return None
+    step = max(checked_in[r].step for r in candidates)
+    members = tuple(sorted(r for r in candidates if checked_in[r].step == step))
     dead = tuple(sorted(r for r in set(previous) if r not in members))
-    return MembershipRecord(generation, members, min(checked_in[r] for r in members), dead)
+    return MembershipRecord(generation, members, min(checked_in[r].done for r in members), dead, step)
 
 
-def role(record: MembershipRecord, rank: int) -> str:
-    """``"member"`` if ``rank`` is in ``record``, else ``"joiner"`` (alive but left out: it must rejoin)."""
-    return "member" if rank in record.members else "joiner"
+def resize_record(generation: int, previous: Sequence[int], wanted: Sequence[int], step: int) -> MembershipRecord:
+    """The record the leader writes to change the members between steps (nothing reduced yet).
+
+    Raises:
+        MembershipError: ``wanted`` is empty or not distinct.
+    """
+    members = tuple(sorted(wanted))
+    if len(set(members)) != len(members):
+        raise MembershipError(f"wanted members {list(wanted)} are not distinct")
+    return MembershipRecord(generation, members, 0, tuple(sorted(set(previous) - set(members))), step, resize=True)
+
+
+def formation(record: MembershipRecord, checked_in: Mapping[int, CheckIn], alive: Collection[int] | None,
+              deadline_passed: bool) -> str:
+    """Whether the group of ``record`` can be built now (before any connection is made).
+
+    Every member checks in for the record's generation first (a joiner
+    admitted by it too): building a gloo group with a member that never
+    arrives would block for the whole collective timeout.
+
+    Args:
+        record: The record whose group forms.
+        checked_in: Rank -> check-in for ``record.generation``.
+        alive: Ranks whose liveness key exists (None: not kept).
+        deadline_passed: The formation deadline has passed.
+
+    Returns:
+        ``"build"`` when every member checked in from the record's step;
+        ``"abandon"`` when one will not come (it checked in from another
+        step: it is behind and rejoins; it is known dead; or the deadline
+        passed): the members then regroup under the next generation;
+        ``"wait"`` otherwise.
+    """
+    missing = []
+    for rank in record.members:
+        checkin = checked_in.get(rank)
+        if checkin is not None and checkin.step != record.step:
+            return "abandon"
+        if checkin is None:
+            if alive is not None and rank not in alive:
+                return "abandon"
+            missing.append(rank)
+    if not missing:
+        return "build"
+    return "abandon" if deadline_passed else "wait"
+
+
+def role(record: MembershipRecord, rank: int, step: int | None = None) -> str:
+    """What ``rank``, in ``step``, is under ``record``.
+
+    Returns:
+        ``"member"`` if ``rank`` is a member and (when given) ``step`` is the
+        record's step, else ``"joiner"``: left out, or behind the members'
+        step, it must rejoin with a replica's state.
+    """
+    if rank in record.members and (step is None or step == record.step):
+        return "member"
+    return "joiner"
 
 
 def proposal(step: int, members: Sequence[int], schedule: Mapping[int, Sequence[int]],
