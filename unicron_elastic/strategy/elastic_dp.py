@@ -151,7 +151,7 @@ class ElasticDataParallel:
             not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
         hook: Called as ``hook(rank, step, micro_batch=j)`` before each
             micro-batch and ``hook(rank, step, bucket=k)`` before each bucket's
-            reduction (fault injection: ``unicron_elastic.testing.maybe_fail``).
+            reduction (fault injection: ``unicron_elastic.faults.maybe_fail``).
         members: Initial members (default ``0..world_size-1``).
         joining: This rank is not a member yet: :meth:`join` waits to be added.
         schedule: ``step -> members`` from that step on (the leader applies it).

@@ -49,13 +49,13 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from unicron_elastic.api import ConfigError
+from unicron_elastic.faults import maybe_fail
 from unicron_elastic.meeting import MEETING_ENV, connect_meeting_store
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, StepReport
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world
 from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
-from unicron_elastic.testing import maybe_fail
 from unicron_elastic.worker import get_worker
 
 log = structlog.get_logger(__name__)
