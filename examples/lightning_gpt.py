@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from unicron_elastic.strategy import UnicronMegatronStrategy  # also registers "unicron_megatron"
 from unicron_elastic.testing import FAULTS_ENV, faults_env, fail_at
+from unicron_elastic.worker import get_worker
 
 
 class Tokens(Dataset):
@@ -88,6 +89,30 @@ class SlowDown(pl.Callback):
         time.sleep(self.seconds)
 
 
+class HoldForJoiner(pl.Callback):
+    """Before step ``step``, wait (at most ``bound`` s) until every rank is a member or waits to join.
+
+    A restarted rank (or a node started again) on a slow machine is then
+    admitted before training ends. The wait is a declared, bounded pause for
+    the hang detector.
+    """
+
+    def __init__(self, step: int, bound: float = 120.0) -> None:
+        self.step, self.bound = step, bound
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if trainer.global_step != self.step or engine is None or engine.pg is None:
+            return
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        worker = get_worker()
+        worker.set_paused(True, pause_for=self.bound)
+        deadline = time.monotonic() + self.bound
+        while len(set(engine.members) | set(engine.waiting())) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.set_paused(False)
+
+
 class StepTimes(pl.Callback):
     """Append ``{"step", "t"}`` per finished step to ``OUT/times<R>.jsonl`` (benchmarks)."""
 
@@ -117,6 +142,8 @@ def main() -> None:
                         help="gradient sums (float64: bit-identical to a failure-free run; the strategy's "
                              "default is float32)")
     parser.add_argument("--record-times", action="store_true", help="write OUT/times<R>.jsonl")
+    parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
+                        help="before STEP, wait (at most 120 s) until every rank is a member or asks to join")
     parser.add_argument("--members", default=None, help="initial data-parallel ranks, e.g. 0,1 (default: all)")
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [ranks]}: scale in/out at that step')
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
@@ -134,6 +161,8 @@ def main() -> None:
     callbacks: list[pl.Callback] = [SlowDown(args.step_time)] if args.step_time else []
     if args.record_times:
         callbacks.append(StepTimes(args.out / f"times{rank}.jsonl"))
+    if args.hold_for_joiner is not None:
+        callbacks.append(HoldForJoiner(args.hold_for_joiner))
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
         snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -147,7 +176,7 @@ def main() -> None:
     )
     trainer.fit(model, DataLoader(Tokens(), batch_size=args.micro_batch))
     trainer.save_checkpoint(args.out / "final.ckpt")
-    summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+    summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
                "retired_at": strategy.retired_at,
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
