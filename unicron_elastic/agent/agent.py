@@ -271,14 +271,20 @@ class UnicronAgent(LocalElasticAgent):
                     log.exception("detector_start_failed", detector=detector.name)
 
     def _open_meeting(self, worker_group: WorkerGroup) -> None:
-        """With the etcd rendezvous: the workers of this round meet in etcd, with liveness keys (nothing on one node)."""
+        """With the etcd rendezvous: the workers of this round meet in etcd, with liveness keys (nothing on one node).
+
+        The meeting point also hosts this node's snapshot server, at the
+        address the rendezvous advertises for this node (torch's rule:
+        ``--local-addr``, else the FQDN).
+        """
         store, handler = self.store, worker_group.spec.rdzv_handler
         if store is None or not hasattr(handler, "current_round"):
             return
         if self._meeting is not None:
             self._meeting.close()
         self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
-                                     worker_group.group_rank, worker_group.group_world_size)
+                                     worker_group.group_rank, worker_group.group_world_size,
+                                     host=worker_group.spec.local_addr or socket.getfqdn())
         self._meeting.export()
         for worker in worker_group.workers:
             self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0")

@@ -4,6 +4,12 @@ The agent tells its workers where the store is and keeps one liveness key per
 worker there: put when the worker starts, deleted within milliseconds of its
 exit, and attached to a lease of this node so that all of the node's keys
 vanish within one TTL when the node is lost.
+
+The agent also hosts a snapshot server in its own memory (a TCPStore, port
+chosen by the OS) and publishes its ``host:port`` there on the same lease:
+the leader of a node's workers writes the in-memory snapshot to the *next*
+live node's server (GEMINI's placement, :mod:`unicron_elastic.strategy.snapshots`),
+so losing a node loses its replicas, not the snapshot.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 import time
 
 import structlog
+import torch.distributed as dist
 
 from unicron_elastic.api import StoreError
 from unicron_elastic.meeting import MEETING_ENV, PASSWORD_ENV, encode_meeting
@@ -33,9 +40,12 @@ class MeetingPoint:
         ttl: Lease TTL of this node (seconds).
         group_rank: This node's rank in the round.
         nodes: Nodes in the round.
+        host: The address this node's snapshot server is reached at (the
+            node's rendezvous address: ``--local-addr``, else its FQDN).
     """
 
-    def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int, nodes: int) -> None:
+    def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int, nodes: int,
+                 *, host: str) -> None:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
         self.group_rank = group_rank
@@ -44,6 +54,19 @@ class MeetingPoint:
         store.put(self.prefix + MeetingKeys.AGENTS_WORLD, str(int(nodes)).encode())
         store.put(self.prefix + MeetingKeys.agent(group_rank), b"1", lease=self.lease.id)
         store.put(self.prefix + MeetingKeys.agent_seen(group_rank), b"1")
+        self.snapshots = self._serve_snapshots(host)
+
+    def _serve_snapshots(self, host: str) -> dist.TCPStore | None:
+        """Start this node's snapshot server and publish ``host:port`` on the node's lease (None: it failed)."""
+        try:
+            server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:  # the node trains on; peers' snapshots go elsewhere
+            log.warning("snapshot_server_failed", host=host, error=str(exc)[:200])
+            return None
+        address = f"{host}:{server.port}"
+        self.store.put(self.prefix + MeetingKeys.snapshot_host(self.group_rank), address.encode(), lease=self.lease.id)
+        log.info("snapshot_server_started", address=address)
+        return server
 
     def export(self) -> None:
         """Set :data:`~unicron_elastic.meeting.MEETING_ENV` (and the password variable) for the workers started next."""
@@ -91,6 +114,12 @@ class MeetingPoint:
             time.sleep(0.05)
 
     def close(self) -> None:
-        """Revoke the lease (every liveness key of this node goes with it)."""
+        """Revoke the lease (every liveness key of this node goes with it), then stop the snapshot server.
+
+        The server (and the snapshot in it) is dropped even when revoking fails.
+        """
         os.environ.pop(MEETING_ENV, None)
-        self.lease.close(revoke=True)
+        try:
+            self.lease.close(revoke=True)
+        finally:
+            self.snapshots = None  # the last reference: the TCPStore server stops (no blocking call)

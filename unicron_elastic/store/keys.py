@@ -116,7 +116,12 @@ class MeetingKeys:
     JOIN_REQUESTS = "unicron-dp/join-requests"  # counter of ranks waiting to join
     FINISHED = "unicron-dp/finished"  # the step training ended at
     LIVENESS = "unicron-dp/liveness"  # present when live/<rank> keys are kept
-    SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot (safe_state bytes)
+    SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot (safe_state bytes; in an agent's TCPStore)
+
+    @staticmethod
+    def snapshot_host(group_rank: int) -> str:
+        """``host:port`` of the snapshot server of node ``group_rank``'s agent (on its lease: gone with the node)."""
+        return f"unicron-snapshot/hosts/{int(group_rank)}"
 
     @staticmethod
     def live(rank: int) -> str:

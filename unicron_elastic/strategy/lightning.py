@@ -55,7 +55,7 @@ from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, St
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world
-from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
+from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot, PeerServers
 from unicron_elastic.worker import get_worker
 
 log = structlog.get_logger(__name__)
@@ -246,20 +246,17 @@ class UnicronMegatronStrategy(DDPStrategy):
         return dist.TCPStore(self.env.main_address, self.env.main_port, is_master=False,
                              timeout=timedelta(seconds=60))
 
-    def _snapshot_store(self) -> dist.Store | None:
-        """Where the in-memory snapshot lives: the agent's TCPStore (bulk bytes never go to etcd).
+    def _snapshot_store(self) -> dist.Store | PeerServers | None:
+        """Where the in-memory snapshot lives (bulk bytes never go to etcd).
 
-        None (no snapshots, a warning) when its node is gone: a node that
-        rejoined after the rank-0 node was lost trains on without one.
+        Under ``unicron-run``: the agents' snapshot servers, the next live
+        node's for writing (GEMINI's placement), every reachable one for
+        reading. Under plain ``torchrun``: torch's agent TCPStore on the
+        rank-0 node (the workers' store).
         """
         if isinstance(self._store, dist.HashStore) or not os.environ.get(MEETING_ENV):
             return self._store
-        try:
-            return dist.TCPStore(self.env.main_address, self.env.main_port, is_master=False,
-                                 timeout=timedelta(seconds=5))
-        except (RuntimeError, OSError) as exc:
-            log.warning("snapshot_store_unreachable", error=str(exc)[:200])
-            return None
+        return PeerServers(connect_meeting_store(timeout=timedelta(seconds=5)), self.env.node_rank())
 
     def setup_distributed(self) -> None:
         """Connect to the launcher's store and build the first world (a joiner waits until it is admitted).
@@ -351,7 +348,11 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._rng = state["rng"]
 
     def _fallback(self) -> dict[str, Any] | None:
-        """No replica left: the newer of the in-memory snapshot and the newest disk checkpoint."""
+        """No replica left: the newer of the in-memory snapshot and the newest disk checkpoint.
+
+        The in-memory snapshot is the newest one of every agent's server this
+        rank reaches (an unreachable one is skipped with a warning).
+        """
         candidates = []
         memory = self._memory.load() if self._memory else None
         if memory is not None:

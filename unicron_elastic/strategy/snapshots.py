@@ -2,10 +2,15 @@
 
 Two tiers behind the replicas:
 
-* :class:`MemorySnapshot`: every ``every`` steps the group's leader puts the
-  serialized state into the rendezvous store. That store lives in the memory
-  of the agent hosting the rendezvous (on another node than most workers), not
-  in any worker, so it survives the loss of every worker of the group.
+* :class:`MemorySnapshot`: every ``every`` steps the group's leader copies the
+  state and, in a background thread, serializes it into the memory of an
+  agent, not of any worker, so it survives the loss of every worker of the
+  group. Under ``unicron-run`` that agent is the one of the *next* live node
+  in ring order (GEMINI's placement, :func:`snapshot_targets`): each agent
+  hosts a snapshot server and publishes its address in the meeting store
+  (:class:`PeerServers`), so losing the writer's node loses the replica, not
+  the snapshot. Under plain ``torchrun`` it is torch's agent TCPStore (the
+  rank-0 node's agent).
 * :class:`DiskCheckpoints`: every ``every`` steps the leader writes the state
   in a background thread (the step goes on) to ``<directory>/step-<s>.state``;
   a ``latest`` file names the newest *complete* checkpoint, so a crash while
@@ -14,7 +19,7 @@ Two tiers behind the replicas:
 Both are written by one replica only: every data-parallel replica holds the
 same state. Both hold it in the format of :mod:`~unicron_elastic.strategy.safe_state`
 (raw tensor bytes plus JSON), so reading one never unpickles anything: the
-agent's TCPStore has no authentication, and a checkpoint directory may be
+agents' stores have no authentication, and a checkpoint directory may be
 shared.
 """
 
@@ -25,43 +30,158 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch.distributed as dist
 
-from unicron_elastic.api import ConfigError, StateDecodingError
+from unicron_elastic.api import ConfigError, StateDecodingError, StoreError
+from unicron_elastic.store.keys import MeetingKeys
 from unicron_elastic.strategy.safe_state import EncodedState, encode, loads, pack, pack_parts
 
 log = structlog.get_logger(__name__)
 
-SNAPSHOT_KEY = "unicron-snapshot/state"
+SNAPSHOT_KEY = MeetingKeys.SNAPSHOT
+_UNREACHABLE = (RuntimeError, OSError, LookupError, ValueError, StoreError)  # a store or its host is gone
+
+
+def snapshot_targets(own_node: int, live_nodes: Sequence[int]) -> list[int]:
+    """The nodes whose agents hold the snapshot written on ``own_node`` (GEMINI's ring).
+
+    Args:
+        own_node: The writer's node (group rank).
+        live_nodes: The nodes whose agents are alive (any order; may include ``own_node``).
+
+    Returns:
+        The next live node after ``own_node`` in ring order (wrapping to the
+        lowest); ``[own_node]`` only when no other node is alive (then the
+        snapshot does not survive losing that node).
+    """
+    others = sorted(set(live_nodes) - {own_node})
+    if not others:
+        return [own_node]
+    after = [node for node in others if node > own_node]
+    return [after[0] if after else others[0]]
+
+
+class _OneStore:
+    """The snapshot's place under plain ``torchrun``: one store, written and read."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+
+    def targets(self) -> list[tuple[str, dist.Store]]:
+        return [("the agent's store", self.store)]
+
+    sources = targets
+
+
+class PeerServers:
+    """The agents' snapshot servers of one run, as published in its meeting store (GEMINI placement).
+
+    Each agent of ``unicron-run`` hosts a TCPStore in its own memory and puts
+    its ``host:port`` under :meth:`MeetingKeys.snapshot_host` on its node's
+    lease, so a lost node's server vanishes from the list within one TTL.
+
+    Args:
+        meeting: The workers' meeting store (etcd).
+        node: This worker's node (its group rank, ``GROUP_RANK``).
+        connect_timeout: Bound of each connection to a server.
+    """
+
+    def __init__(self, meeting: dist.Store, node: int, connect_timeout: timedelta = timedelta(seconds=5)) -> None:
+        self.meeting, self.node, self.connect_timeout = meeting, int(node), connect_timeout
+        self._alone = False
+
+    def hosts(self) -> dict[int, str]:
+        """``{node: "host:port"}`` of the live servers (a node of the round without one is gone).
+
+        Raises:
+            StoreError: etcd is unreachable.
+        """
+        found = {}
+        for node in range(self._world()):
+            key = MeetingKeys.snapshot_host(node)
+            try:
+                if self.meeting.check([key]):
+                    found[node] = self.meeting.get(key).decode()
+            except LookupError:  # its lease lapsed between the two reads
+                pass
+        return found
+
+    def targets(self) -> list[tuple[str, dist.Store]]:
+        """The server(s) the snapshot written on this node goes to: the next live node's.
+
+        Raises:
+            StoreError: etcd is unreachable.
+        """
+        hosts = self.hosts()
+        nodes = snapshot_targets(self.node, sorted(hosts))
+        alone = nodes == [self.node]
+        if alone and not self._alone:
+            log.warning("snapshot_not_replicated", node=self.node,
+                        reason="no other node is alive: the snapshot does not survive losing this node")
+        self._alone = alone
+        return self._connect({node: hosts.get(node) for node in nodes})
+
+    def sources(self) -> list[tuple[str, dist.Store]]:
+        """Every live server this process can reach (a warning for each node of the round it cannot).
+
+        Raises:
+            StoreError: etcd is unreachable.
+        """
+        hosts = self.hosts()
+        return self._connect({node: hosts.get(node) for node in range(self._world())})
+
+    def _world(self) -> int:
+        """Nodes in the round (0 before any agent published it)."""
+        if not self.meeting.check([MeetingKeys.AGENTS_WORLD]):
+            return 0
+        return int(self.meeting.get(MeetingKeys.AGENTS_WORLD))
+
+    def _connect(self, hosts: dict[int, str | None]) -> list[tuple[str, dist.Store]]:
+        stores = []
+        for node, address in hosts.items():
+            where = f"node {node}'s agent ({address})"
+            if address is None:
+                log.warning("snapshot_unreachable", node=node, error="its agent is gone (no snapshot server)")
+                continue
+            host, _, port = address.rpartition(":")
+            try:
+                stores.append((where, dist.TCPStore(host, int(port), is_master=False, timeout=self.connect_timeout)))
+            except _UNREACHABLE as exc:
+                log.warning("snapshot_unreachable", node=node, address=address, error=str(exc)[:200])
+        return stores
 _CHECKPOINT_NAME = re.compile(r"step-\d{8,}\.state")
 
 
 class MemorySnapshot:
-    """The latest state, serialized in the memory of the store's host.
+    """The latest state, serialized in the memory of an agent (not of any worker).
 
     Args:
-        store: The rendezvous store (outlives workers); None: its host is
-            unreachable, no snapshots.
+        store: Where it lives: the agents' snapshot servers (:class:`PeerServers`,
+            under ``unicron-run``), or one store that outlives workers (torch's
+            agent TCPStore under plain ``torchrun``); None: no snapshots.
         every: Steps between snapshots (0: never).
 
     Raises:
         ConfigError: ``every`` < 0.
     """
 
-    def __init__(self, store: dist.Store | None, every: int) -> None:
+    def __init__(self, store: dist.Store | PeerServers | None, every: int) -> None:
         if every < 0:
             raise ConfigError(f"snapshot_every={every} must be >= 0")
         self.store, self.every = store, every
+        self._places = store if isinstance(store, PeerServers) or store is None else _OneStore(store)
         self._thread: threading.Thread | None = None
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is due at the start of ``step`` (never without a store)."""
-        return self.store is not None and self.every > 0 and step % self.every == 0
+        return self._places is not None and self.every > 0 and step % self.every == 0
 
     def save(self, state: dict[str, Any]) -> None:
         """Copy the tensors of ``state`` now; serialize and upload in the background.
@@ -79,10 +199,20 @@ class MemorySnapshot:
         self._thread.start()
 
     def _upload(self, state: EncodedState) -> None:
+        """In the background thread: find the target(s), then write (failures are warnings: training goes on)."""
         try:
-            self.store.set(SNAPSHOT_KEY, pack(state))
-        except (RuntimeError, OSError) as exc:  # its host is gone: training goes on, a later save may succeed
+            targets = self._places.targets()
+        except _UNREACHABLE as exc:
             log.warning("snapshot_upload_failed", error=str(exc)[:200])
+            return
+        payload = pack(state) if targets else b""
+        for where, store in targets:
+            try:
+                store.set(SNAPSHOT_KEY, payload)
+            except _UNREACHABLE as exc:  # its host is gone: a later save may succeed
+                log.warning("snapshot_upload_failed", where=where, error=str(exc)[:200])
+            else:
+                log.info("snapshot_saved", where=where, bytes=len(payload))
 
     def wait(self) -> None:
         """Wait for the snapshot being written, if any."""
@@ -91,25 +221,51 @@ class MemorySnapshot:
             self._thread = None
 
     def load(self) -> dict[str, Any] | None:
-        """The latest snapshot, or None.
+        """The newest snapshot (highest ``"step"``) of every store that can be reached, or None.
+
+        A store that cannot be reached is skipped with a ``snapshot_unreachable`` warning.
 
         Raises:
-            StateDecodingError: The value in the store is not a safe state
-                document (e.g. a pickle someone put there); nothing in it ran.
+            StateDecodingError: A value in a store is not a safe state document
+                (e.g. a pickle someone put there); nothing in it ran.
         """
-        if self.store is None:
+        if self._places is None:
             return None
         try:
-            if not self.store.check([SNAPSHOT_KEY]):
-                return None
-            payload = self.store.get(SNAPSHOT_KEY)
-        except (RuntimeError, OSError) as exc:  # the node holding it was lost
+            sources = self._places.sources()
+        except _UNREACHABLE as exc:
             log.warning("snapshot_unreachable", error=str(exc)[:200])
             return None
-        try:
-            return loads(payload)
-        except StateDecodingError as exc:
-            raise StateDecodingError(f"in-memory snapshot ({SNAPSHOT_KEY!r} in the agent's store): {exc}") from None
+        newest = None
+        for where, store in sources:
+            state = _read(where, store)
+            if state is not None and (newest is None or _step(state) > _step(newest)):
+                newest = state
+        return newest
+
+
+def _read(where: str, store: dist.Store) -> dict[str, Any] | None:
+    """The snapshot in one store, or None (none there, or the store is unreachable: a warning).
+
+    Raises:
+        StateDecodingError: The value is not a safe state document.
+    """
+    try:
+        if not store.check([SNAPSHOT_KEY]):
+            return None
+        payload = store.get(SNAPSHOT_KEY)
+    except _UNREACHABLE as exc:  # the node holding it was lost
+        log.warning("snapshot_unreachable", where=where, error=str(exc)[:200])
+        return None
+    try:
+        return loads(payload)
+    except StateDecodingError as exc:
+        raise StateDecodingError(f"in-memory snapshot ({SNAPSHOT_KEY!r} in {where}): {exc}") from None
+
+
+def _step(state: dict[str, Any]) -> int:
+    step = state.get("step") if isinstance(state, dict) else None
+    return step if type(step) is int else -1
 
 
 class DiskCheckpoints:

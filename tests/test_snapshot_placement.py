@@ -1,0 +1,165 @@
+"""GEMINI placement of the in-memory snapshot (issue 10): held by the agent of another node than its writer.
+
+Real etcd, real agents' snapshot servers (one :class:`MeetingPoint` per "node",
+in-process); "losing" a node closes its meeting point: its lease is revoked,
+so its server's address vanishes from the meeting store as it does within one
+TTL when a node dies, and its server stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import structlog
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import unicron_elastic.strategy.snapshots as snapshots_module
+from test_safe_state import same
+from unicron_elastic.agent.meeting import MeetingPoint
+from unicron_elastic.store import StatusStore
+from unicron_elastic.store.c10d import EtcdC10dStore
+from unicron_elastic.store.keys import MeetingKeys
+from unicron_elastic.strategy.snapshots import SNAPSHOT_KEY, MemorySnapshot, PeerServers, snapshot_targets
+
+LOOPBACK = "127.0.0.1"
+
+
+# -- the placement decision -----------------------------------------------------------------------
+@pytest.mark.parametrize("own, live, expected", [
+    (0, [0, 1], [1]),
+    (1, [0, 1], [0]),  # wraps around
+    (2, [0, 1, 2, 3], [3]),
+    (3, [0, 1, 2, 3], [0]),
+    (1, [0, 3], [3]),  # its successor is gone: the next live one
+    (1, [3, 0, 1], [3]),  # any order
+    (0, [0], [0]),  # alone: its own node
+    (2, [], [2]),
+])
+def test_the_snapshot_goes_to_the_next_live_node_in_ring_order(own: int, live: list[int], expected: list[int]) -> None:
+    assert snapshot_targets(own, live) == expected
+
+
+@given(st.integers(0, 63), st.sets(st.integers(0, 63)))
+def test_the_target_is_another_live_node_and_no_live_node_lies_between(own: int, live: set[int]) -> None:
+    (target,) = snapshot_targets(own, sorted(live))
+    others = live - {own}
+    if not others:
+        assert target == own
+        return
+    assert target in others
+    assert all((node - own) % 64 >= (target - own) % 64 for node in others)
+
+
+# -- real etcd, two nodes' agents ----------------------------------------------------------------
+@pytest.fixture()
+def captured(monkeypatch: pytest.MonkeyPatch) -> structlog.testing.LogCapture:
+    """The snapshot module's log records (independent of any global structlog setup)."""
+    cap = structlog.testing.LogCapture()
+    logger = structlog.wrap_logger(structlog.testing.CapturingLogger(), processors=[cap],
+                                   wrapper_class=structlog.make_filtering_bound_logger(0))
+    monkeypatch.setattr(snapshots_module, "log", logger)
+    return cap
+
+
+@pytest.fixture()
+def agents(store: StatusStore) -> Iterator[list[MeetingPoint]]:
+    """The meeting points of nodes 0 and 1 of one round (each with its snapshot server)."""
+    points = [MeetingPoint(store, "run", 0, 2, group_rank, 2, host=LOOPBACK) for group_rank in (0, 1)]
+    yield points
+    for point in points:
+        point.close()
+
+
+def _snapshot(store: StatusStore, point: MeetingPoint, node: int, connect_s: float = 5) -> MemorySnapshot:
+    """The snapshot as a worker of ``node`` sees it (through the run's meeting store in etcd)."""
+    meeting = EtcdC10dStore(store, point.prefix, timeout=timedelta(seconds=5))
+    return MemorySnapshot(PeerServers(meeting, node, connect_timeout=timedelta(seconds=connect_s)), every=1)
+
+
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.arange(6.0).reshape(2, 3) + step}, "step": step}
+
+
+def _events(cap: structlog.testing.LogCapture, name: str) -> list[dict]:
+    return [e for e in cap.entries if e["event"] == name]
+
+
+def test_each_agent_publishes_its_snapshot_server_on_its_lease(store: StatusStore,
+                                                              agents: list[MeetingPoint]) -> None:
+    for point in agents:
+        kv = store.get(point.prefix + MeetingKeys.snapshot_host(point.group_rank))
+        assert kv is not None and kv.value.decode() == f"{LOOPBACK}:{point.snapshots.port}"
+        assert kv.lease == point.lease.id
+    agents[0].close()
+    assert store.get(agents[0].prefix + MeetingKeys.snapshot_host(0)) is None and agents[0].snapshots is None
+
+
+def test_the_snapshot_is_held_by_the_other_node_and_survives_losing_the_writers(
+        store: StatusStore, agents: list[MeetingPoint], captured: structlog.testing.LogCapture) -> None:
+    state = _state(3)
+    leader = _snapshot(store, agents[0], node=0)
+    leader.save(state)
+    leader.wait()
+    assert agents[1].snapshots.check([SNAPSHOT_KEY])
+    assert not agents[0].snapshots.check([SNAPSHOT_KEY])  # not on the writer's own node
+    agents[0].close()  # the writer's node is lost
+    assert same(_snapshot(store, agents[1], node=1).load(), state)
+    assert [e["node"] for e in _events(captured, "snapshot_unreachable")] == [0]  # said, not silent
+    assert not _events(captured, "snapshot_upload_failed")
+
+
+def test_losing_the_node_that_holds_it_is_a_warning_not_silence(
+        store: StatusStore, agents: list[MeetingPoint], captured: structlog.testing.LogCapture) -> None:
+    leader = _snapshot(store, agents[0], node=0)
+    leader.save(_state(3))
+    leader.wait()
+    agents[1].close()  # the holder's node is lost
+    assert _snapshot(store, agents[0], node=0).load() is None
+    assert [e["node"] for e in _events(captured, "snapshot_unreachable")] == [1]
+
+
+def test_the_joiner_takes_the_newest_step_of_every_server(store: StatusStore, agents: list[MeetingPoint]) -> None:
+    old, new = _state(3), _state(5)
+    for node, state in ((1, new), (0, old)):  # the newest one written first: newest step wins, not last write
+        leader = _snapshot(store, agents[node], node=node)
+        leader.save(state)
+        leader.wait()
+    assert all(point.snapshots.check([SNAPSHOT_KEY]) for point in agents)  # one on each node
+    assert same(_snapshot(store, agents[0], node=0).load(), new)
+
+
+def test_alone_the_snapshot_stays_on_its_node_with_one_warning(
+        store: StatusStore, captured: structlog.testing.LogCapture) -> None:
+    point = MeetingPoint(store, "alone", 0, 2, 0, 1, host=LOOPBACK)
+    try:
+        leader = _snapshot(store, point, node=0)
+        for step in (0, 1):
+            leader.save(_state(step))
+            leader.wait()
+        assert same(leader.load(), _state(1))
+        assert len(_events(captured, "snapshot_not_replicated")) == 1
+    finally:
+        point.close()
+
+
+def test_a_server_that_does_not_answer_is_skipped_with_a_warning_within_its_bound(
+        store: StatusStore, captured: structlog.testing.LogCapture) -> None:
+    point = MeetingPoint(store, "dead", 0, 2, 0, 2, host=LOOPBACK)
+    dead = dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False)
+    port = dead.port
+    del dead  # node 1 died; its key has not expired yet
+    store.put(point.prefix + MeetingKeys.snapshot_host(1), f"{LOOPBACK}:{port}".encode())
+    try:
+        leader = _snapshot(store, point, node=0, connect_s=0.5)
+        leader.save(_state(2))
+        leader.wait()  # in the background: a warning, no crash
+        assert [e["node"] for e in _events(captured, "snapshot_unreachable")] == [1]
+        assert leader.load() is None
+        assert [e["node"] for e in _events(captured, "snapshot_unreachable")] == [1, 1]
+    finally:
+        point.close()
