@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -30,9 +29,9 @@ import torch
 from lightning.pytorch.demos import LightningTransformer, Transformer
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_gpt import HoldForJoiner, SlowDown, StepTimes  # the example beside this one (same directory)
 from unicron_elastic.strategy import UnicronMegatronStrategy  # also registers "unicron_megatron"
 from unicron_elastic.testing import FAULTS_ENV, fail_at, faults_env
-from unicron_elastic.worker import get_worker
 
 
 class SyntheticTokens(Dataset):
@@ -75,52 +74,6 @@ class DemoTransformer(LightningTransformer):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(SyntheticTokens(vocab=self.vocab), batch_size=self.micro_batch)
-
-
-class SlowDown(pl.Callback):
-    """Sleep after each step (so a demo's restarted rank has steps left to rejoin)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def on_train_batch_end(self, *args: object) -> None:
-        time.sleep(self.seconds)
-
-
-class HoldForJoiner(pl.Callback):
-    """Before step ``step``, wait (at most ``bound`` s) until every rank is a member or waits to join.
-
-    A restarted rank on a loaded machine is then admitted before training
-    ends. The wait is a declared, bounded pause for the hang detector.
-    """
-
-    def __init__(self, step: int, bound: float = 120.0) -> None:
-        self.step, self.bound = step, bound
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
-        engine = getattr(trainer.strategy, "engine", None)
-        if trainer.global_step != self.step or engine is None or engine.pg is None:
-            return
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        worker = get_worker()
-        worker.set_paused(True, pause_for=self.bound)
-        deadline = time.monotonic() + self.bound
-        while len(set(engine.members) | set(engine.waiting())) < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-        worker.set_paused(False)
-
-
-class StepTimes(pl.Callback):
-    """Append ``{"step", "t"}`` per finished step to ``OUT/times<R>.jsonl`` (``t``: wall clock, ``time.time()``)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.seen = path, -1
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        if trainer.global_step != self.seen:  # an optimizer step happened
-            self.seen = trainer.global_step
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": trainer.global_step - 1, "t": time.time()}) + "\n")
 
 
 def main() -> None:

@@ -44,14 +44,23 @@ def _command(etcd: EmbeddedEtcd, run_id: str, nodes: int, out: Path, *extra: str
             WORKER, *COMMON, "--step-time", "0.2", "--out", str(out), *extra]
 
 
-def _launch(etcd: EmbeddedEtcd, run_id: str, nodes: int, out: Path, fault: Fault,
-            *extra: str) -> list[subprocess.Popen]:
+def _start(cmd: list[str], out: Path, faults: list[Fault], nodes: int, first: int = 0) -> list[subprocess.Popen]:
+    """``nodes`` launchers running ``cmd`` with ``faults``, logging to ``OUT/node<i>.log`` from ``first`` on."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
-               **faults_env([fault], str(out / "faults.log")))
-    cmd = _command(etcd, run_id, nodes, out, *extra)
+               **faults_env(faults, str(out / "faults.log")))
     out.mkdir(parents=True, exist_ok=True)
     return [subprocess.Popen(cmd, stdout=(out / f"node{i}.log").open("w"), stderr=subprocess.STDOUT, env=env)
-            for i in range(nodes)]
+            for i in range(first, first + nodes)]
+
+
+def _launch(etcd: EmbeddedEtcd, run_id: str, nodes: int, out: Path, fault: Fault,
+            *extra: str) -> list[subprocess.Popen]:
+    return _start(_command(etcd, run_id, nodes, out, *extra), out, [fault], nodes)
+
+
+def _same_params(out: Path, rank: int, reference: list[torch.Tensor]) -> bool:
+    """Whether ``rank``'s final parameters equal ``reference`` exactly."""
+    return all(torch.equal(ours, ref) for ours, ref in zip(torch.load(out / f"params{rank}.pt"), reference))
 
 
 def _wait_for_fault(out: Path, launchers: list[subprocess.Popen], deadline_s: float = 120) -> dict:
@@ -115,8 +124,7 @@ def test_a_lost_node_leaves_the_survivors_on_the_failure_free_trajectory(
     lost = sorted(set(range(nodes * PER_NODE)) - set(reports))
     assert fault.rank in lost and len(lost) == PER_NODE, (lost, logs)  # exactly the lost node's ranks
     for r in reports:
-        params = torch.load(out / f"params{r}.pt")
-        assert all(torch.equal(ours, ref) for ours, ref in zip(params, baseline)), f"rank {r} diverged"
+        assert _same_params(out, r, baseline), f"rank {r} diverged"
         steps = reports[r]
         assert [s["step"] for s in steps] == list(range(STEPS))  # trained to the last step
         failed = steps[failed_step]
@@ -138,22 +146,19 @@ def test_the_lost_node_started_again_rejoins_without_restarting_anyone(etcd: Emb
     fault = fail_at(rank=2, step=1, micro_batch=2, kind="hang")
     hold = ["--hold-for-joiner", str(STEPS - 2)]  # the run outlasts the node's return, however slow
     launchers = _launch(etcd, "rejoin", 2, out, fault, *hold)
-    again: subprocess.Popen | None = None
+    again: list[subprocess.Popen] = []
     try:
         victim = _lose_node_of(_wait_for_fault(out, launchers), launchers)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
-                   **faults_env([fault], str(out / "faults.log")))
-        again = subprocess.Popen(_command(etcd, "rejoin", 2, out, *hold), env=env, stderr=subprocess.STDOUT,
-                                 stdout=(out / "again.log").open("w"))  # same flags, as an operator would
+        again = _start(_command(etcd, "rejoin", 2, out, *hold), out, [fault], 1, first=2)  # same flags again
         survivor = launchers[1 - victim]
-        codes = [survivor.wait(timeout=200), again.wait(timeout=60)]
+        codes = [survivor.wait(timeout=200), again[0].wait(timeout=60)]
     finally:
-        for p in [*launchers, *([again] if again else [])]:
+        for p in [*launchers, *again]:
             if p.poll() is None:
                 kill_node(p.pid)
-    logs = (out / f"node{1 - victim}.log").read_text()[-3000:] + (out / "again.log").read_text()[-3000:]
+    logs = (out / f"node{1 - victim}.log").read_text()[-3000:] + (out / "node2.log").read_text()[-3000:]
     assert codes == [0, 0], logs
-    assert "rendezvous_rejoined" in (out / "again.log").read_text()
+    assert "rendezvous_rejoined" in (out / "node2.log").read_text()
     reports = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
     for r in (0, 1):  # the healthy workers: one process each, every step, never restarted
         assert [s["step"] for s in reports[r]] == list(range(STEPS))
@@ -164,8 +169,7 @@ def test_the_lost_node_started_again_rejoins_without_restarting_anyone(etcd: Emb
         assert joined["state_from"] == "replica" and 2 <= joined["joined_at"] < STEPS, joined
         assert [s["step"] for s in reports[r][1:]] == list(range(joined["joined_at"], STEPS))
     for r in range(4):
-        params = torch.load(out / f"params{r}.pt")
-        assert all(torch.equal(ours, ref) for ours, ref in zip(params, baseline)), f"rank {r} diverged"
+        assert _same_params(out, r, baseline), f"rank {r} diverged"
     assert reports[0][-1]["micro_batches"] == [0, 4]  # the full world again (B = 6 over 4 ranks), same global batch
 
 
@@ -177,15 +181,11 @@ GPT_STEPS = 8
 
 def _gpt(etcd: EmbeddedEtcd, run_id: str, out: Path, nodes: int, faults: list[Fault], *extra: str,
          first: int = 0) -> list[subprocess.Popen]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
-               **faults_env(faults, str(out / "faults.log")))
     cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
            f"--nnodes={nodes}", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05",
            f"--rdzv-conf=cluster={run_id},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
            GPT, "--steps", str(GPT_STEPS), "--out", str(out), "--step-time", "0.2", *extra]
-    out.mkdir(parents=True, exist_ok=True)
-    return [subprocess.Popen(cmd, stdout=(out / f"node{i}.log").open("w"), stderr=subprocess.STDOUT, env=env)
-            for i in range(first, first + nodes)]
+    return _start(cmd, out, faults, nodes, first)
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +222,7 @@ def test_lightning_task_survives_a_lost_node_with_default_detectors(etcd: Embedd
         assert summary["global_step"] == GPT_STEPS and summary["joined_at"] is None  # no restart
         failed = summary["reports"][fault.step]
         assert failed["recoveries"] == 1 and sorted(failed["dead"]) == sorted(set(range(4)) - set(done))
-        params = torch.load(out / f"params{rank}.pt")
-        assert all(torch.equal(ours, ref) for ours, ref in zip(params, gpt_baseline)), f"rank {rank} diverged"
+        assert _same_params(out, rank, gpt_baseline), f"rank {rank} diverged"
 
 
 # -- plain torchrun with the unicron rendezvous: what survives without unicron-run ------------------
@@ -236,15 +235,11 @@ def test_plain_torchrun_survives_losing_a_node_other_than_rank_0s(etcd: Embedded
     # node (300 s), so the test stops the surviving launcher once its workers are done
     out = tmp_path / "out"
     fault = fail_at(rank=2, step=2, micro_batch=2, kind="hang")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
-               **faults_env([fault], str(out / "faults.log")))
     cmd = [os.path.join(BIN, "torchrun"), "--rdzv-backend=unicron", f"--rdzv-endpoint={etcd.endpoint}",
            "--rdzv-id=plain-torchrun-node", "--nnodes=2", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05",
            "--rdzv-conf=cluster=plain-torchrun-node,keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
            WORKER, *COMMON, "--step-time", "0.2", "--out", str(out)]
-    out.mkdir(parents=True, exist_ok=True)
-    launchers = [subprocess.Popen(cmd, stdout=(out / f"node{i}.log").open("w"), stderr=subprocess.STDOUT, env=env)
-                 for i in range(2)]
+    launchers = _start(cmd, out, [fault], 2)
     try:
         victim = _lose_node_of(_wait_for_fault(out, launchers), launchers)
         survivor = launchers[1 - victim]
@@ -262,8 +257,7 @@ def test_plain_torchrun_survives_losing_a_node_other_than_rank_0s(etcd: Embedded
     for r in reports:
         assert [s["step"] for s in reports[r]] == list(range(STEPS))
         assert sorted(reports[r][2]["dead"]) == [2, 3]
-        params = torch.load(out / f"params{r}.pt")
-        assert all(torch.equal(ours, ref) for ours, ref in zip(params, baseline)), f"rank {r} diverged"
+        assert _same_params(out, r, baseline), f"rank {r} diverged"
 
 
 @pytest.mark.timeout(400)
@@ -296,5 +290,4 @@ def test_lightning_lost_node_started_again_rejoins_without_restarting_anyone(etc
         assert joined["state_from"] == "replica" and fault.step < joined["joined_at"] < GPT_STEPS, joined
         assert joined["global_step"] == GPT_STEPS
     for r in range(4):
-        params = torch.load(out / f"params{r}.pt")
-        assert all(torch.equal(ours, ref) for ours, ref in zip(params, gpt_baseline)), f"rank {r} diverged"
+        assert _same_params(out, r, gpt_baseline), f"rank {r} diverged"

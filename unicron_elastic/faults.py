@@ -3,8 +3,8 @@
 A leaf module of production code (the Lightning strategy and the example
 workers call :func:`maybe_fail` at every micro-batch, bucket and around the
 optimizer step; with ``$UNICRON_FAULTS`` unset it returns at once), like
-TorchFT's event injector. Tests build the faults with
-:mod:`unicron_elastic.testing`, which re-exports these names.
+TorchFT's event injector. The test helpers module re-exports these names
+for tests and demos.
 """
 
 from __future__ import annotations
