@@ -92,6 +92,8 @@ def main() -> None:
         ddp.finish()
     except Retired:
         reports.append({"retired_at": step})
+    finally:
+        ddp.close()
     if restarted:
         reports.insert(0, {"joined_at": start, "state_from": ddp.state_source if start is not None else None})
     args.out.mkdir(parents=True, exist_ok=True)

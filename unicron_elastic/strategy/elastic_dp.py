@@ -512,6 +512,15 @@ class ElasticDataParallel:
         if self.rank in self.members and self.pg is not None:
             self.store.set(K.FINISHED, str(self.next_step))
 
+    def close(self) -> None:
+        """Destroy this rank's group; call before the process exits.
+
+        A gloo group still alive when the interpreter shuts down can abort the
+        process ("terminate called without an active exception": its threads
+        are torn down while running), so a finished rank would exit with SIGABRT.
+        """
+        self._drop_group()
+
     def join(self, timeout: float = 120.0) -> int | None:
         """Wait until the group admits this rank, then load its state from a replica.
 

@@ -501,6 +501,8 @@ class UnicronMegatronStrategy(DDPStrategy):
                 saver.wait()
         super().teardown()
         destroy_world()
+        if self.engine is not None:
+            self.engine.close()  # a gloo group alive at interpreter shutdown can abort the process
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
