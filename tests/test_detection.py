@@ -127,6 +127,34 @@ def test_a_regroup_that_ends_in_time_is_no_hang() -> None:
     assert monitor.check(now + 1000) is None
 
 
+def test_a_peer_failure_delays_the_silence_count_by_the_grace() -> None:
+    # a survivor waits in a collective until it notices the failure: not a hang, but a stuck one is still found
+    monitor = IterationMonitor(HangThresholds(warmup=5, peer_failure_grace=2.0))
+    now, _ = _run(monitor, [0.2] * 6)
+    monitor.peer_failed(now + 0.1)
+    assert monitor.check(now + 2.1 + 0.59) is None
+    assert monitor.check(now + 2.1 + 0.61).kind == "task_hang"
+
+
+def test_a_heartbeat_ends_the_peer_failure_grace() -> None:
+    monitor = IterationMonitor(HangThresholds(warmup=5, peer_failure_grace=2.0))
+    now, _ = _run(monitor, [0.2] * 6)
+    monitor.peer_failed(now)
+    monitor.heartbeat(now + 0.3, 0.3)
+    assert monitor.check(now + 0.3 + 0.61 + 0.1).kind == "task_hang"  # counted from the beat again
+
+
+def test_the_hang_detector_gives_the_grace_to_the_other_workers_only() -> None:
+    detector, ctx = HangDetector(HangThresholds(warmup=1, peer_failure_grace=4.0)), _Context()
+    detector.ctx = ctx
+    detector.on_workers_started([0, 1], "g0")
+    for rank in (4, 5):
+        detector.on_message({"t": "beat", "rank": rank, "step": 0, "dur": 0.1}, 1.0)
+    detector.on_rank_failed(4, 1.0)
+    assert detector.monitors[5].deadline() == pytest.approx(5.0 + 0.3)
+    assert detector.monitors[4].deadline() == pytest.approx(1.0 + 0.3)
+
+
 def test_statistics_reset_per_configuration() -> None:
     monitor = IterationMonitor()
     now, _ = _run(monitor, [0.1] * 20)
@@ -144,7 +172,9 @@ def test_link_flapping_after_a_run_of_slow_iterations() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"noise_factor": 1.0}, {"hang_factor": 1.2}, {"warmup": 0}, {"flap_window": 0},
-                                    {"hang_factor": float("inf")}, {"hang_factor": float("nan")}])
+                                    {"hang_factor": float("inf")}, {"hang_factor": float("nan")},
+                                    {"peer_failure_grace": -1.0}, {"peer_failure_grace": float("nan")},
+                                    {"peer_failure_grace": 1e9}])
 def test_bad_thresholds_are_rejected(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         HangThresholds(**kwargs)

@@ -66,6 +66,10 @@ def get_parser() -> argparse.ArgumentParser:
                        help="comma-separated detectors to run (default: %(default)s)")
     group.add_argument("--hang-factor", type=float, default=3.0,
                        help="silence longer than this many mean iterations is a hang (default 3)")
+    group.add_argument("--peer-failure-grace", type=float, default=5.0,
+                       help="after a worker of this node fails, the others' silence counts towards a hang only "
+                            "this many seconds later: they may wait in a collective with it until they notice "
+                            "(default 5)")
     group.add_argument("--max-reattempts", type=int, default=3, help="SEV3 reattempts per step before SEV2")
     group.add_argument("--max-worker-restarts", type=int, default=3,
                        help="single-worker restarts per rank before the node gives up (SEV1)")
@@ -90,7 +94,7 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     """
     config = AgentConfig(
         detectors=tuple(d.strip() for d in args.detectors.split(",") if d.strip()),
-        hang=HangThresholds(hang_factor=args.hang_factor),
+        hang=HangThresholds(hang_factor=args.hang_factor, peer_failure_grace=args.peer_failure_grace),
         ladder=LadderPolicy(args.max_reattempts, args.max_worker_restarts),
         node_ttl=args.node_ttl,
     )

@@ -352,6 +352,14 @@ class UnicronAgent(LocalElasticAgent):
             except Exception:  # noqa: BLE001
                 log.exception("detector_failed", detector=detector.name)
 
+    def _notify_failed(self, rank: int) -> None:
+        now = time.monotonic()
+        for detector in self._detectors:
+            try:
+                detector.on_rank_failed(rank, now)
+            except Exception:  # noqa: BLE001 - isolate plugin detectors
+                log.exception("detector_failed", detector=detector.name)
+
     # -- DetectorContext -------------------------------------------------------
     def workers(self) -> dict[int, tuple[int, Popen]]:
         procs = _torch_compat.worker_processes(self._pcontext)
@@ -409,6 +417,8 @@ class UnicronAgent(LocalElasticAgent):
                 return  # a process torch already replaced (restart-all): not a new failure
             if self._meeting is not None and not self._stopping:  # (stopping: close() revokes the lease)
                 self._meeting.worker_exited(rank)  # peers regrouping stop waiting for it now
+            if not self._stopping:
+                self._notify_failed(rank)  # its peers may wait in a collective with it: not a hang
             if self._stopping or self._give_up is not None:
                 return
             expected = self._expected_exit.pop(rank, None)

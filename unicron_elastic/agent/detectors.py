@@ -92,6 +92,9 @@ class Detector(ABC):  # noqa: B024 - every method has a sensible default
     def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
         """Workers were (re)started: ``local_ranks`` have fresh processes."""
 
+    def on_rank_failed(self, rank: int, now: float) -> None:
+        """Worker ``rank`` died (monotonic ``now``): the others may stall in collectives with it for a moment."""
+
 
 class ProcessDetector(Detector):
     """Process supervision: one thread per local worker, polling every ``interval`` s."""
@@ -198,6 +201,13 @@ class HangDetector(Detector):
                 return
         if finding is not None:
             self.ctx.hang(msg["rank"], finding)
+
+    def on_rank_failed(self, rank: int, now: float) -> None:
+        """Give every other worker the peer-failure grace (see :meth:`IterationMonitor.peer_failed`)."""
+        with self._lock:
+            for other, monitor in self.monitors.items():
+                if other != rank:
+                    monitor.peer_failed(now)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

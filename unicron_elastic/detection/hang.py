@@ -12,6 +12,13 @@ decides:
   SEV3 (``collective_timeout``) if the worker said it is inside a collective,
   else SEV2 (``task_hang``).
 
+When another worker of the task fails, every survivor may stall in a
+collective with it (or with a survivor that is already regrouping) until it
+notices: :meth:`IterationMonitor.peer_failed` starts the silence count
+``peer_failure_grace`` seconds later, time enough for the survivor to notice
+and declare its own (bounded) regroup pause. A survivor truly stuck is still
+found, that much later.
+
 No alarm during the first ``warmup`` iterations of a configuration, while the
 worker declared a pause (checkpoint), or after a reconfiguration until the new
 configuration has warmed up (statistics are reset per configuration).
@@ -31,7 +38,8 @@ class HangThresholds:
     """Thresholds of the statistical monitor (all configurable).
 
     Raises:
-        ConfigError: A factor is not above 1 or a count is below 1.
+        ConfigError: A factor is not above 1, a count is below 1, or
+            ``peer_failure_grace`` (seconds) is not in [0, 3600].
     """
 
     noise_factor: float = 1.1
@@ -39,6 +47,7 @@ class HangThresholds:
     flap_factor: float = 1.5
     flap_window: int = 5
     warmup: int = 5
+    peer_failure_grace: float = 5.0
 
     def __post_init__(self) -> None:
         factors = (self.noise_factor, self.flap_factor, self.hang_factor)
@@ -51,6 +60,9 @@ class HangThresholds:
             )
         if self.flap_window < 1 or self.warmup < 1:
             raise ConfigError("flap_window and warmup must be >= 1")
+        grace = self.peer_failure_grace
+        if not (isinstance(grace, (int, float)) and math.isfinite(grace) and 0 <= grace <= 3600):
+            raise ConfigError(f"peer_failure_grace must be a number of seconds in [0, 3600], got {grace!r}")
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,7 @@ class IterationMonitor:
         self._slow_since = now
         self.paused = False
         self._pause_until: float | None = None
+        self._grace_until: float | None = None
         self.in_collective = False
         self._reported_hang = False
 
@@ -142,9 +155,20 @@ class IterationMonitor:
         self.mean += delta / self.count
         self._m2 += delta * (duration - self.mean)
         self.last_beat = now
+        self._grace_until = None
         self.in_collective = False
         self._reported_hang = False
         return finding
+
+    def peer_failed(self, now: float) -> None:
+        """Another worker of the task failed at ``now``: silence counts from ``peer_failure_grace`` later.
+
+        Until this worker notices the failure it may wait in a collective; once
+        it does, its regroup is a declared pause. The grace ends with its next
+        heartbeat.
+        """
+        until = now + self.thresholds.peer_failure_grace
+        self._grace_until = until if self._grace_until is None else max(self._grace_until, until)
 
     def set_state(self, now: float, *, paused: bool | None = None, in_collective: bool | None = None,
                   pause_for: float | None = None) -> None:
@@ -171,7 +195,8 @@ class IterationMonitor:
             if self._pause_until is None:
                 return None
             return self._pause_until + self.thresholds.hang_factor * self.mean  # the bound passed: watched again
-        return self.last_beat + self.thresholds.hang_factor * self.mean
+        since = self.last_beat if self._grace_until is None else max(self.last_beat, self._grace_until)
+        return since + self.thresholds.hang_factor * self.mean
 
     def check(self, now: float) -> Finding | None:
         """A hang finding if the worker has been silent too long (reported once per hang)."""
