@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +161,11 @@ class ElasticDataParallel:
         set_state: Loads what ``get_state`` returned (default: the inverse).
         on_group: Called as ``on_group(members, generation)`` after every new
             group (failure, resize, join), before any state moves.
+        on_drop: Called when this rank drops its group (a failure, or
+            :meth:`close`): drop every other group of the same members too,
+            so a rank blocked in one of them with this rank fails at once
+            (the Lightning strategy destroys its world group: Lightning's own
+            per-step broadcast would otherwise keep a survivor waiting).
         fallback: Called by a joiner when no replica is left (every member is
             waiting to join): returns the state to resume from (in-memory
             snapshot, then persisted checkpoint) or None.
@@ -196,6 +202,7 @@ class ElasticDataParallel:
         fallback: Callable[[], dict[str, Any] | None] | None = None,
         grad_dtype: torch.dtype = torch.float32,
         pause: Callable[[bool, float | None], None] | None = None,
+        on_drop: Callable[[], None] | None = None,
     ) -> None:
         self.model, self.optimizer, self.plan = model, optimizer, plan
         self.batch, self.loss_fn, self.store = batch, loss_fn, store
@@ -212,6 +219,7 @@ class ElasticDataParallel:
         self.fallback = fallback or (lambda: None)
         self.grad_dtype = grad_dtype
         self.pause = pause or (lambda paused, bound: None)
+        self.on_drop = on_drop or (lambda: None)
         self.state_source: str | None = None  # where a joiner's state came from
         self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others
         self._synced_step = -1  # the last step whose membership this rank agreed on
@@ -248,13 +256,16 @@ class ElasticDataParallel:
         """
         if self.pg is None:
             return
+        self.on_drop()
         pg, self.pg = self.pg, None
         try:
             pg.abort()
         except RuntimeError:
             pass
-        del pg
-        gc.collect()  # the destructor closes the sockets; nothing else holds the group
+        held_elsewhere = sys.getrefcount(pg) > 2  # this name and getrefcount's argument
+        del pg  # the destructor closes the sockets
+        if held_elsewhere:  # e.g. a frame kept by a traceback: a full collection (slow with big models) frees it
+            gc.collect()
 
     def _alive(self) -> set[int] | None:
         """Members that may still check in: liveness key of the same incarnation, not waiting to join."""

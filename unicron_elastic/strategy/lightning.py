@@ -173,7 +173,6 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._store: dist.Store | None = None
         self._local_only = False  # a joiner until its first step: Lightning's collectives stay local
         self._last_beat: float | None = None
-        self._paused = False
         self._current = (0, 0)
         self._losses: list[torch.Tensor] = []
         self._dataset: Any = None
@@ -279,11 +278,11 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.set_world_ranks()
 
     def _on_group(self, members: list[int], generation: int) -> None:
-        """The data-parallel members changed: rebuild the world Lightning and megatron-core use."""
-        # until this step completes: regrouping is not a hang, but one stuck past its bound is
-        timeout = (self._timeout or timedelta(seconds=60)).total_seconds()
-        self._worker.set_paused(True, pause_for=self.checkin_timeout + 2 * timeout)
-        self._paused = True
+        """The data-parallel members changed: rebuild the world Lightning and megatron-core use.
+
+        Called inside the engine's regroup, which is a declared, bounded pause
+        for the hang detector (the engine's ``pause``).
+        """
         index = members.index(self.env.launch_rank)
         build_world(self._store, generation, index, len(members), self.tp, self.pp,
                     self._timeout or timedelta(seconds=60))
@@ -323,6 +322,8 @@ class UnicronMegatronStrategy(DDPStrategy):
             hook=self._hook, joining=self.joining, members=self._members(), schedule=self.schedule,
             get_state=self._state, set_state=self._load_state,
             on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
+            pause=self._worker.set_paused,  # a regroup is a declared, bounded pause, not a hang
+            on_drop=destroy_world,  # a survivor blocked in Lightning's per-step broadcast with this rank fails too
         )
         if self.joining:
             self.joined_at = self.engine.join(self.join_timeout)
@@ -458,9 +459,6 @@ class UnicronMegatronStrategy(DDPStrategy):
         now = time.monotonic()
         self._worker.heartbeat(step, now - self._last_beat)  # iteration to iteration, callbacks included
         self._last_beat = now
-        if self._paused:
-            self._paused = False
-            self._worker.set_paused(False)
         self._hook(self.env.launch_rank, step, at="after_optimizer_step")
         return output
 

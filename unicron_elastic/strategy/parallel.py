@@ -6,6 +6,10 @@ data-parallel group is the whole world. On CPU everything runs on gloo.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import structlog
@@ -14,6 +18,7 @@ import torch.distributed as dist
 from unicron_elastic.api import ConfigError
 
 log = structlog.get_logger(__name__)
+LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"  # torch reads it when a gloo group is made
 
 
 def megatron_available() -> bool:
@@ -41,6 +46,24 @@ def check_sizes(world_size: int, tensor_parallel: int, pipeline_parallel: int) -
     return world_size // model
 
 
+@contextmanager
+def _lazy_gloo() -> Iterator[None]:
+    """Gloo groups made inside connect on first use (``TORCH_GLOO_LAZY_INIT``), unless the user chose.
+
+    megatron-core makes a dozen groups per world, most never used on CPU; made
+    lazily, rebuilding the world after a failure takes a quarter of the time
+    (0.06 s instead of 0.24 s for 3 ranks here).
+    """
+    if LAZY_GLOO_ENV in os.environ:
+        yield
+        return
+    os.environ[LAZY_GLOO_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_GLOO_ENV, None)
+
+
 def build_world(store: dist.Store, generation: int, rank: int, world_size: int, tensor_parallel: int = 1,
                 pipeline_parallel: int = 1, timeout: timedelta = timedelta(seconds=60)) -> None:
     """(Re)build the default process group and megatron-core's groups for this world.
@@ -52,17 +75,19 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
         ConfigError: See :func:`check_sizes`.
     """
     check_sizes(world_size, tensor_parallel, pipeline_parallel)
+    started = time.monotonic()
     destroy_world()
-    backend = "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore(f"unicron-world/gen{generation}", store),
+    # the world connects now: a peer that dies later fails its collectives at once (Lightning's per-step broadcast)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"unicron-world/gen{generation}", store),
                             rank=rank, world_size=world_size, timeout=timeout)
     if megatron_available():
         from megatron.core import parallel_state
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                 pipeline_model_parallel_size=pipeline_parallel)
+        with _lazy_gloo():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                                     pipeline_model_parallel_size=pipeline_parallel)
     log.info("world_built", generation=generation, rank=rank, world_size=world_size,
-             tp=tensor_parallel, pp=pipeline_parallel)
+             tp=tensor_parallel, pp=pipeline_parallel, seconds=round(time.monotonic() - started, 3))
 
 
 def destroy_world() -> None:
