@@ -62,7 +62,8 @@ class HangThresholds:
             raise ConfigError("flap_window and warmup must be >= 1")
         grace = self.peer_failure_grace
         if not (isinstance(grace, (int, float)) and math.isfinite(grace) and 0 <= grace <= 3600):
-            raise ConfigError(f"peer_failure_grace must be a number of seconds in [0, 3600], got {grace!r}")
+            raise ConfigError(f"peer_failure_grace (--peer-failure-grace) must be a number of seconds in [0, 3600], "
+                              f"got {grace!r}")
 
 
 @dataclass(frozen=True)
