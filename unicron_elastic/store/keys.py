@@ -156,6 +156,11 @@ class MeetingKeys:
         return f"unicron-dp/gen{int(generation)}/pg"
 
     @staticmethod
+    def world(generation: int) -> str:
+        """Prefix of the bootstrap of one generation's default group and megatron-core's groups."""
+        return f"unicron-world/gen{int(generation)}"
+
+    @staticmethod
     def checkin(generation: int, rank: int) -> str:
         """A rank's check-in for ``generation`` (value: :class:`~unicron_elastic.strategy.membership.CheckIn` JSON)."""
         return f"unicron-dp/gen{int(generation)}/alive/{int(rank)}"

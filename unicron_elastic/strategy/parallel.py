@@ -16,6 +16,7 @@ import structlog
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
+from unicron_elastic.store.keys import MeetingKeys as K
 
 log = structlog.get_logger(__name__)
 LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"  # torch reads it when a gloo group is made
@@ -78,7 +79,7 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
     started = time.monotonic()
     destroy_world()
     # the world connects now: a peer that dies later fails its collectives at once (Lightning's per-step broadcast)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"unicron-world/gen{generation}", store),
+    dist.init_process_group("gloo", store=dist.PrefixStore(K.world(generation), store),
                             rank=rank, world_size=world_size, timeout=timeout)
     if megatron_available():
         from megatron.core import parallel_state
