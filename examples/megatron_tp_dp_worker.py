@@ -68,10 +68,16 @@ def main() -> None:
         store=dist.PrefixStore(f"tp{tp_rank}", store), rank=dp_rank, world_size=dp_size,
         timeout=timedelta(seconds=30), hook=lambda _, step, **where: maybe_fail(rank, step, **where),
     )
-    reports = [vars(ddp.train_step(step)) for step in range(args.steps)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"tp": tp_rank, "dp": dp_rank, "reports": reports}))
-    torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+    try:
+        reports = [vars(ddp.train_step(step)) for step in range(args.steps)]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"rank{rank}.json").write_text(json.dumps({"tp": tp_rank, "dp": dp_rank, "reports": reports}))
+        torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+    finally:
+        # no gloo group may outlive the interpreter: a live one can abort a finished rank (SIGABRT)
+        ddp.close()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

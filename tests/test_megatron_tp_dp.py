@@ -36,8 +36,8 @@ def test_killing_one_rank_fails_its_replica_and_the_other_replica_finishes(tmp_p
     out = tmp_path / "faulty"
     results = train(out, [fail_at(rank=victim, step=1, micro_batch=1)])
     assert len((out / "faults.log").read_text().splitlines()) == 1  # the fault fired
-    assert results[victim].returncode == -9
-    assert results[partner].returncode != 0  # its replica is broken: the partner leaves too
+    assert results[victim].returncode == -9, results[victim].stderr[-3000:]
+    assert results[partner].returncode != 0, results[partner].stderr[-3000:]  # its replica is broken: it leaves too
     for r in survivors:
         assert results[r].returncode == 0, results[r].stderr[-3000:]
         reports = json.loads((out / f"rank{r}.json").read_text())["reports"]
