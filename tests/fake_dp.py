@@ -1,13 +1,9 @@
-"""An in-process fake of the data-parallel recovery protocol (tests only).
+"""An in-process transport for the data-parallel recovery protocol (tests only).
 
-It plays what :mod:`unicron_elastic.strategy.elastic_dp` does with real gloo
-groups and a c10d store, with the pure decisions it uses
-(:func:`~unicron_elastic.strategy.membership.decide_record`,
-:func:`~unicron_elastic.strategy.membership.role`,
-:func:`~unicron_elastic.strategy.membership.proposal`,
-:func:`~unicron_elastic.strategy.microbatch.deal`,
-:func:`~unicron_elastic.strategy.microbatch.redistribute`) and nothing else
-of the engine:
+The ranks run the engine's own protocol - :class:`~unicron_elastic.strategy.protocol.Protocol`,
+the very code :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`
+runs - and this module executes its effects with fakes instead of gloo groups
+and a c10d store:
 
 * every rank is a generator; :meth:`Sim.run` advances the live ones in rounds,
   each one action per round in a seeded random order (a *slow* rank skips
@@ -30,28 +26,27 @@ micro-batch), or together with another rank wherever they are (a node lost).
 A rank waiting to join cannot die. A resize (a joiner admitted between steps)
 is the leader's create-only record, like a failure's; when its group does not
 form (a member died, or is behind), the members regroup under the next
-generation and the joiners wait for the next admission.
+generation and the joiners wait for the next admission. When no replica is
+left (every member of the last group dead, liveness keys gone), the lowest
+joiner resumes from step 0 (the engine: snapshot, checkpoint, else step 0) and
+the others join it; without liveness keys nobody can know, and the run ends
+with ``Sim.outcome == "no_replica"``; ``"all_dead"`` when every rank died.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
+from types import GeneratorType
 from typing import Any
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.membership import (
-    CheckIn,
-    MembershipRecord,
-    decide_record,
-    formation,
-    proposal,
-    resize_record,
-    role,
-)
-from unicron_elastic.strategy.microbatch import deal, redistribute
+from unicron_elastic.strategy import protocol as P
+from unicron_elastic.strategy.membership import CheckIn, MembershipRecord
+from unicron_elastic.strategy.protocol import Excluded, Protocol
 
 BASE = 1 << 8  # micro-batch j weighs BASE**j: counts below BASE decode exactly
 
@@ -91,12 +86,8 @@ class _Died(Exception):
     pass
 
 
-class _Failed(Exception):
-    """A collective failed on this rank (gloo's RuntimeError)."""
-
-
-class _Excluded(Exception):
-    """The record left this live rank out: it becomes a joiner."""
+class _Failed(RuntimeError):
+    """A collective failed on this rank (gloo raises a RuntimeError)."""
 
 
 @dataclass(frozen=True)
@@ -267,21 +258,58 @@ class FakeGroup:
             yield
 
 
+class _Quiet:
+    """A logger that drops everything (the protocol logs; thousands of simulated runs need not)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
 class _Rank:
-    """One worker: the engine's step loop, recovery and join, over the fakes."""
+    """One worker: the engine's own protocol (:class:`~unicron_elastic.strategy.protocol.Protocol`) over the fakes.
+
+    It executes the protocol's effects as the real transport does with gloo
+    and a c10d store, yielding to the scheduler where a real rank would wait.
+    The fake clock of a rank counts its polls (:class:`~unicron_elastic.strategy.protocol.Sleep`),
+    so the check-in deadline is ``Scenario.deadline`` polls.
+    """
 
     def __init__(self, sim: Sim, rank: int, members: list[int], joining: bool) -> None:
+        sc = sim.scenario
         self.sim, self.rank = sim, rank
-        self.members = list(members)
-        self.generation = 0
-        self.group: FakeGroup | None = None if joining else sim.group(0, self.members)
-        self.next_step = 0
+        self.protocol = Protocol(rank, members, sc.micro_batches, sc.buckets,
+                                 checkin_timeout=math.inf if sc.deadline is None else sc.deadline, logger=_Quiet())
+        self.group: FakeGroup | None = None if joining else sim.group(0, list(members))
         self.points = 0
         self.joining = joining
         self.in_recovery = False
-        self.agreed: tuple[int, list[int]] | None = None
-        self.deal_base: tuple[int, list[int], list[int]] | None = None
         self.last_label: Label | None = None
+        self.clock = 0
+        self.handlers: dict[type, Callable[[Any], Any]] = {
+            P.Point: lambda e: self.point(e.kind, e.step, e.index), P.Compute: self.compute,
+            P.Add: lambda e: [a + b for a, b in zip(e.total, e.extra)], P.Reduce: self.reduce,
+            P.AgreeMembers: self.agree, P.Pause: self.pause, P.DropGroup: self.drop,
+            P.CheckInFor: lambda e: sim.store.set(K.checkin(e.generation, rank), e.checkin.to_json()),
+            P.ReadRecord: lambda e: self.stored_record(e.generation),
+            P.ReadCheckIns: lambda e: self.checkins(e.generation, e.ranks), P.ReadAlive: self.alive,
+            P.Now: lambda e: self.clock, P.Sleep: self.sleep, P.WriteRecord: self.write_record,
+            P.Abandon: self.abandon, P.BuildGroup: self.build, P.Formed: self.formed,
+            P.ReadJoinRequests: lambda e: sim.waiting(), P.ReadWaiting: lambda e: sim.waiting(),
+            P.Announce: self.announce, P.TransferState: self.transfer, P.SetGradients: self.set_gradients,
+            P.ReadMembers: self.read_members, P.RequestJoin: self.request_join,
+            P.ReadFinished: lambda e: int(sim.store.get(K.FINISHED)) if sim.store.check([K.FINISHED]) else None,
+            P.ReadLatest: lambda e: json.loads(sim.store.get(K.LATEST)) if sim.store.check([K.LATEST]) else None,
+            P.Admitted: self.admitted, P.Fallback: self.fallback, P.FreeGeneration: self.free_generation,
+            P.Decided: self.decided, P.Followed: self.followed, P.Reassigned: self.reassigned,
+        }
+
+    @property
+    def members(self) -> list[int]:
+        return self.protocol.members
+
+    @property
+    def generation(self) -> int:
+        return self.protocol.generation
 
     # -- points where a rank may die -------------------------------------------------
     def point(self, kind: str, step: int, index: int | None = None) -> Generator[None, None, None]:
@@ -298,91 +326,118 @@ class _Rank:
         sc = self.sim.scenario
         if self.joining and not (yield from self.join()):
             return
-        while self.next_step < sc.steps:
+        while self.protocol.next_step < sc.steps:
+            s = self.protocol.next_step
             try:
-                yield from self.train_step(self.next_step)
-            except _Excluded:
+                yield from self.run(self.protocol.begin_step(s))
+                yield from self.run(self.protocol.finish_gradients())
+                self.protocol.next_step = s + 1
+            except Excluded as exc:
+                self.sim.excluded.append((exc.record.generation, self.rank,
+                                          "behind" if s < exc.record.step else "left out"))
+                self.in_recovery = False
                 if not (yield from self.join()):
                     return
-        self.sim.store.set(K.FINISHED, str(self.next_step))  # any member (ElasticDataParallel.finish)
+        self.sim.store.set(K.FINISHED, str(self.protocol.next_step))  # any member (ElasticDataParallel.finish)
 
-    def assignment(self, s: int) -> dict[int, list[int]]:
-        """``ElasticDataParallel._assignment``: dealt over the step's base, the ranks lost since redistributed."""
-        base, dead = self.members, []
-        if self.deal_base is not None and self.deal_base[0] == s:
-            _, base, dead = self.deal_base
-        dealt = deal(self.sim.scenario.micro_batches, list(base))
-        moved = redistribute(dealt, dead) if dead else {}
-        return {r: dealt.get(r, []) + moved.get(r, []) for r in self.members}
+    def join(self) -> Generator[None, None, bool]:
+        """Ask to join; wait for an admission (the protocol's join). False: training finished first."""
+        self.joining = True
+        step = yield from self.run(self.protocol.join(math.inf))
+        self.joining = False
+        return step is not None
 
-    def train_step(self, s: int) -> Generator[None, None, None]:
-        sc = self.sim.scenario
-        if self.agreed is not None and self.agreed[0] == s and self.agreed[1] != self.members:
-            wanted, self.agreed = self.agreed[1], None
-            yield from self.resize(wanted, s)
-        self.agreed = None
-        yield from self.point("step", s)
-        assignment = self.assignment(s)
-        local = [0] * sc.buckets
-        for j in assignment[self.rank]:
-            yield from self.point("micro", s, j)
-            _add(local, gradient(s, j, sc.buckets))
-        reduced: list[int | None] = [None] * sc.buckets
-        done = 0
+    def run(self, effects: Generator[Any, Any, Any]) -> Generator[None, None, Any]:
+        """Execute the effects of one protocol generator (``ElasticDataParallel._run``), yielding to the scheduler."""
+        result: Any = None
+        error: BaseException | None = None
         while True:
             try:
-                for k in range(done, sc.buckets):
-                    yield from self.point("bucket", s, k)
-                    last = k == sc.buckets - 1
-                    offer = None
-                    if last and self.rank == self.members[0]:
-                        offer = proposal(s + 1, self.members, {}, self.sim.waiting())
-                    seq = self.group.enter(self.rank, (s, k), local[k], offer)
-                    yield from self.point("sent", s, k)
-                    total, agreed = yield from self.group.wait(
-                        self.rank, seq, sc.partial if (not last or sc.partial_last) else 0.0)
-                    reduced[k], done = total, k + 1
-                    if last:
-                        self.agreed = (s + 1, list(agreed))
-                break
-            except _Failed:
-                base, dead, done = yield from self.reform(s, done)
-                if base is not None:  # the leader's resize record: the step starts over, dealt afresh
-                    self.deal_base = (s, base, dead)
-                    assignment = self.assignment(s)
-                    local = [0] * sc.buckets
-                    for j in assignment[self.rank]:
-                        yield from self.point("redo", s, j)
-                        _add(local, gradient(s, j, sc.buckets))
-                else:
-                    moved = redistribute(assignment, dead)
-                    assignment = {r: assignment[r] + moved[r] for r in self.members}
-                    for j in moved.get(self.rank, []):
-                        yield from self.point("redo", s, j)
-                        _add(local, gradient(s, j, sc.buckets))
-                self.sim.assignments.setdefault((s, self.generation), {})[self.rank] = {
-                    r: sorted(js) for r, js in assignment.items()}
-        self.sim.reduced.setdefault(s, {})[self.rank] = tuple(reduced)
-        self.next_step = s + 1
+                effect = effects.send(result) if error is None else effects.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            result, error = None, None
+            try:
+                result = self.handlers[type(effect)](effect)
+                if isinstance(result, GeneratorType):
+                    result = yield from result
+            except _Failed as exc:  # a collective failed: the protocol handles it
+                error = exc
 
-    def checkins(self, g: int, ranks: list[int] | tuple[int, ...]) -> dict[int, CheckIn]:
+    # -- effects -------------------------------------------------------------------------
+    def compute(self, e: P.Compute) -> Generator[None, None, list[int]]:
+        total = [0] * self.sim.scenario.buckets
+        for j in e.micro_batches:
+            yield from self.point("redo" if e.redo else "micro", e.step, j)
+            _add(total, gradient(e.step, j, self.sim.scenario.buckets))
+        return total
+
+    def reduce(self, e: P.Reduce) -> Generator[None, None, tuple]:
+        if self.group is None:
+            raise _Failed
+        sc = self.sim.scenario
+        seq = self.group.enter(self.rank, (e.step, e.bucket), e.local[e.bucket], e.offer)
+        yield from self.point("sent", e.step, e.bucket)
+        total, agreed = yield from self.group.wait(self.rank, seq, sc.partial if (not e.last or sc.partial_last) else 0.0)
+        if e.last and agreed is None:
+            raise ProtocolViolation(f"step {e.step}: the last bucket carried no leader's proposal")
+        return total, (list(agreed) if e.last else None)
+
+    def agree(self, e: P.AgreeMembers) -> Generator[None, None, list[int]]:
+        if self.group is None:
+            raise _Failed
+        seq = self.group.enter(self.rank, ("sync", e.step), 0, e.offer)
+        _, agreed = yield from self.group.wait(self.rank, seq)
+        if agreed is None:
+            raise ProtocolViolation(f"step {e.step}: the membership sync carried no leader's proposal")
+        return list(agreed)
+
+    def pause(self, e: P.Pause) -> None:
+        self.in_recovery = e.paused
+
+    def drop(self, e: P.DropGroup) -> Generator[None, None, None]:
+        if self.group is not None:
+            self.group.drop(self.rank)
+        self.group = None
+        for _ in range(self.sim.scenario.late.get(self.rank, 0)):
+            yield
+
+    def sleep(self, e: P.Sleep) -> Generator[None, None, None]:
+        self.clock += 1
+        yield
+
+    def stored_record(self, g: int) -> MembershipRecord | None:
+        store = self.sim.store
+        return MembershipRecord.from_json(store.get(K.record(g))) if store.check([K.record(g)]) else None
+
+    def checkins(self, g: int, ranks: tuple[int, ...]) -> dict[int, CheckIn]:
         store = self.sim.store
         return {r: CheckIn.from_json(store.get(K.checkin(g, r))) for r in ranks if store.check([K.checkin(g, r)])}
 
-    def form(self, record: MembershipRecord, s: int) -> Generator[None, None, bool]:
-        """Wait until every member checked in, then build the group (``ElasticDataParallel._form``); False: not formed."""
-        sim, sc = self.sim, self.sim.scenario
-        polls, verdict = 0, "wait"
-        while verdict == "wait":
-            yield from self.point("form", s, record.generation)
-            verdict = formation(record, self.checkins(record.generation, record.members),
-                                sim.alive_among(list(record.members)), sc.deadline is not None and polls >= sc.deadline)
-            polls += 1
-        if verdict == "abandon":  # it never connects: members already building fail (gloo: after its timeout)
-            sim.abandoned.append((record.generation, self.rank))
-            sim.group(record.generation, list(record.members)).drop(self.rank)
-            return False
-        self.group = sim.group(record.generation, self.members)
+    def alive(self, e: P.ReadAlive) -> set[int] | None:
+        alive = self.sim.alive_among(list(e.ranks))
+        if alive is not None and e.exclude_waiting:
+            alive -= set(self.sim.waiting())
+        return alive
+
+    def write_record(self, e: P.WriteRecord) -> MembershipRecord:
+        stored = self.sim.store.compare_set(K.record(e.record.generation), "", e.record.to_json())
+        self.sim.written.setdefault(e.record.generation, self.sim.round)
+        return MembershipRecord.from_json(stored)
+
+    def free_generation(self, e: P.FreeGeneration) -> int:
+        g = e.generation
+        while self.sim.store.check([K.record(g)]):
+            g += 1
+        return g
+
+    def abandon(self, e: P.Abandon) -> None:
+        """It never connects: members already building fail (gloo: after its timeout)."""
+        self.sim.abandoned.append((e.record.generation, self.rank))
+        self.sim.group(e.record.generation, list(e.record.members)).drop(self.rank)
+
+    def build(self, e: P.BuildGroup) -> Generator[None, None, bool]:
+        self.group = self.sim.group(e.record.generation, list(e.record.members))
         try:
             seq = self.group.enter(self.rank, ("form",), 0, build=True)
             yield from self.group.wait(self.rank, seq, build=True)
@@ -392,130 +447,67 @@ class _Rank:
             return False
         return True
 
-    def reform(self, s: int, done: int) -> Generator[None, None, tuple[list[int] | None, list[int], int]]:
-        """Drop the group, follow the next generation's record, build its group (``ElasticDataParallel._regroup``)."""
-        sim, sc, store = self.sim, self.sim.scenario, self.sim.store
-        self.in_recovery = True
-        if self.group is not None:
-            self.group.drop(self.rank)
-        self.group = None
-        for _ in range(sc.late.get(self.rank, 0)):
-            yield
-        base: list[int] | None = None
-        dead: list[int] = []
-        while True:
-            self.generation += 1
-            g = self.generation
-            yield from self.point("checkin", s, g)
-            store.set(K.checkin(g, self.rank), CheckIn(s, done).to_json())
-            polls = 0
-            while True:
-                yield from self.point("poll", s, g)
-                if store.check([K.record(g)]):
-                    record = MembershipRecord.from_json(store.get(K.record(g)))
-                    break
-                checked = self.checkins(g, self.members)
-                alive = sim.alive_among(self.members)
-                if alive is not None:
-                    alive -= set(sim.waiting())
-                passed = sc.deadline is not None and polls >= sc.deadline
-                polls += 1
-                record = decide_record(g, self.members, checked, alive, passed)
-                sim.polls.append(Poll(sim.round, self.rank, g, tuple(self.members), checked,
-                                      None if alive is None else frozenset(alive), passed,
-                                      frozenset(set(self.members) - sim.dead), record))
-                if record is not None:  # create-only: everyone follows what is stored
-                    yield from self.point("decided", s, g)  # another rank may decide (otherwise) meanwhile
-                    stored = store.compare_set(K.record(g), "", record.to_json())
-                    sim.written.setdefault(g, sim.round)
-                    record = MembershipRecord.from_json(stored)
-                    break
-            sim.adopted.setdefault(g, {})[self.rank] = record
-            if role(record, self.rank, s) == "joiner":
-                sim.excluded.append((g, self.rank, "behind" if s < record.step else "left out"))
-                self.in_recovery = False
-                raise _Excluded
-            if record.resize:
-                base, dead = list(record.members), []
-            dead += [r for r in record.dead if r not in dead]
-            self.members, done = list(record.members), record.kept_buckets
-            if (yield from self.form(record, s)):
-                break
-        if self.rank == self.members[0]:
-            store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
-        self.in_recovery = False
-        return base, dead, done
+    def formed(self, e: P.Formed) -> None:
+        if self.rank == e.members[0]:
+            self.sim.store.set(K.MEMBERS, json.dumps({"generation": e.generation, "members": list(e.members)}))
 
-    def resize(self, wanted: list[int], s: int) -> Generator[None, None, None]:
-        """Between steps: the leader's resize record, followed by all (``ElasticDataParallel._resize``)."""
-        store = self.sim.store
-        previous = list(self.members)
-        assert set(previous) <= set(wanted), "the fake has no schedule: members only grow between steps"
-        g = self.generation + 1
-        if self.rank == previous[0] and not self.checkins(g, previous):
-            proposed = resize_record(g, previous, wanted, s)
-            if MembershipRecord.from_json(store.compare_set(K.record(g), "", proposed.to_json())) == proposed:
-                store.set(K.LATEST, json.dumps({"generation": g, "members": list(proposed.members), "step": s,
-                                                "leader": previous[0]}))
-        base, dead = previous, []
-        while True:
-            new_base, lost, _ = yield from self.reform(s, 0)
-            if new_base is not None:
-                base, dead = new_base, []
-            dead += lost
-            self.deal_base = (s, base, dead)
-            if new_base is None:
-                return
-            root = min(set(previous) & set(self.members))
-            try:  # the replica sends the state (here: the step) to the newcomers
-                seq = self.group.enter(self.rank, ("state",), 0, s if self.rank == root else None)
-                yield from self.group.wait(self.rank, seq)
-                return
-            except _Failed:
-                self.sim.resize_failures.append((s, self.rank))
+    def announce(self, e: P.Announce) -> None:
+        self.sim.store.set(K.LATEST, json.dumps({"generation": e.record.generation, "members": list(e.record.members),
+                                                 "step": e.record.step, "leader": e.root, "source": e.source}))
 
-    def enter(self, latest: dict) -> Generator[None, None, bool]:
-        """(A joiner) check in, form the announced group, receive the state (``ElasticDataParallel._enter``)."""
-        store = self.sim.store
-        g = latest["generation"]
-        record = MembershipRecord.from_json(store.get(K.record(g))) if store.check([K.record(g)]) else None
-        if record is None or self.rank not in record.members:
-            return False
-        store.set(K.checkin(g, self.rank), CheckIn(record.step, 0).to_json())
-        self.generation, self.members = g, list(record.members)
-        if not (yield from self.form(record, record.step)):
-            return False
+    def transfer(self, e: P.TransferState) -> Generator[None, None, int | None]:
+        """The replica at ``root`` sends its state (here: its step) to the others."""
+        if self.group is None:
+            raise _Failed
+        root = self.members[e.root]
         try:
-            seq = self.group.enter(self.rank, ("state",), 0)
+            seq = self.group.enter(self.rank, ("state",), 0, self.protocol.next_step if self.rank == root else None)
             _, sent = yield from self.group.wait(self.rank, seq)
         except _Failed:
-            self.group.drop(self.rank)
-            self.group = None
-            return False
-        self.next_step = sent
-        return True
+            if not e.apply:
+                self.sim.resize_failures.append((self.protocol.synced_step, self.rank))
+            raise
+        return sent if e.apply else None  # the root's own step, which it sent
 
-    def join(self) -> Generator[None, None, bool]:
-        """Ask to join; wait for an admission (``ElasticDataParallel.join``). False: training finished first."""
+    def set_gradients(self, e: P.SetGradients) -> None:
+        self.sim.reduced.setdefault(e.step, {})[self.rank] = tuple(e.reduced)
+
+    def read_members(self, e: P.ReadMembers) -> tuple[int, list[int]] | None:
         store = self.sim.store
-        self.joining = True
-        floor = json.loads(store.get(K.MEMBERS))["generation"] if store.check([K.MEMBERS]) else -1
-        store.set(K.join(self.rank), "1")
+        if not store.check([K.MEMBERS]):
+            return None
+        last = json.loads(store.get(K.MEMBERS))
+        return last["generation"], list(last["members"])
+
+    def request_join(self, e: P.RequestJoin) -> None:
+        self.sim.store.set(K.join(self.rank), "1")
         self.sim.join_requests.append((self.sim.round, self.rank))
-        while True:
-            if store.check([K.FINISHED]):
-                self.joining = False
-                return False
-            if store.check([K.LATEST]):
-                latest = json.loads(store.get(K.LATEST))
-                if self.rank in latest["members"] and latest["generation"] > max(floor, self.generation):
-                    if (yield from self.enter(latest)):
-                        self.sim.admitted.append((latest["generation"], self.rank))
-                        store.delete_key(K.join(self.rank))
-                        self.joining = False
-                        return True
-                    floor = max(floor, latest["generation"])  # that group did not form: wait for the next one
-            yield
+
+    def admitted(self, e: P.Admitted) -> None:
+        self.sim.admitted.append((e.generation, self.rank))
+        self.sim.store.delete_key(K.join(self.rank))
+
+    def fallback(self, e: P.Fallback) -> tuple[int, str]:
+        """No replica is left: resume from step 0 (the engine: snapshot, checkpoint, else step 0)."""
+        sim = self.sim
+        last = json.loads(sim.store.get(K.MEMBERS))["members"]
+        if any(not sim.ranks[r].joining for r in set(last) & set(sim.running)):  # (others train in a stale group)
+            raise ProtocolViolation(f"rank {self.rank} found no replica while a member trains: {sim.describe()}")
+        sim.fallbacks.append((sim.round, self.rank))
+        self.protocol.next_step = 0
+        return 0, "step0"
+
+    def decided(self, e: P.Decided) -> None:
+        sim = self.sim
+        sim.polls.append(Poll(sim.round, self.rank, e.generation, e.previous, dict(e.checked_in), e.alive,
+                              e.deadline_passed, frozenset(set(e.previous) - sim.dead), e.result))
+
+    def followed(self, e: P.Followed) -> None:
+        self.sim.adopted.setdefault(e.record.generation, {})[self.rank] = e.record
+
+    def reassigned(self, e: P.Reassigned) -> None:
+        self.sim.assignments.setdefault((e.step, e.generation), {})[self.rank] = {
+            r: list(js) for r, js in e.assignment.items()}
 
 
 class Sim:
@@ -537,6 +529,7 @@ class Sim:
         self.join_requests: list[tuple[int, int]] = []  # (round, rank)
         self.resize_failures: list[tuple[int, int]] = []  # (step, rank): a resize whose state transfer failed
         self.abandoned: list[tuple[int, int]] = []  # (generation, rank): a group that did not form
+        self.fallbacks: list[tuple[int, int]] = []  # (round, rank): no replica left, resumed from step 0
         self.deaths: list[Death] = []
         self.reduced: dict[int, dict[int, tuple]] = {}  # step -> rank -> reduced gradient
         self.assignments: dict[tuple[int, int], dict[int, dict[int, list[int]]]] = {}
@@ -616,12 +609,12 @@ class Sim:
             for rank in order:
                 if rank in self.running and not (rank in sc.slow and self.rng.random() < 0.6):
                     self._advance(rank)
-            if self.running and all(self.ranks[r].joining for r in self.running):
+            if self.running and all(self.ranks[r].joining for r in self.running) and not sc.liveness:
                 if self.store.check([K.FINISHED]):
                     continue  # they see it at their next turn
-                self.outcome = "no_replica"  # only joiners are left: nobody holds the state
+                self.outcome = "no_replica"  # only joiners are left and nobody knows the members died
                 return self
-        self.outcome = "finished"
+        self.outcome = "finished" if self.store.check([K.FINISHED]) else "all_dead"
         return self
 
     def describe(self) -> str:

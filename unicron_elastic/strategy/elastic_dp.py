@@ -44,6 +44,11 @@ the same, so the parameter trajectory does not depend on the DP size.
 Several ranks may die at once (a node), and a rank may die during the
 recovery from another failure: the next collective fails and the survivors
 regroup again under the next generation.
+
+The sequencing is :class:`~unicron_elastic.strategy.protocol.Protocol`'s, a
+state machine that yields effects; this class is its real *transport*: it
+executes them with gloo groups, the store and the clock (``tests/fake_dp.py``
+is the in-process one the property tests use).
 """
 
 from __future__ import annotations
@@ -52,8 +57,7 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -62,18 +66,13 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.membership import (
-    CheckIn,
-    MembershipError,
-    MembershipRecord,
-    decide_record,
-    formation,
-    proposal,
-    resize_record,
-    role,
-)
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal, redistribute
+from unicron_elastic.strategy import protocol as P
+from unicron_elastic.strategy.membership import CheckIn, MembershipError, MembershipRecord
+from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.protocol import Excluded, Protocol, Retired, StepReport
 from unicron_elastic.strategy.state_transfer import broadcast_state
+
+__all__ = ["ElasticDataParallel", "Excluded", "Retired", "StepReport"]
 
 log = structlog.get_logger(__name__)
 
@@ -82,60 +81,8 @@ Hook = Callable[..., None]
 _ABSENT = b"\x00unicron-absent"
 
 
-@dataclass
-class StepReport:
-    """What one step did on this rank.
-
-    Attributes:
-        step: The step.
-        micro_batches: Micro-batch indices whose gradients this rank contributed
-            to the buckets that were (re)reduced last.
-        recoveries: Failures survived during the step.
-        dead: Ranks lost during the step.
-        kept_buckets: Buckets kept from before the last failure (scenario 2).
-    """
-
-    step: int
-    micro_batches: list[int] = field(default_factory=list)
-    recoveries: int = 0
-    dead: list[int] = field(default_factory=list)
-    kept_buckets: int = 0
-
-
-@dataclass(frozen=True)
-class _Regrouped:
-    """What a regroup changed for the step in progress.
-
-    Attributes:
-        base: Members the step's micro-batches are dealt over afresh (a resize
-            record was followed), or None: the deal stands.
-        dead: Ranks left out since (their micro-batches go to the members).
-        done: Buckets of the step every member completed.
-    """
-
-    base: list[int] | None
-    dead: list[int]
-    done: int
-
-
-class Retired(Exception):
-    """This rank is no longer a member of the data-parallel group (scale-in)."""
-
-
-class Excluded(Exception):
-    """This rank is alive but a membership record left it out: it must rejoin (:meth:`ElasticDataParallel.join`).
-
-    Attributes:
-        record: The record that left it out.
-    """
-
-    def __init__(self, message: str, record: MembershipRecord | None = None) -> None:
-        super().__init__(message)
-        self.record = record
-
-
 class ElasticDataParallel:
-    """One data-parallel replica of a model, resilient to the loss of peers.
+    """One data-parallel replica of a model, resilient to the loss of peers (the protocol's real transport).
 
     Args:
         model: The model (same initial parameters on every rank).
@@ -204,15 +151,11 @@ class ElasticDataParallel:
         pause: Callable[[bool, float | None], None] | None = None,
         on_drop: Callable[[], None] | None = None,
     ) -> None:
-        self.model, self.optimizer, self.plan = model, optimizer, plan
+        self.model, self.optimizer, self._plan = model, optimizer, plan
         self.batch, self.loss_fn, self.store = batch, loss_fn, store
         self.rank, self.timeout, self.checkin_timeout = rank, timeout, checkin_timeout
         self.hook = hook or (lambda *a, **k: None)
         self.world_size = world_size
-        self.members = list(members if members is not None else range(world_size))
-        self.generation = 0
-        self.schedule = dict(schedule or {})
-        self.next_step = 0
         self.get_state = get_state or self._default_state
         self.set_state = set_state or self._load_default_state
         self.on_group = on_group or (lambda members, generation: None)
@@ -222,29 +165,113 @@ class ElasticDataParallel:
         self.on_drop = on_drop or (lambda: None)
         self.state_source: str | None = None  # where a joiner's state came from
         self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others
-        self._synced_step = -1  # the last step whose membership this rank agreed on
-        self._agreed: dict[int, list[int]] = {}  # members of the next step, agreed in this step's all-reduce
-        self._pending: tuple[int, StepReport, dict[int, list[int]], torch.Tensor] | None = None
-        self._deal_base: tuple[int, list[int], list[int]] | None = None  # (step, dealt over, lost since)
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         size = bucket_numel or numel
         self.bounds = [(start, min(start + size, numel)) for start in range(0, numel, size)]
+        self.protocol = Protocol(rank, list(members if members is not None else range(world_size)),
+                                 plan.num_micro_batches, len(self.bounds), schedule, checkin_timeout,
+                                 timeout.total_seconds())
         self.pg: dist.ProcessGroupGloo | None = None
         self._incarnations: dict[int, bytes] = {}
+        self._handlers: dict[type, Callable[[Any], Any]] = self._effect_handlers()
         if not joining:
-            self.pg = self._group()
+            self.pg = self._group(self.generation, self.members)
             self._note_incarnations()
             if self.rank == self.members[0]:
                 self._publish_members()
 
+    # -- the protocol's state ----------------------------------------------------------
+    @property
+    def members(self) -> list[int]:
+        """The members of this rank's group."""
+        return self.protocol.members
+
+    @property
+    def generation(self) -> int:
+        """The generation of this rank's group."""
+        return self.protocol.generation
+
+    @property
+    def schedule(self) -> dict[int, list[int]]:
+        """``step -> members`` from that step on."""
+        return self.protocol.schedule
+
+    @property
+    def next_step(self) -> int:
+        """The step this replica's state is at (the next to run)."""
+        return self.protocol.next_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self.protocol.next_step = step
+
+    @property
+    def plan(self) -> GlobalBatchPlan:
+        """The global-batch plan (B micro-batches per step)."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: GlobalBatchPlan) -> None:
+        self._plan = plan
+        self.protocol.micro_batches = plan.num_micro_batches
+
+    # -- running the protocol --------------------------------------------------------
+    def _run(self, effects: Generator[Any, Any, Any]) -> Any:
+        """Execute the effects ``effects`` yields until it returns; an effect's exception is thrown into it."""
+        result: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                effect = effects.send(result) if error is None else effects.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            result, error = None, None
+            try:
+                result = self._handlers[type(effect)](effect)
+            except Exception as exc:  # noqa: BLE001 - the protocol decides (a failed collective is a RuntimeError)
+                error = exc
+
+    def _effect_handlers(self) -> dict[type, Callable[[Any], Any]]:
+        return {
+            P.Point: self._point, P.Compute: self._compute_effect, P.Add: lambda e: e.total + e.extra,
+            P.Reduce: self._reduce, P.AgreeMembers: self._agree, P.Pause: lambda e: self.pause(e.paused, e.bound),
+            P.DropGroup: lambda e: self._drop_group(),
+            P.CheckInFor: lambda e: self.store.set(K.checkin(e.generation, self.rank), e.checkin.to_json()),
+            P.ReadRecord: lambda e: self._stored_record(e.generation),
+            P.ReadCheckIns: lambda e: self._checkins(e.generation, e.ranks),
+            P.ReadAlive: self._read_alive, P.Now: lambda e: time.monotonic(), P.Sleep: lambda e: time.sleep(e.seconds),
+            P.WriteRecord: self._write_record, P.Abandon: lambda e: None, P.BuildGroup: self._build,
+            P.Formed: self._formed, P.ReadJoinRequests: self._join_requests, P.ReadWaiting: lambda e: self.waiting(),
+            P.Announce: self._announce, P.TransferState: self._transfer, P.SetGradients: self._set_gradients,
+            P.ReadMembers: self._read_members, P.RequestJoin: self._request_join,
+            P.ReadFinished: lambda e: int(self.store.get(K.FINISHED)) if self.store.check([K.FINISHED]) else None,
+            P.ReadLatest: lambda e: json.loads(self.store.get(K.LATEST)) if self.store.check([K.LATEST]) else None,
+            P.Admitted: self._admitted, P.Fallback: self._fallback, P.FreeGeneration: self._free_generation,
+            P.Decided: lambda e: None, P.Followed: lambda e: None, P.Reassigned: lambda e: None,
+        }
+
     # -- groups ----------------------------------------------------------------
-    def _group(self) -> dist.ProcessGroupGloo:
-        store = dist.PrefixStore(K.group(self.generation), self.store)
-        return dist.ProcessGroupGloo(store, self.members.index(self.rank), len(self.members), self.timeout)
+    def _group(self, generation: int, members: Sequence[int]) -> dist.ProcessGroupGloo:
+        store = dist.PrefixStore(K.group(generation), self.store)
+        return dist.ProcessGroupGloo(store, list(members).index(self.rank), len(members), self.timeout)
 
     def _publish_members(self) -> None:
         self.store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
+
+    def _build(self, effect: P.BuildGroup) -> bool:
+        try:
+            self.pg = self._group(effect.record.generation, effect.record.members)
+            return True
+        except (RuntimeError, LookupError) as exc:  # a member died while the group formed
+            log.warning("dp_group_build_failed", generation=effect.record.generation, error=str(exc)[:200])
+            return False
+
+    def _formed(self, effect: P.Formed) -> None:
+        self._note_incarnations()
+        if self.rank == self.members[0]:
+            self._publish_members()
+        self.on_group(list(effect.members), effect.generation)
 
     def _drop_group(self) -> None:
         """Destroy the broken group now, closing its connections.
@@ -267,10 +294,11 @@ class ElasticDataParallel:
         if held_elsewhere:  # e.g. a frame kept by a traceback: a full collection (slow with big models) frees it
             gc.collect()
 
-    def _alive(self) -> set[int] | None:
-        """Members that may still check in: liveness key of the same incarnation, not waiting to join."""
-        alive = self._alive_among(self.members)
-        return None if alive is None else alive - set(self.waiting())
+    def _read_alive(self, effect: P.ReadAlive) -> set[int] | None:
+        alive = self._alive_among(list(effect.ranks))
+        if alive is None or not effect.exclude_waiting:
+            return alive
+        return alive - set(self.waiting())  # a rank waiting to join will not check in as a member
 
     def _alive_among(self, ranks: list[int]) -> set[int] | None:
         """Those of ``ranks`` alive in the incarnation this rank trained with; None when no one keeps liveness keys.
@@ -309,214 +337,43 @@ class ElasticDataParallel:
             return None
         return MembershipRecord.from_json(self.store.get(K.record(generation)))
 
-    def _await_record(self, generation: int, checkin: CheckIn) -> MembershipRecord:
-        """Check in for ``generation`` and return its record, written once by whichever rank decides first.
+    def _write_record(self, effect: P.WriteRecord) -> MembershipRecord:
+        stored = self.store.compare_set(K.record(effect.record.generation), "", effect.record.to_json())
+        return MembershipRecord.from_json(stored)
 
-        The wait ends when every previous member checked in or is known dead
-        (:func:`~unicron_elastic.strategy.membership.decide_record`), at the
-        latest ``checkin_timeout`` after this rank checked in, or when the
-        leader's resize record is there.
-        """
-        self.store.set(K.checkin(generation, self.rank), checkin.to_json())
-        deadline = time.monotonic() + self.checkin_timeout
-        while True:
-            stored = self._stored_record(generation)
-            if stored is not None:
-                return stored
-            record = decide_record(generation, self.members, self._checkins(generation, self.members),
-                                   self._alive(), time.monotonic() > deadline)
-            if record is not None:  # create-only: the first writer wins, everyone follows what is stored
-                return MembershipRecord.from_json(self.store.compare_set(K.record(generation), "", record.to_json()))
-            time.sleep(0.002)
-
-    def _form(self, record: MembershipRecord) -> dist.ProcessGroupGloo | None:
-        """Build the group of ``record`` once every member checked in; None when it will not form (regroup).
-
-        See :func:`~unicron_elastic.strategy.membership.formation`.
-        """
-        deadline = time.monotonic() + self.checkin_timeout
-        while True:
-            verdict = formation(record, self._checkins(record.generation, record.members),
-                                self._alive_among(list(record.members)), time.monotonic() > deadline)
-            if verdict == "build":
-                break
-            if verdict == "abandon":
-                log.warning("dp_group_abandoned", generation=record.generation, members=list(record.members))
-                return None
-            time.sleep(0.002)
-        try:
-            return self._group()
-        except (RuntimeError, LookupError) as exc:  # a member died while the group formed
-            log.warning("dp_group_build_failed", generation=record.generation, error=str(exc)[:200])
-            return None
-
-    def _regroup(self, step: int, done: int) -> _Regrouped:
-        """Drop the group, follow the next generation's record, build its group (again if it does not form).
-
-        Args:
-            step: The step this rank is in.
-            done: Buckets of ``step`` it completed.
-
-        Returns:
-            What changed (see :class:`_Regrouped`).
-
-        Raises:
-            Excluded: This rank is alive but a record left it out (it checked
-                in after the deadline, or it is behind the members' step).
-        """
-        bound = self.checkin_timeout * 2 + self.timeout.total_seconds()
-        self.pause(True, bound)  # before anything slow
-        self._drop_group()
-        base: list[int] | None = None
-        dead: list[int] = []
-        while self.pg is None:
-            self.pause(True, bound)  # each attempt is bounded
-            self.generation += 1
-            record = self._await_record(self.generation, CheckIn(step, done))
-            if role(record, self.rank, step) == "joiner":
-                raise Excluded(f"rank {self.rank} (step {step}) was left out of generation {record.generation} "
-                               f"(members {list(record.members)}, step {record.step}): it must rejoin", record)
-            if record.resize:  # the leader's resize (this rank failed the step's membership sync): deal afresh
-                base, dead = list(record.members), []
-            dead += [r for r in record.dead if r not in dead]
-            self.members, done = list(record.members), record.kept_buckets
-            self.pg = self._form(record)
-        self._note_incarnations()
-        if self.rank == self.members[0]:
-            self._publish_members()
-        self.on_group(self.members, self.generation)
-        self.pause(False, None)
-        log.warning("dp_group_reformed", generation=self.generation, dead=dead,
-                    survivors=self.members, kept_buckets=done)
-        return _Regrouped(base, dead, done)
+    def _free_generation(self, effect: P.FreeGeneration) -> int:
+        generation = effect.generation
+        while self.store.check([K.record(generation)]):
+            generation += 1
+        return generation
 
     # -- membership ----------------------------------------------------------------
-    def _proposal(self, step: int) -> list[int]:
-        """The leader's members for ``step``: the schedule's, else the current ones plus waiting joiners."""
-        waiting = self.waiting() if not self.schedule and self.store.add(K.JOIN_REQUESTS, 0) > 0 else []
-        return proposal(step, self.members, self.schedule, waiting)
+    def _join_requests(self, effect: P.ReadJoinRequests) -> list[int]:
+        return self.waiting() if self.store.add(K.JOIN_REQUESTS, 0) > 0 else []
 
-    def _encode(self, members: list[int] | None, dtype: torch.dtype) -> torch.Tensor:
+    def _encode(self, members: Sequence[int] | None, dtype: torch.dtype) -> torch.Tensor:
         slots = torch.zeros(self.world_size + 1, dtype=dtype)
         if members is not None:
             slots[0] = len(members)
-            slots[1 : 1 + len(members)] = torch.tensor(members, dtype=dtype)
+            slots[1 : 1 + len(members)] = torch.tensor(list(members), dtype=dtype)
         return slots
 
     @staticmethod
     def _decode(slots: torch.Tensor) -> list[int]:
         return [int(r) for r in slots[1 : 1 + int(slots[0])].tolist()]
 
-    def _sync_membership(self, step: int) -> None:
-        """Agree on this step's members; resize if they changed.
-
-        Usually the members were agreed during the previous step's all-reduce
-        (the leader's proposal rides in the last bucket, so it costs no extra
-        collective). Otherwise (first step, after a join) a small all-reduce of
-        the leader's proposal agrees on them. Both are collectives, not store
-        keys, so a leader that died between steps cannot leave the others
-        waiting: the collective fails, the
-        members stay as they were, and the failure is handled in this step's
-        reduction like any other (scenario 1).
-
-        Raises:
-            Retired: This rank is not a member from ``step`` on.
-        """
-        if step == self._synced_step:  # joined at this step: the others agreed on it already
-            return
-        self._synced_step = step
-        wanted = self._agreed.pop(step, None)
-        if wanted is None:
-            payload = self._encode(self._proposal(step) if self.rank == self.members[0] else None, torch.int64)
-            try:
-                self.pg.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
-            except RuntimeError as exc:
-                self.pause(True, self.checkin_timeout + self.timeout.total_seconds())  # regrouping: no hang
-                log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
-                self._drop_group()  # peers blocked on us fail now; this step's reduction regroups
-                return
-            wanted = self._decode(payload)
-        self._agreed.clear()
-        if wanted == self.members:
-            return
-        self._resize(sorted(wanted), step)
-
-    def _resize(self, wanted: list[int], step: int) -> None:
-        """Between steps: change the members to ``wanted`` (joiners admitted, the schedule's members).
-
-        The leader writes the next generation's record create-only
-        (:meth:`_propose_resize`); every member checks in and follows the
-        stored record - the leader's, or a failure's when a rank was already
-        recovering into that generation. A replica sends the state to the
-        newcomers; if the group does not form, the members regroup without them.
-
-        Raises:
-            Retired: The record the rank follows is the resize and leaves it out.
-            Excluded: A failure's record left this rank out.
-        """
-        previous = list(self.members)
-        if self.rank == previous[0]:
-            self._propose_resize(self.generation + 1, previous, wanted, step)
-        try:
-            outcome = self._regroup(step, 0)
-        except Excluded as exc:
-            if exc.record is not None and exc.record.resize and self.rank not in exc.record.members:
-                log.info("dp_retired", step=step, members=list(exc.record.members))
-                raise Retired(f"rank {self.rank} leaves the data-parallel group at step {step}") from exc
-            raise
-        self._deal_base = (step, outcome.base or previous, outcome.dead)
-        if outcome.base is not None:  # the resize's group formed: a replica sends the state to the newcomers
-            root = min(set(previous) & set(self.members))
-            self._broadcast_state(self.members.index(root), apply=False)
-        log.info("dp_resized", step=step, members=self.members, generation=self.generation,
-                 resized=outcome.base is not None)
-
-    def _propose_resize(self, generation: int, previous: list[int], wanted: list[int], step: int) -> None:
-        """(The leader) write the resize record of ``generation`` create-only and announce it to the joiners.
-
-        Nothing is written when a rank already checked in for ``generation``:
-        it is recovering from a failure, whose record decides (the joiners are
-        proposed again at the next step).
-
-        Raises:
-            MembershipError: ``wanted`` keeps no member of ``previous`` (no replica would hold the state).
-        """
-        if self._checkins(generation, previous):
-            log.info("dp_resize_deferred", generation=generation, step=step)
-            return
-        keep = set(previous) & set(wanted)
-        if not keep:
-            raise MembershipError(f"members {wanted} for step {step} keep none of {previous}: no replica holds the state")
-        proposed = resize_record(generation, previous, wanted, step)
-        stored = MembershipRecord.from_json(self.store.compare_set(K.record(generation), "", proposed.to_json()))
-        if stored == proposed:
-            self._announce(proposed, min(keep))
-
-    def _announce(self, record: MembershipRecord, root: int, source: str = "replica") -> None:
-        """Tell the ranks waiting in :meth:`join` that ``record`` admits them, ``root`` sending the state from ``source``."""
-        self.store.set(K.LATEST, json.dumps({"generation": record.generation, "members": list(record.members),
-                                             "step": record.step, "leader": root, "source": source}))
-
-    def _enter(self, latest: dict[str, Any]) -> bool:
-        """(A joiner) enter the group that ``latest`` announced and load the state from its replica.
-
-        Returns:
-            False when the group did not form (wait for the next admission).
-        """
-        record = self._stored_record(latest["generation"])
-        if record is None or self.rank not in record.members:
-            return False
-        self.store.set(K.checkin(record.generation, self.rank), CheckIn(record.step, 0).to_json())
-        self.generation, self.members = record.generation, list(record.members)
-        self.pg = self._form(record)
+    def _agree(self, effect: P.AgreeMembers) -> list[int]:
         if self.pg is None:
-            return False
-        self._note_incarnations()
-        if self.rank == self.members[0]:
-            self._publish_members()
-        self.on_group(self.members, self.generation)
-        self._broadcast_state(self.members.index(latest["leader"]))
-        return True
+            raise RuntimeError("no group to agree on the members in")
+        payload = self._encode(effect.offer, torch.int64)  # the leader's proposal + zeros from the others
+        self.pg.allreduce([payload]).wait()
+        return self._decode(payload)
+
+    def _announce(self, effect: P.Announce) -> None:
+        """Tell the ranks waiting in :meth:`join` that a record admits them, a root sending the state from a source."""
+        record = effect.record
+        self.store.set(K.LATEST, json.dumps({"generation": record.generation, "members": list(record.members),
+                                             "step": record.step, "leader": effect.root, "source": effect.source}))
 
     def finish(self) -> None:
         """Training is over: ranks still waiting in :meth:`join` give up waiting (any member says so)."""
@@ -547,72 +404,43 @@ class ElasticDataParallel:
         Raises:
             TimeoutError: Not admitted within ``timeout`` seconds.
         """
-        # only a generation newer than the group's current one can admit us (not a stale admission)
-        floor = json.loads(self.store.get(K.MEMBERS))["generation"] if self.store.check([K.MEMBERS]) else -1
-        self.store.set(K.join(self.rank), "1")
-        self.store.add(K.JOIN_REQUESTS, 1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.store.check([K.FINISHED]):
-                log.info("dp_join_too_late", finished_at=int(self.store.get(K.FINISHED)))
-                return None
-            if self.store.check([K.LATEST]):
-                latest = json.loads(self.store.get(K.LATEST))
-                if self.rank in latest["members"] and latest["generation"] > max(floor, self.generation):
-                    source = latest.get("source", "replica")
-                    if self._enter(latest):
-                        self.state_source = source
-                        self._resume_state = None
-                        self._synced_step = self.next_step
-                        self.store.delete_key(K.join(self.rank))
-                        self.store.add(K.JOIN_REQUESTS, -1)
-                        log.info("dp_joined", step=self.next_step, members=self.members, state_from=source)
-                        return self.next_step
-                    floor = max(floor, latest["generation"])  # that group did not form: wait for the next one
-            self._resume_if_no_replica()
-            time.sleep(0.01)
-        raise TimeoutError(f"rank {self.rank} was not admitted to the data-parallel group in {timeout}s")
+        return self._run(self.protocol.join(timeout))
 
     def waiting(self) -> list[int]:
         """Ranks waiting in :meth:`join` to be admitted."""
         return [r for r in range(self.world_size) if self.store.check([K.join(r)])]
 
-    def _resume_if_no_replica(self) -> None:
-        """If every member waits to join, the lowest waiting rank restarts the group from ``fallback``.
+    def _read_members(self, effect: P.ReadMembers) -> tuple[int, list[int]] | None:
+        if not self.store.check([K.MEMBERS]):
+            return None
+        last = json.loads(self.store.get(K.MEMBERS))
+        return int(last["generation"]), list(last["members"])
 
-        Raises:
-        When nothing is left (no replica, no snapshot, no checkpoint), it
-        resumes from step 0 with its own fresh state and logs
+    def _request_join(self, effect: P.RequestJoin) -> None:
+        self.store.set(K.join(self.rank), "1")
+        self.store.add(K.JOIN_REQUESTS, 1)
+
+    def _admitted(self, effect: P.Admitted) -> None:
+        self.state_source = effect.source
+        self._resume_state = None
+        self.store.delete_key(K.join(self.rank))
+        self.store.add(K.JOIN_REQUESTS, -1)
+
+    def _fallback(self, effect: P.Fallback) -> tuple[int, str]:
+        """No replica is left: load ``fallback()``'s state, else keep this rank's fresh state as step 0's.
+
+        When nothing is left (no replica, no snapshot, no checkpoint) it logs
         ``dp_restart_from_step_0``.
         """
-        if not self.store.check([K.MEMBERS]):
-            return
-        last = json.loads(self.store.get(K.MEMBERS))
-        waiting = self.waiting()
-        alive = self._alive_among(last["members"])
-        holders = [r for r in last["members"] if r not in waiting and (alive is None or r in alive)]
-        if holders or not waiting or self.rank != min(waiting):
-            return  # a member that holds the state is alive (or nobody waits to resume)
         state = self.fallback()
         if state is None:  # nothing persisted: this joiner's fresh state is step 0's
-            log.warning("dp_restart_from_step_0", lost=last["members"],
+            log.warning("dp_restart_from_step_0", lost=self.members,
                         reason="no replica, no in-memory snapshot and no checkpoint is left")
             state = {**self.get_state(), "step": 0, "source": "step0"}
         self._apply_state(state)
         self._resume_state = state  # what we broadcast: our own live state is only partly restored yet
         self.state_source = state.get("source", "fallback")
-        generation = self._free_generation(max(last["generation"], self.generation) + 1)
-        log.warning("dp_no_replica_left", lost=last["members"], resume_step=self.next_step, source=self.state_source)
-        record = resize_record(generation, last["members"], waiting, self.next_step)
-        stored = MembershipRecord.from_json(self.store.compare_set(K.record(generation), "", record.to_json()))
-        if stored == record:
-            self._announce(record, self.rank, self.state_source)
-
-    def _free_generation(self, generation: int) -> int:
-        """The first generation from ``generation`` on that has no record yet."""
-        while self.store.check([K.record(generation)]):
-            generation += 1
-        return generation
+        return int(state["step"]), self.state_source
 
     # -- state --------------------------------------------------------------------
     def _default_state(self) -> dict[str, Any]:
@@ -633,28 +461,41 @@ class ElasticDataParallel:
         self.set_state(state)
         self.next_step = int(state["step"])
 
-    def _broadcast_state(self, root: int, apply: bool = True) -> None:
+    def _transfer(self, effect: P.TransferState) -> int | None:
         """The state (:meth:`state`) from the replica at ``root`` to every other member, tensor by tensor.
 
         A JSON skeleton first, then each tensor in its own broadcast, received
         into a preallocated tensor (:mod:`~unicron_elastic.strategy.state_transfer`):
         no blob, and receiving never unpickles anything.
 
-        Args:
-            root: Index of the sending member.
-            apply: Load what arrives (False for members that hold the state already).
+        Returns:
+            With ``apply``, the step of the state this rank now holds (received and
+            loaded; the root's own), else None.
 
         Raises:
+            RuntimeError: The broadcast failed (a member left).
             StateEncodingError: (sender) The state holds a value the format cannot carry
                 (the receivers are told at once and raise StateDecodingError).
             StateDecodingError: (receiver) What arrived is not a safe state.
         """
+        if self.pg is None:
+            raise RuntimeError("no group to send the state in")
         index = self.members.index(self.rank)
-        state = broadcast_state(self.pg, root, index, self.state() if index == root else None)
-        if index != root and apply:
+        state = broadcast_state(self.pg, effect.root, index, self.state() if index == effect.root else None)
+        if not effect.apply:
+            return None
+        if index != effect.root:
             self._apply_state(state)
+        return self.next_step
 
     # -- one step ----------------------------------------------------------------
+    def _point(self, effect: P.Point) -> None:
+        if effect.kind == "bucket":
+            self.hook(self.rank, effect.step, bucket=effect.index)
+
+    def _compute_effect(self, effect: P.Compute) -> torch.Tensor:
+        return self._compute(effect.step, list(effect.micro_batches))
+
     def _compute(self, step: int, micro_batches: list[int]) -> torch.Tensor:
         total = torch.zeros(sum(p.numel() for p in self.params), dtype=self.grad_dtype)
         views, offset = [], 0
@@ -665,19 +506,31 @@ class ElasticDataParallel:
             self.hook(self.rank, step, micro_batch=j)
             for p in self.params:
                 p.grad = None
-            self.loss_fn(self.model, self.batch(self.plan.indices(step, j))).backward()
+            self.loss_fn(self.model, self.batch(self._plan.indices(step, j))).backward()
             for p, view in zip(self.params, views):
                 view.add_(p.grad)  # in place into the sum's dtype: no temporary copies
         return total
 
-    def _assignment(self, step: int) -> dict[int, list[int]]:
-        """Who computes which micro-batch of ``step``: dealt over the step's base, the ranks lost since redistributed."""
-        base, dead = self.members, []
-        if self._deal_base is not None and self._deal_base[0] == step:
-            _, base, dead = self._deal_base
-        dealt = deal(self.plan.num_micro_batches, list(base))
-        moved = redistribute(dealt, dead) if dead else {}
-        return {r: dealt.get(r, []) + moved.get(r, []) for r in self.members}
+    def _reduce(self, effect: P.Reduce) -> tuple[torch.Tensor, list[int] | None]:
+        if self.pg is None:
+            raise RuntimeError("the group failed before this reduction (membership sync)")
+        start, end = self.bounds[effect.bucket]
+        local = effect.local
+        if not effect.last:
+            buf = local[start:end].clone()  # reduce a copy: the local sum survives a failure
+            self.pg.allreduce([buf]).wait()
+            return buf, None
+        # the next step's members ride along (the leader's proposal, zeros elsewhere)
+        buf = torch.cat([local[start:end], self._encode(effect.offer, local.dtype)])
+        self.pg.allreduce([buf]).wait()
+        return buf[: end - start], self._decode(buf[end - start :])
+
+    def _set_gradients(self, effect: P.SetGradients) -> None:
+        grad = torch.cat(list(effect.reduced)) / self._plan.num_micro_batches
+        offset = 0
+        for p in self.params:
+            p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
+            offset += p.numel()
 
     def begin_step(self, step: int) -> StepReport:
         """Agree on the members of ``step`` and compute this rank's micro-batches.
@@ -688,70 +541,16 @@ class ElasticDataParallel:
         Raises:
             Retired: The plan removed this rank from the group at ``step``.
         """
-        self._sync_membership(step)
-        report = StepReport(step)
-        assignment = self._assignment(step)
-        report.micro_batches = list(assignment[self.rank])
-        self._pending = (step, report, assignment, self._compute(step, report.micro_batches))
-        return report
+        return self._run(self.protocol.begin_step(step))
 
     def finish_gradients(self) -> StepReport:
         """All-reduce the gradients of the step begun, surviving failures; set ``p.grad`` to sum / B.
 
         Raises:
             RuntimeError: No step was begun.
+            Excluded: This rank is alive but a record left it out: it must :meth:`join`.
         """
-        if self._pending is None:
-            raise RuntimeError("finish_gradients() without begin_step()")
-        step, report, assignment, local = self._pending
-        self._pending = None
-        reduced: list[torch.Tensor | None] = [None] * len(self.bounds)
-        done = 0
-        while True:
-            try:
-                for k in range(done, len(self.bounds)):
-                    self.hook(self.rank, step, bucket=k)
-                    if self.pg is None:
-                        raise RuntimeError("the group failed before this reduction (membership sync)")
-                    start, end = self.bounds[k]
-                    last = k == len(self.bounds) - 1
-                    if last:  # the next step's members ride along (the leader's proposal, zeros elsewhere)
-                        proposal = self._proposal(step + 1) if self.rank == self.members[0] else None
-                        buf = torch.cat([local[start:end], self._encode(proposal, local.dtype)])
-                    else:
-                        buf = local[start:end].clone()  # reduce a copy: the local sum survives a failure
-                    self.pg.allreduce([buf]).wait()
-                    if last:
-                        self._agreed = {step + 1: self._decode(buf[end - start :])}
-                        buf = buf[: end - start]
-                    reduced[k] = buf
-                    done = k + 1
-                break
-            except RuntimeError as exc:
-                log.warning("dp_collective_failed", step=step, bucket=done, error=str(exc)[:200])
-                outcome = self._regroup(step, done)
-                done = outcome.done
-                report.recoveries += 1
-                report.dead += outcome.dead
-                report.kept_buckets = done
-                if outcome.base is not None:  # the leader's resize record: this step starts over, dealt afresh
-                    self._deal_base = (step, outcome.base, outcome.dead)
-                    assignment = self._assignment(step)
-                    report.micro_batches = list(assignment[self.rank])
-                    local = self._compute(step, report.micro_batches)
-                    continue
-                moved = redistribute(assignment, outcome.dead)
-                extra = moved.get(self.rank, [])
-                assignment = {r: assignment[r] + moved[r] for r in self.members}
-                if extra:
-                    local = local + self._compute(step, extra)
-                    report.micro_batches += extra
-        grad = torch.cat([t for t in reduced if t is not None]) / self.plan.num_micro_batches
-        offset = 0
-        for p in self.params:
-            p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
-            offset += p.numel()
-        return report
+        return self._run(self.protocol.finish_gradients())
 
     def train_step(self, step: int) -> StepReport:
         """Run optimizer step ``step`` over the whole global batch, whatever ranks die.
@@ -761,6 +560,7 @@ class ElasticDataParallel:
 
         Raises:
             Retired: The plan removed this rank from the group at ``step``.
+            Excluded: This rank is alive but a record left it out: it must :meth:`join`.
         """
         self.begin_step(step)
         report = self.finish_gradients()

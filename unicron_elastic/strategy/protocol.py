@@ -1,0 +1,730 @@
+"""The data-parallel recovery protocol as a pure state machine (sans-I/O).
+
+:class:`Protocol` holds one rank's view of the data-parallel group (members,
+generation, the step's deal) and runs the protocol of
+:mod:`~unicron_elastic.strategy.elastic_dp` - one step's reduction, the regroup
+after a failure, a resize between steps, a join - as generators that *yield
+effects* (the frozen dataclasses below) and receive their results. They do no
+I/O and never read a clock: a *transport* executes each effect - the real one
+with gloo groups and the c10d store (:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`),
+the tests' fake with in-process groups and a dict store (``tests/fake_dp.py``),
+so hundreds of failure combinations run through this very code in seconds.
+
+A transport runs a generator by sending each effect's result back
+(``gen.send(result)``) and *throwing* an exception an effect raised into it
+(``gen.throw(exc)``): a failed collective is a ``RuntimeError`` (as gloo's is),
+which the protocol handles; anything else ends the generator.
+
+The decisions themselves are the pure functions of
+:mod:`~unicron_elastic.strategy.membership` (who is in the next generation, who
+is left out, whether a group can form) and
+:mod:`~unicron_elastic.strategy.microbatch` (who computes which micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from unicron_elastic.strategy.membership import (
+    CheckIn,
+    MembershipError,
+    MembershipRecord,
+    decide_record,
+    formation,
+    proposal,
+    resize_record,
+    role,
+)
+from unicron_elastic.strategy.microbatch import deal, redistribute
+
+log = structlog.get_logger(__name__)
+
+Effects = Generator[Any, Any, Any]
+
+
+# -- what the protocol asks of a transport ------------------------------------------------------------
+@dataclass(frozen=True)
+class Point:
+    """A named point of the protocol (fault injection; ``kind`` ``step``, ``bucket``, ``checkin``, ``poll``,
+    ``decided``, ``form``). Returns nothing."""
+
+    kind: str
+    step: int
+    index: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Compute:
+    """Gradients of ``micro_batches`` of ``step``, summed into a fresh buffer (returned).
+
+    ``redo``: they are moved or recomputed after a failure.
+    """
+
+    step: int
+    micro_batches: tuple[int, ...]
+    redo: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Add:
+    """``total + extra`` (two gradient sums; returned)."""
+
+    total: Any
+    extra: Any
+
+
+@dataclass(frozen=True, eq=False)
+class Reduce:
+    """All-reduce bucket ``bucket`` of the local sum ``local`` in the current group (a copy: ``local`` stays).
+
+    The last bucket carries the leader's ``offer`` (the next step's members).
+    Returns ``(reduced bucket, agreed members or None)``; raises ``RuntimeError`` when it fails.
+    """
+
+    step: int
+    bucket: int
+    local: Any
+    offer: tuple[int, ...] | None
+    last: bool
+
+
+@dataclass(frozen=True)
+class AgreeMembers:
+    """A small all-reduce of the leader's ``offer`` (members of ``step``); returns the agreed list."""
+
+    step: int
+    offer: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class Pause:
+    """A regroup begins (``paused``, at most ``bound`` seconds) or ends: a declared pause, not a hang."""
+
+    paused: bool
+    bound: float | None
+
+
+@dataclass(frozen=True)
+class DropGroup:
+    """Destroy this rank's group now (closing its connections: peers blocked on this rank fail at once)."""
+
+
+@dataclass(frozen=True)
+class CheckInFor:
+    """Store this rank's ``checkin`` for ``generation``."""
+
+    generation: int
+    checkin: CheckIn
+
+
+@dataclass(frozen=True)
+class ReadRecord:
+    """The stored membership record of ``generation``, or None."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class ReadCheckIns:
+    """The check-ins of ``ranks`` for ``generation`` (``rank -> CheckIn``)."""
+
+    generation: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReadAlive:
+    """Those of ``ranks`` alive in the incarnation this rank trained with (minus ranks waiting to join when
+    ``exclude_waiting``); None when no one keeps liveness keys."""
+
+    ranks: tuple[int, ...]
+    exclude_waiting: bool
+
+
+@dataclass(frozen=True)
+class Now:
+    """The transport's clock (seconds for the real one); returns a float."""
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Wait a little before polling again."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WriteRecord:
+    """Write ``record`` create-only; returns the record stored (the first writer's)."""
+
+    record: MembershipRecord
+
+
+@dataclass(frozen=True)
+class Abandon:
+    """The group of ``record`` will not form (a member is dead or behind): this rank gives up building it."""
+
+    record: MembershipRecord
+
+
+@dataclass(frozen=True)
+class BuildGroup:
+    """Build the group of ``record`` (every member checked in); returns False when that fails."""
+
+    record: MembershipRecord
+
+
+@dataclass(frozen=True)
+class Formed:
+    """This rank is in the new group of ``generation`` (the transport notes incarnations, the leader publishes
+    the members, ``on_group`` runs)."""
+
+    generation: int
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReadJoinRequests:
+    """Ranks waiting to join (cheap when nobody waits); returns a list."""
+
+
+@dataclass(frozen=True)
+class ReadWaiting:
+    """Ranks waiting to join; returns a list."""
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Tell waiting ranks that ``record`` admits them, the member ``root`` sending the state from ``source``."""
+
+    record: MembershipRecord
+    root: int
+    source: str
+
+
+@dataclass(frozen=True)
+class TransferState:
+    """Broadcast the state from the member at index ``root``; with ``apply`` a receiver loads it and every
+    rank, the root included, gets the step of the state it now holds (else None). Raises ``RuntimeError``
+    when the broadcast fails."""
+
+    root: int
+    apply: bool
+
+
+@dataclass(frozen=True, eq=False)
+class SetGradients:
+    """The step's reduced buckets: set the gradients (sum / B)."""
+
+    step: int
+    reduced: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class ReadMembers:
+    """The last published ``(generation, members)``, or None."""
+
+
+@dataclass(frozen=True)
+class RequestJoin:
+    """Ask to be admitted (a join request)."""
+
+
+@dataclass(frozen=True)
+class ReadFinished:
+    """The step at which training finished, or None."""
+
+
+@dataclass(frozen=True)
+class ReadLatest:
+    """The latest admission (``{"generation", "members", "step", "leader", "source"}``), or None."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """This joiner is in (its request is withdrawn); its state came from ``source``."""
+
+    generation: int
+    source: str
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """No replica is left: load the state to resume from (snapshot, checkpoint, else step 0);
+    returns ``(step, source)``."""
+
+
+@dataclass(frozen=True)
+class FreeGeneration:
+    """The first generation from ``generation`` on that has no record yet."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Decided:
+    """(Information) one evaluation of :func:`decide_record`: its inputs and result."""
+
+    generation: int
+    previous: tuple[int, ...]
+    checked_in: Mapping[int, CheckIn]
+    alive: frozenset[int] | None
+    deadline_passed: bool
+    result: MembershipRecord | None
+
+
+@dataclass(frozen=True)
+class Followed:
+    """(Information) this rank follows ``record``."""
+
+    record: MembershipRecord
+
+
+@dataclass(frozen=True)
+class Reassigned:
+    """(Information) after a recovery in ``step``, who computes which micro-batch (in ``generation``)."""
+
+    step: int
+    generation: int
+    assignment: Mapping[int, tuple[int, ...]]
+
+
+# -- outcomes -------------------------------------------------------------------------------------------
+@dataclass
+class StepReport:
+    """What one step did on this rank.
+
+    Attributes:
+        step: The step.
+        micro_batches: Micro-batch indices whose gradients this rank contributed
+            to the buckets that were (re)reduced last.
+        recoveries: Failures survived during the step.
+        dead: Ranks lost during the step.
+        kept_buckets: Buckets kept from before the last failure (scenario 2).
+    """
+
+    step: int
+    micro_batches: list[int] = field(default_factory=list)
+    recoveries: int = 0
+    dead: list[int] = field(default_factory=list)
+    kept_buckets: int = 0
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    """What a regroup changed for the step in progress.
+
+    Attributes:
+        base: Members the step's micro-batches are dealt over afresh (a resize
+            record was followed), or None: the deal stands.
+        dead: Ranks left out since (their micro-batches go to the members).
+        done: Buckets of the step every member completed.
+    """
+
+    base: list[int] | None
+    dead: list[int]
+    done: int
+
+
+class Retired(Exception):
+    """This rank is no longer a member of the data-parallel group (scale-in)."""
+
+
+class Excluded(Exception):
+    """This rank is alive but a membership record left it out: it must rejoin (:meth:`Protocol.join`).
+
+    Attributes:
+        record: The record that left it out.
+        step: The step this rank was in.
+    """
+
+    def __init__(self, message: str, record: MembershipRecord | None = None, step: int | None = None) -> None:
+        super().__init__(message)
+        self.record, self.step = record, step
+
+
+# -- the machine ---------------------------------------------------------------------------------------
+class Protocol:
+    """One rank's side of the recovery protocol; every method that acts is a generator of effects.
+
+    Args:
+        rank: This rank.
+        members: The group's members (empty for a rank that will join).
+        micro_batches: B, micro-batches per step.
+        buckets: Gradient buckets reduced in order per step.
+        schedule: ``step -> members`` from that step on (the leader applies it).
+        checkin_timeout: How long (transport clock) a rank alive but not checked in is waited for.
+        collective_timeout: Seconds a collective may take (bounds a declared pause).
+        logger: Where the protocol logs (structlog-like).
+    """
+
+    def __init__(self, rank: int, members: Sequence[int], micro_batches: int, buckets: int,
+                 schedule: Mapping[int, Sequence[int]] | None = None, checkin_timeout: float = 10.0,
+                 collective_timeout: float = 30.0, logger: Any = None) -> None:
+        self.rank = rank
+        self.members = list(members)
+        self.micro_batches, self.buckets = micro_batches, buckets
+        self.schedule = {int(s): list(m) for s, m in (schedule or {}).items()}
+        self.checkin_timeout, self.collective_timeout = checkin_timeout, collective_timeout
+        self.log = logger if logger is not None else log
+        self.generation = 0
+        self.next_step = 0
+        self.synced_step = -1  # the last step whose membership this rank agreed on
+        self.agreed: dict[int, list[int]] = {}  # members of the next step, agreed in this step's all-reduce
+        self.deal_base: tuple[int, list[int], list[int]] | None = None  # (step, dealt over, lost since)
+        self._pending: tuple[int, StepReport, dict[int, list[int]], Any] | None = None
+
+    @property
+    def leader(self) -> bool:
+        """This rank leads its group (the lowest member)."""
+        return bool(self.members) and self.rank == self.members[0]
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def assignment(self, step: int) -> dict[int, list[int]]:
+        """Who computes which micro-batch of ``step``: dealt over the step's base, the ranks lost since redistributed."""
+        base, dead = self.members, []
+        if self.deal_base is not None and self.deal_base[0] == step:
+            _, base, dead = self.deal_base
+        dealt = deal(self.micro_batches, list(base))
+        moved = redistribute(dealt, dead) if dead else {}
+        return {r: dealt.get(r, []) + moved.get(r, []) for r in self.members}
+
+    def begin_step(self, step: int) -> Effects:
+        """Agree on the members of ``step`` and compute this rank's micro-batches; returns the :class:`StepReport`.
+
+        Raises:
+            Retired: The plan removed this rank from the group at ``step``.
+            Excluded: A failure's record (during a resize) left this rank out.
+        """
+        yield from self._sync_membership(step)
+        yield Point("step", step)
+        report = StepReport(step)
+        assignment = self.assignment(step)
+        report.micro_batches = list(assignment[self.rank])
+        local = yield Compute(step, tuple(report.micro_batches))
+        self._pending = (step, report, assignment, local)
+        return report
+
+    def finish_gradients(self) -> Effects:
+        """All-reduce the step begun bucket by bucket, surviving failures; ends with :class:`SetGradients`.
+
+        Returns:
+            The step's :class:`StepReport`.
+
+        Raises:
+            RuntimeError: No step was begun.
+            Excluded: A record left this rank out (alive but late, or behind).
+        """
+        if self._pending is None:
+            raise RuntimeError("finish_gradients() without begin_step()")
+        step, report, assignment, local = self._pending
+        self._pending = None
+        reduced: list[Any] = [None] * self.buckets
+        done = 0
+        while True:
+            try:
+                for k in range(done, self.buckets):
+                    yield Point("bucket", step, k)
+                    last = k == self.buckets - 1
+                    offer = None
+                    if last and self.leader:  # the next step's members ride along in the last bucket
+                        offer = tuple((yield from self._proposal(step + 1)))
+                    reduced[k], agreed = yield Reduce(step, k, local, offer, last)
+                    if last:
+                        self.agreed = {step + 1: list(agreed)}
+                    done = k + 1
+                break
+            except RuntimeError as exc:  # a collective failed (gloo's error) or the group was gone already
+                self.log.warning("dp_collective_failed", step=step, bucket=done, error=str(exc)[:200])
+                outcome = yield from self._regroup(step, done)
+                done = outcome.done
+                report.recoveries += 1
+                report.dead += outcome.dead
+                report.kept_buckets = done
+                assignment, local = yield from self._reassign(step, report, assignment, local, outcome)
+        yield SetGradients(step, tuple(reduced))
+        return report
+
+    def _reassign(self, step: int, report: StepReport, assignment: dict[int, list[int]], local: Any,
+                  outcome: Regrouped) -> Effects:
+        """After a regroup: the lost ranks' micro-batches to the members, or the whole step dealt afresh (a resize)."""
+        if outcome.base is not None:  # the leader's resize record: this step starts over, dealt afresh
+            self.deal_base = (step, outcome.base, outcome.dead)
+            assignment = self.assignment(step)
+            report.micro_batches = list(assignment[self.rank])
+            local = yield Compute(step, tuple(report.micro_batches), redo=True)
+        else:
+            moved = redistribute(assignment, outcome.dead)
+            extra = moved.get(self.rank, [])
+            assignment = {r: assignment[r] + moved[r] for r in self.members}
+            if extra:
+                local = yield Add(local, (yield Compute(step, tuple(extra), redo=True)))
+                report.micro_batches += extra
+        yield Reassigned(step, self.generation, {r: tuple(sorted(js)) for r, js in assignment.items()})
+        return assignment, local
+
+    # -- regroup ---------------------------------------------------------------------------------------
+    def _regroup(self, step: int, done: int) -> Effects:
+        """Drop the group, follow the next generation's record, build its group (again if it does not form).
+
+        Returns:
+            What changed (:class:`Regrouped`).
+
+        Raises:
+            Excluded: This rank is alive but a record left it out (it checked
+                in after the deadline, or it is behind the members' step).
+        """
+        bound = self.checkin_timeout * 2 + self.collective_timeout
+        yield Pause(True, bound)  # before anything slow
+        yield DropGroup()
+        base: list[int] | None = None
+        dead: list[int] = []
+        formed = False
+        while not formed:
+            yield Pause(True, bound)  # each attempt is bounded
+            self.generation += 1
+            record = yield from self._await_record(self.generation, CheckIn(step, done))
+            yield Followed(record)
+            if role(record, self.rank, step) == "joiner":
+                raise Excluded(f"rank {self.rank} (step {step}) was left out of generation {record.generation} "
+                               f"(members {list(record.members)}, step {record.step}): it must rejoin", record, step)
+            if record.resize:  # the leader's resize (this rank failed the step's membership sync): deal afresh
+                base, dead = list(record.members), []
+            dead += [r for r in record.dead if r not in dead]
+            self.members, done = list(record.members), record.kept_buckets
+            formed = yield from self._form(record, step)
+        yield Formed(self.generation, tuple(self.members))
+        yield Pause(False, None)
+        self.log.warning("dp_group_reformed", generation=self.generation, dead=dead, survivors=self.members,
+                         kept_buckets=done)
+        return Regrouped(base, dead, done)
+
+    def _await_record(self, generation: int, checkin: CheckIn) -> Effects:
+        """Check in for ``generation`` and return its record, written once by whichever rank decides first.
+
+        The wait ends when every previous member checked in or is known dead
+        (:func:`~unicron_elastic.strategy.membership.decide_record`), at the
+        latest ``checkin_timeout`` after this rank checked in, or when the
+        leader's resize record is there.
+        """
+        yield Point("checkin", checkin.step, generation)
+        yield CheckInFor(generation, checkin)
+        start = yield Now()
+        while True:
+            yield Point("poll", checkin.step, generation)
+            stored = yield ReadRecord(generation)
+            if stored is not None:
+                return stored
+            checked = yield ReadCheckIns(generation, tuple(self.members))
+            alive = yield ReadAlive(tuple(self.members), exclude_waiting=True)
+            passed = (yield Now()) - start >= self.checkin_timeout
+            record = decide_record(generation, self.members, checked, alive, passed)
+            yield Decided(generation, tuple(self.members), checked, None if alive is None else frozenset(alive),
+                          passed, record)
+            if record is not None:  # create-only: the first writer wins, everyone follows what is stored
+                yield Point("decided", checkin.step, generation)
+                return (yield WriteRecord(record))
+            yield Sleep(0.002)
+
+    def _form(self, record: MembershipRecord, step: int) -> Effects:
+        """Build the group of ``record`` once every member checked in; False when it will not form (regroup).
+
+        See :func:`~unicron_elastic.strategy.membership.formation`.
+        """
+        start = yield Now()
+        while True:
+            yield Point("form", step, record.generation)
+            checked = yield ReadCheckIns(record.generation, tuple(record.members))
+            alive = yield ReadAlive(tuple(record.members), exclude_waiting=False)
+            passed = (yield Now()) - start >= self.checkin_timeout
+            verdict = formation(record, checked, alive, passed)
+            if verdict == "build":
+                return (yield BuildGroup(record))
+            if verdict == "abandon":
+                self.log.warning("dp_group_abandoned", generation=record.generation, members=list(record.members))
+                yield Abandon(record)
+                return False
+            yield Sleep(0.002)
+
+    # -- membership between steps -------------------------------------------------------------------------
+    def _proposal(self, step: int) -> Effects:
+        """The leader's members for ``step``: the schedule's, else the current ones plus waiting joiners."""
+        waiting = [] if self.schedule else (yield ReadJoinRequests())
+        return proposal(step, self.members, self.schedule, waiting)
+
+    def _sync_membership(self, step: int) -> Effects:
+        """Agree on this step's members; resize if they changed.
+
+        Usually the members were agreed during the previous step's all-reduce
+        (the leader's proposal rides in the last bucket, so it costs no extra
+        collective). Otherwise (first step, after a join) a small all-reduce of
+        the leader's proposal agrees on them. Both are collectives, not store
+        keys, so a leader that died between steps cannot leave the others
+        waiting: the collective fails, the members stay as they were, and the
+        failure is handled in this step's reduction like any other (scenario 1).
+
+        Raises:
+            Retired: This rank is not a member from ``step`` on.
+        """
+        if step == self.synced_step:  # joined at this step: the others agreed on it already
+            return
+        self.synced_step = step
+        wanted = self.agreed.pop(step, None)
+        if wanted is None:
+            offer = tuple((yield from self._proposal(step))) if self.leader else None
+            try:
+                wanted = yield AgreeMembers(step, offer)
+            except RuntimeError as exc:
+                yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
+                self.log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
+                yield DropGroup()  # peers blocked on us fail now; this step's reduction regroups
+                return
+        self.agreed.clear()
+        if list(wanted) == self.members:
+            return
+        yield from self._resize(sorted(wanted), step)
+
+    def _resize(self, wanted: list[int], step: int) -> Effects:
+        """Between steps: change the members to ``wanted`` (joiners admitted, the schedule's members).
+
+        The leader writes the next generation's record create-only
+        (:meth:`_propose_resize`); every member checks in and follows the
+        stored record - the leader's, or a failure's when a rank was already
+        recovering into that generation. A replica sends the state to the
+        newcomers; if the group does not form, or the transfer fails, the
+        members regroup again (without whoever failed).
+
+        Raises:
+            Retired: The record the rank follows is the resize and leaves it out.
+            Excluded: A failure's record left this rank out.
+        """
+        previous = list(self.members)
+        if self.rank == previous[0]:
+            yield from self._propose_resize(self.generation + 1, previous, wanted, step)
+        base, dead = previous, []
+        while True:
+            try:
+                outcome = yield from self._regroup(step, 0)
+            except Excluded as exc:
+                if exc.record is not None and exc.record.resize and self.rank not in exc.record.members:
+                    self.log.info("dp_retired", step=step, members=list(exc.record.members))
+                    raise Retired(f"rank {self.rank} leaves the data-parallel group at step {step}") from exc
+                raise
+            if outcome.base is not None:
+                base, dead = outcome.base, []
+            dead += outcome.dead
+            self.deal_base = (step, base, dead)
+            if outcome.base is None:  # a failure's record: no newcomer to send the state to
+                break
+            root = min(set(previous) & set(self.members))
+            try:  # the resize's group formed: a replica sends the state to the newcomers
+                yield TransferState(self.members.index(root), apply=False)
+                break
+            except RuntimeError as exc:
+                self.log.warning("dp_resize_transfer_failed", step=step, error=str(exc)[:200])
+        self.log.info("dp_resized", step=step, members=self.members, generation=self.generation)
+
+    def _propose_resize(self, generation: int, previous: list[int], wanted: list[int], step: int) -> Effects:
+        """(The leader) write the resize record of ``generation`` create-only and announce it to the joiners.
+
+        Nothing is written when a rank already checked in for ``generation``:
+        it is recovering from a failure, whose record decides (the joiners are
+        proposed again at the next step).
+
+        Raises:
+            MembershipError: ``wanted`` keeps no member of ``previous`` (no replica would hold the state).
+        """
+        if (yield ReadCheckIns(generation, tuple(previous))):
+            self.log.info("dp_resize_deferred", generation=generation, step=step)
+            return
+        keep = set(previous) & set(wanted)
+        if not keep:
+            raise MembershipError(f"members {wanted} for step {step} keep none of {previous}: no replica holds the state")
+        proposed = resize_record(generation, previous, wanted, step)
+        if (yield WriteRecord(proposed)) == proposed:
+            yield Announce(proposed, min(keep), "replica")
+
+    # -- join ----------------------------------------------------------------------------------------------
+    def join(self, timeout: float) -> Effects:
+        """Wait until the group admits this rank, then load its state from a replica.
+
+        When no replica is left (every member of the group that is still alive
+        is itself waiting to join), the lowest waiting rank resumes from
+        :class:`Fallback` and hands that state to the others.
+
+        Returns:
+            The step to continue from; None if training finished first.
+
+        Raises:
+            TimeoutError: Not admitted within ``timeout``.
+        """
+        last = yield ReadMembers()
+        floor = last[0] if last is not None else -1  # only a newer generation can admit us (not a stale one)
+        yield RequestJoin()
+        start = yield Now()
+        while (yield Now()) - start < timeout:
+            finished = yield ReadFinished()
+            if finished is not None:
+                self.log.info("dp_join_too_late", finished_at=finished)
+                return None
+            latest = yield ReadLatest()
+            if latest is not None and self.rank in latest["members"] and \
+                    latest["generation"] > max(floor, self.generation):
+                if (yield from self._enter(latest)):
+                    self.synced_step = self.next_step
+                    self.agreed.clear()  # what this rank agreed on before it was left out is stale
+                    self.deal_base = None
+                    yield Admitted(self.generation, latest.get("source", "replica"))
+                    self.log.info("dp_joined", step=self.next_step, members=self.members,
+                                  state_from=latest.get("source", "replica"))
+                    return self.next_step
+                floor = max(floor, latest["generation"])  # that group did not form: wait for the next one
+            yield from self._resume_if_no_replica()
+            yield Sleep(0.01)
+        raise TimeoutError(f"rank {self.rank} was not admitted to the data-parallel group in {timeout}s")
+
+    def _enter(self, latest: Mapping[str, Any]) -> Effects:
+        """(A joiner) check in, form the announced group, receive the state from its replica.
+
+        Returns:
+            False when the group did not form or the state did not arrive (wait for the next admission).
+        """
+        record = yield ReadRecord(latest["generation"])
+        if record is None or self.rank not in record.members:
+            return False
+        yield CheckInFor(record.generation, CheckIn(record.step, 0))
+        self.generation, self.members = record.generation, list(record.members)
+        if not (yield from self._form(record, record.step)):
+            return False
+        yield Formed(self.generation, tuple(self.members))
+        try:
+            step = yield TransferState(self.members.index(latest["leader"]), apply=True)
+        except RuntimeError as exc:  # the replica died while sending: wait for the next admission
+            self.log.warning("dp_join_transfer_failed", generation=self.generation, error=str(exc)[:200])
+            yield DropGroup()
+            return False
+        self.next_step = int(step)
+        return True
+
+    def _resume_if_no_replica(self) -> Effects:
+        """If every member waits to join, the lowest waiting rank restarts the group from :class:`Fallback`."""
+        last = yield ReadMembers()
+        if last is None:
+            return
+        last_generation, last_members = last
+        waiting = yield ReadWaiting()
+        alive = yield ReadAlive(tuple(last_members), exclude_waiting=False)
+        holders = [r for r in last_members if r not in waiting and (alive is None or r in alive)]
+        if holders or not waiting or self.rank != min(waiting):
+            return  # a member that holds the state is alive (or nobody waits to resume)
+        step, source = yield Fallback()
+        self.next_step = int(step)
+        generation = yield FreeGeneration(max(last_generation, self.generation) + 1)
+        self.log.warning("dp_no_replica_left", lost=list(last_members), resume_step=self.next_step, source=source)
+        record = resize_record(generation, last_members, waiting, self.next_step)
+        if (yield WriteRecord(record)) == record:
+            yield Announce(record, self.rank, source)
