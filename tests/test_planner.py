@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -17,10 +19,12 @@ from unicron_elastic.planner import (
     Event,
     GptModel,
     OneStepTable,
+    Plan,
     PlannerError,
     PlanTask,
     Problem,
     ThroughputModel,
+    UnknownNodeError,
     estimate,
     evaluate,
     gpu_type,
@@ -138,12 +142,55 @@ def test_bad_tasks_are_clear_errors(build, match: str) -> None:
         build(MODELS["7B"])
 
 
-def test_no_gpus_is_a_clear_error() -> None:
+def test_negative_gpus_is_a_clear_error() -> None:
     cost = CostModel(ThroughputModel(A800))
-    with pytest.raises(PlannerError, match=r"n'=0"):
-        Problem((PlanTask("t", MODELS["7B"]),), 0, cost)
+    with pytest.raises(PlannerError, match=r"n'=-1 GPUs"):
+        Problem((PlanTask("t", MODELS["7B"]),), -1, cost)
+    with pytest.raises(PlannerError, match=r"n'=-8 GPUs"):
+        cost.d_running(-8)
+    with pytest.raises(PlannerError, match=r"n'=-1 GPUs"):
+        cost.rewards(PlanTask("t", MODELS["7B"]), -1)
     with pytest.raises(ValueError, match="failure_rate"):
         CostModel(ThroughputModel(A800), failure_rate=0)
+
+
+def test_cost_model_with_no_gpu_up() -> None:
+    """n' = 0: D_running is infinite, only size 0 is a candidate, G is minus the penalty (no NaN)."""
+    cost = CostModel(ThroughputModel(A800), d_transition=60.0)
+    running = PlanTask("run", MODELS["7B"], weight=2.0, current=8)
+    idle = PlanTask("idle", MODELS["7B"])
+    assert cost.d_running(0) == math.inf
+    assert cost.running(0.0, 0) == 0.0
+    penalty = cost.waf(running, 8) * 60.0
+    assert penalty > 0
+    for task, lost in ((running, penalty), (idle, 0.0)):
+        sizes, gains = cost.rewards(task, 0)
+        assert sizes.tolist() == [0] and gains.tolist() == [-lost]
+        assert cost.reward(task, 0, 0) == -lost
+    with pytest.raises(PlannerError, match=r"size 8 not in 0\.\.0"):
+        cost.reward(running, 8, 0)
+
+
+def test_no_gpu_up_gives_the_empty_plan() -> None:
+    """Every node down: every task gets 0 GPUs; the objective is the transition penalty of stopping."""
+    cost = CostModel(ThroughputModel(A800), d_transition=60.0)
+    tasks = (
+        PlanTask("a", MODELS["7B"], weight=2.0, current=16, faulted=True),
+        PlanTask("b", MODELS["1.3B"], current=8),
+        PlanTask("queued", MODELS["13B"]),
+    )
+    problem = Problem(tasks, 0, cost)
+    expected = -60.0 * (cost.waf(tasks[0], 16) + cost.waf(tasks[1], 8))
+    for solver in (solve, solve_plain):
+        plan = solver(problem)
+        assert plan.assignment == {"a": 0, "b": 0, "queued": 0}
+        assert plan.gpus_used == 0
+        assert plan.value == pytest.approx(expected, rel=1e-12)
+    assert evaluate(problem, {"a": 0, "b": 0, "queued": 0}) == pytest.approx(expected, rel=1e-12)
+    assert solve(Problem((), 0, cost)) == solve_plain(Problem((), 0, cost))
+    assert solve(Problem((), 0, cost)).assignment == {}
+    with pytest.raises(PlannerError, match="uses 1 GPUs but only 0"):
+        evaluate(problem, {"a": 1, "b": 0, "queued": 0})
 
 
 # -- solver vs brute force -------------------------------------------------------
@@ -160,7 +207,7 @@ def brute_force(problem: Problem) -> float:
 
 @st.composite
 def problems(draw):
-    n = draw(st.integers(1, 9))
+    n = draw(st.integers(0, 9))
     m = draw(st.integers(1, 3))
     tables = [
         draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.5, 5.0, 8.0, 9.0]), min_size=n + 2, max_size=n + 2))
@@ -233,3 +280,77 @@ def test_one_step_table_matches_direct_solves() -> None:
     assert launched == solve(Problem((*tasks, queued[0]), 64, cost))
     with pytest.raises(PlannerError):
         OneStepTable(Problem(tasks, 64, cost), gpus_per_node=0)
+
+
+def _small_table(n: int = 64, used: tuple[int, ...] = (16, 24, 8)) -> OneStepTable:
+    """A table with nodes of 8 GPUs, tasks holding ``used`` GPUs; the rest of the n GPUs idle."""
+    cost = CostModel(ThroughputModel(A800))
+    names = ["1.3B", "7B", "1.3B", "13B"]
+    tasks = tuple(PlanTask(f"t{i}", MODELS[names[i]], current=x) for i, x in enumerate(used))
+    return OneStepTable(Problem(tasks, n, cost), gpus_per_node=8)
+
+
+_table = functools.cache(_small_table)  # hypothesis runs the property many times on one table
+
+
+def _loss_plan(table: OneStepTable, victims: frozenset[str]) -> Plan:
+    faulted = tuple(replace(t, faulted=t.name in victims) for t in table.problem.tasks)
+    return solve(Problem(faulted, table.problem.n - table.gpus_per_node, table.problem.cost))
+
+
+def test_one_step_table_numbers_every_node_idle_ones_included() -> None:
+    table = _table()
+    assert table.nodes == 8 and len(table.owners) == 8
+    assert table.owners[:6] == [frozenset({"t0"})] * 2 + [frozenset({"t1"})] * 3 + [frozenset({"t2"})]
+    assert table.owners[6:] == [frozenset()] * 2  # 48 of 64 GPUs used: nodes 6 and 7 are idle
+    assert table.on_node_lost(7) == _loss_plan(table, frozenset())
+    assert table.on_node_lost(2) == _loss_plan(table, frozenset({"t1"}))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-(2**70), 2**70) | st.integers(-20, 20))
+def test_on_node_lost_answers_exactly_the_cluster_s_nodes(node: int) -> None:
+    table = _table()
+    if 0 <= node < table.nodes:
+        assert table.on_node_lost(node) == _loss_plan(table, table.owners[node])
+    else:
+        with pytest.raises(UnknownNodeError, match=rf"node {node} is not a node of this cluster \(valid: 0\.\.7\)"):
+            table.on_node_lost(node)
+
+
+@pytest.mark.parametrize("node", [True, 1.0, "0", None])
+def test_on_node_lost_refuses_what_is_not_a_node_number(node) -> None:
+    with pytest.raises(UnknownNodeError, match="valid: 0..7") as info:
+        _table().on_node_lost(node)
+    assert isinstance(info.value, PlannerError)  # typed, and a ValueError like every planner refusal
+
+
+def test_losing_the_last_node_gives_the_empty_plan() -> None:
+    table = _small_table(n=8, used=(8,))
+    plan = table.on_node_lost(0)
+    assert plan.assignment == {"t0": 0} and plan.gpus_used == 0
+    assert plan == _loss_plan(table, frozenset({"t0"}))
+    assert table.lookup(Event("node_lost", frozenset({"t0"}))) == plan
+    with pytest.raises(UnknownNodeError, match="valid: 0..0"):
+        table.on_node_lost(1)
+
+
+def test_a_table_of_a_cluster_with_no_gpu_up() -> None:
+    table = _small_table(n=0, used=(0, 0))
+    with pytest.raises(UnknownNodeError, match="the cluster has no node"):
+        table.on_node_lost(0)
+    joined = table.lookup(Event("node_joined"))
+    assert joined == solve(Problem(table.problem.tasks, 8, table.problem.cost)) and joined.gpus_used > 0
+    assert table.lookup(Event("task_finished", frozenset({"t0"}))).assignment == {"t1": 0}
+
+
+def test_one_step_table_refuses_an_inconsistent_cluster() -> None:
+    with pytest.raises(PlannerError, match="n=60 GPUs is not a whole number of nodes of 8"):
+        _small_table(n=60)
+    with pytest.raises(PlannerError, match="the tasks hold 48 GPUs but the cluster has n=40"):
+        _small_table(n=40)
+
+
+def test_lookup_of_an_event_not_in_the_table_names_it() -> None:
+    with pytest.raises(KeyError, match="no precomputed plan for .*task_finished.*nope"):
+        _table().lookup(Event("task_finished", frozenset({"nope"})))

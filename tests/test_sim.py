@@ -135,6 +135,34 @@ def test_megatron_waits_for_the_repair_unicron_replans() -> None:
     assert min(uni.gpus) == 120 and uni.gpus[-1] == 128
 
 
+def _whole_cluster_outage() -> Trace:
+    """2 nodes x 8 GPUs for a day: both fail at 1 h; node 0 is back at 2 h, node 1 at 3 h."""
+    events = (Failure(3600.0, "sev1", 0, 3600.0), Failure(3600.0, "sev1", 1, 7200.0))
+    return Trace("outage", 2, 8, DAY, events)
+
+
+@pytest.mark.parametrize("key", sorted(POLICIES))
+def test_every_node_down_means_no_waf_until_a_repair(key: str) -> None:
+    trace = _whole_cluster_outage()
+    cost = cost_for(trace)
+    result = simulate(trace, case_tasks(5), cost, POLICIES[key])
+    calm = simulate(replace(trace, events=()), case_tasks(5), cost, POLICIES[key])
+    at = dict(zip(result.times, zip(result.waf, result.gpus)))
+    assert at[0.0] == (calm.waf[0], 16) and calm.waf[0] > 0
+    outage = [(w, g) for t, w, g in zip(result.times, result.waf, result.gpus) if 3600.0 <= t < 7200.0]
+    assert outage and all(w == 0 and g == 0 for w, g in outage)
+    assert at[7200.0][1] == 8 and result.gpus[-1] == 16
+    assert result.waf[-1] == pytest.approx(calm.waf[0], rel=1e-12)  # re-planned onto the repaired nodes
+    assert 0 < result.total < calm.total - calm.waf[0] * 3600.0 + 1e-6 * calm.total
+
+
+def test_unicron_replans_onto_the_first_repaired_node() -> None:
+    trace = _whole_cluster_outage()
+    result = simulate(trace, case_tasks(5), cost_for(trace), POLICIES["unicron"])
+    half = [w for t, w, g in zip(result.times, result.waf, result.gpus) if 7200.0 <= t < 10800.0 and g == 8]
+    assert half and max(half) > 0  # trains on 8 GPUs before node 1 is back
+
+
 def test_no_failures_means_constant_waf() -> None:
     trace = Trace("calm", 16, 8, 2 * DAY, ())
     for key, pol in POLICIES.items():
@@ -192,6 +220,27 @@ def test_cli_multitask_table() -> None:
     result = _unicron("simulate", "multitask")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("| yes |") == 5
+
+
+def test_cli_simulates_a_whole_cluster_outage(tmp_path) -> None:
+    """Every node down at once, then repaired: an empty plan while none is up, not an error."""
+    trace = _whole_cluster_outage()
+    path = tmp_path / "outage.json"
+    save_trace(trace, path)
+    result = _unicron("simulate", str(path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "n'=0" not in result.stderr and "Traceback" not in result.stderr
+    assert "outage: 16 GPUs, 1 days, failures {'sev1': 2, 'sev2': 0, 'sev3': 0}" in result.stdout
+    for name in ("Unicron", "Megatron", "Oobleck", "Bamboo", "Varuna"):
+        assert f"| {name} |" in result.stdout
+    assert "nan" not in result.stdout and "inf" not in result.stdout
+    doc = json.loads((tmp_path / "out" / "outage.json").read_text())
+    cost = cost_for(trace)
+    expected = simulate(trace, case_tasks(5), cost, POLICIES["unicron"]).total
+    calm = simulate(replace(trace, events=()), case_tasks(5), cost, POLICIES["unicron"]).total
+    assert doc["accumulated_waf"]["unicron"] == pytest.approx(expected, rel=1e-12)
+    assert 0 < doc["accumulated_waf"]["unicron"] < calm
+    assert all(r is not None and r >= 1.0 for r in doc["ratio_unicron_over"].values())
 
 
 @pytest.mark.parametrize(

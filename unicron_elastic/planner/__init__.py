@@ -4,7 +4,7 @@ Pure computation (numpy); no etcd and no torch processes.
 """
 
 from unicron_elastic.planner.cost_model import CostModel, PlannerError, PlanTask
-from unicron_elastic.planner.onestep import Event, OneStepTable
+from unicron_elastic.planner.onestep import Event, OneStepTable, UnknownNodeError
 from unicron_elastic.planner.solver import Plan, Problem, evaluate, solve, solve_plain
 from unicron_elastic.planner.throughput import (
     GPU_TYPES,
@@ -36,6 +36,7 @@ __all__ = [
     "PlannerError",
     "Problem",
     "ThroughputModel",
+    "UnknownNodeError",
     "estimate",
     "evaluate",
     "gpu_type",

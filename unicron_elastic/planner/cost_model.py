@@ -7,11 +7,16 @@
     D_running(n') = 1 / (lambda * n')       expected time to the next failure
                                             of n' GPUs with failure rate lambda
 
+With no GPU up (n' = 0) D_running is infinite and every task gets x' = 0, so
+F(t, 0) * D_running is taken as 0 (a task that does not run earns nothing):
+G(t, 0) is minus the transition penalty, and the plan is empty, not an error.
+
 Units: FLOP/s for F, seconds for D, so G is in (weighted) FLOPs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,18 +115,36 @@ class CostModel:
     def d_running(self, n: int) -> float:
         """D_running(n'): expected seconds until one of n' GPUs fails.
 
+        Infinite for n' = 0: with no GPU up, none can fail.
+
         Raises:
-            PlannerError: n' < 1.
+            PlannerError: n' < 0.
         """
-        if n < 1:
-            raise PlannerError(f"no GPUs available (n'={n}): nothing to plan")
-        return 1.0 / (self.failure_rate * n)
+        if n < 0:
+            raise PlannerError(f"n'={n} GPUs: the number of available GPUs must be >= 0")
+        return math.inf if n == 0 else 1.0 / (self.failure_rate * n)
+
+    def running(self, waf: float, n: int) -> float:
+        """F * D_running(n'): weighted FLOPs until the next failure, 0 for a task that does not run.
+
+        Raises:
+            PlannerError: n' < 0.
+        """
+        d = self.d_running(n)
+        return 0.0 if waf == 0 else waf * d
 
     def reward(self, task: PlanTask, x_new: int, n: int) -> float:
-        """G(t, x'): reward of giving ``x_new`` GPUs to ``task`` in a cluster of n' GPUs."""
+        """G(t, x'): reward of giving ``x_new`` GPUs to ``task`` in a cluster of n' GPUs.
+
+        Raises:
+            PlannerError: n' < 0, or ``x_new`` not in 0..n'.
+        """
+        self.d_running(n)  # refuses n' < 0
+        if not 0 <= x_new <= n:
+            raise PlannerError(f"task {task.name!r}: size {x_new} not in 0..{n} (n'={n} GPUs)")
         changed = x_new != task.current or task.faulted
         penalty = self.waf(task, task.current) * self.d_transition if changed else 0.0
-        return self.waf(task, x_new) * self.d_running(n) - penalty
+        return self.running(self.waf(task, x_new), n) - penalty
 
     def _feasible(self, task: PlanTask, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Sizes <= n with F > 0 for the task's model and minimum, and T at them (cached)."""
@@ -148,8 +171,12 @@ class CostModel:
 
         Returns:
             ``(sizes, gains)``: the current size first (if it is a candidate),
-            then 0, then the feasible sizes ascending.
+            then 0, then the feasible sizes ascending. For n' = 0 only size 0.
+
+        Raises:
+            PlannerError: n' < 0.
         """
+        d_running = self.d_running(n)
         sizes, flops = self._feasible(task, n)
         head = [task.current] if 0 < task.current <= n else []
         head_flops = [self.waf(task, task.current) / task.weight] if head else []
@@ -160,5 +187,6 @@ class CostModel:
         all_flops = np.concatenate([np.array(head_flops), flops[rest]])
         changed = (all_sizes != task.current) | task.faulted
         penalty = self.waf(task, task.current) * self.d_transition
-        gains = task.weight * all_flops * self.d_running(n) - changed * penalty
+        running = task.weight * all_flops * d_running if n > 0 else np.zeros(len(all_sizes))  # n' = 0: only k = 0
+        gains = running - changed * penalty
         return all_sizes, gains

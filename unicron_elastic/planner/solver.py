@@ -27,8 +27,11 @@ from unicron_elastic.planner.throughput import MAX_GPUS
 class Problem:
     """One planning problem: tasks, the GPUs available after the event, the cost model.
 
+    n' = 0 (every node down) is a valid problem: its plan is empty (every task
+    gets 0 GPUs), see :mod:`~unicron_elastic.planner.cost_model`.
+
     Raises:
-        PlannerError: n' < 1, n' > :data:`MAX_GPUS` or duplicate task names.
+        PlannerError: n' < 0, n' > :data:`MAX_GPUS` or duplicate task names.
     """
 
     tasks: tuple[PlanTask, ...]
@@ -36,8 +39,8 @@ class Problem:
     cost: CostModel
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise PlannerError(f"no GPUs available (n'={self.n}): nothing to plan")
+        if self.n < 0:
+            raise PlannerError(f"n'={self.n} GPUs: the number of available GPUs must be >= 0")
         if self.n > MAX_GPUS:
             raise PlannerError(f"n'={self.n} GPUs: at most {MAX_GPUS} can be planned")
         names = [t.name for t in self.tasks]
@@ -141,22 +144,25 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> float:
         PlannerError: The assignment misses a task, has a negative size or
             uses more than n' GPUs.
     """
-    total_gpus = 0
-    value = 0.0
+    sizes = {}
     for task in problem.tasks:
         if task.name not in assignment:
             raise PlannerError(f"assignment has no entry for task {task.name!r}")
-        x = int(assignment[task.name])
-        if x < 0:
-            raise PlannerError(f"task {task.name!r}: negative size {x}")
-        total_gpus += x
+        sizes[task.name] = int(assignment[task.name])
+        if sizes[task.name] < 0:
+            raise PlannerError(f"task {task.name!r}: negative size {sizes[task.name]}")
+    total_gpus = sum(sizes.values())
+    if total_gpus > problem.n:
+        raise PlannerError(f"assignment uses {total_gpus} GPUs but only {problem.n} are available")
+    value = 0.0
+    for task in problem.tasks:
+        x = sizes[task.name]
         f_new = task.weight * problem.cost.throughput.flops(task.model, x) if x >= max(1, task.min_gpus) else 0.0
         x_old = task.current
         f_old = (
             task.weight * problem.cost.throughput.flops(task.model, x_old) if x_old >= max(1, task.min_gpus) else 0.0
         )
         indicator = 1.0 if (x != x_old or task.faulted) else 0.0
-        value += f_new / (problem.cost.failure_rate * problem.n) - f_old * indicator * problem.cost.d_transition
-    if total_gpus > problem.n:
-        raise PlannerError(f"assignment uses {total_gpus} GPUs but only {problem.n} are available")
+        running = f_new / (problem.cost.failure_rate * problem.n) if f_new else 0.0  # n' = 0: nothing runs
+        value += running - f_old * indicator * problem.cost.d_transition
     return value
