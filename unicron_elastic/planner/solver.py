@@ -111,22 +111,38 @@ def solve(problem: Problem) -> Plan:
     return Plan(ordered, float(rows[-1][n]))
 
 
-def solve_plain(problem: Problem) -> Plan:
-    """The paper's DP as written: every k in 0..j for every (i, j), O(m n^2).
+#: Entries of ``S(i-1, j-k) + G(t_i, k)`` that :func:`solve_plain` forms at once (1 MiB of
+#: float64: a block stays in cache between the sum and the argmax).
+_PLAIN_BLOCK = 1 << 17
 
-    Kept as the reference the benchmark compares against.
+
+def solve_plain(problem: Problem) -> Plan:
+    """The paper's DP as written: every k in 0..j for every (i, j), O(m n^2), vectorised.
+
+    For each task the table ``S(i-1, j-k) + G(t_i, k)`` over (j, k) is formed
+    with numpy, a block of rows j at a time (k > j gives -inf), and reduced
+    with ``argmax`` over k: the paper's O(m n^2) work with no Python loop over
+    j or k. Ties take the smallest k. The honest baseline of
+    ``benchmarks/planner.py``, and a second reference for the tests.
     """
     n = problem.n
     best = np.zeros(n + 1)
+    padded = np.full(2 * n + 1, -np.inf)  # padded[n + j - k] = S(i-1, j-k); -inf for k > j
+    windows = np.lib.stride_tricks.sliding_window_view(padded, n + 1)  # [j, n - k] = padded[n + j - k]
+    rows = max(1, _PLAIN_BLOCK // (n + 1))
+    scratch = np.empty(rows * (n + 1))
     back = []
     for task in problem.tasks:
         gains = _all_rewards(problem, task)
+        padded[n:] = best
         new = np.empty(n + 1)
         pointers = np.empty(n + 1, dtype=np.int64)
-        for j in range(n + 1):
-            values = best[j::-1] + gains[: j + 1]  # k = 0..j: S(i-1, j-k) + G(t_i, k)
-            k = int(np.argmax(values))
-            new[j], pointers[j] = values[k], k
+        for lo in range(0, n + 1, rows):
+            hi = min(n + 1, lo + rows)  # rows j = lo..hi-1 need k = 0..hi-1 only
+            values = scratch[: (hi - lo) * hi].reshape(hi - lo, hi)
+            np.add(windows[lo:hi, n + 1 - hi :][:, ::-1], gains[:hi], out=values)  # [j - lo, k]
+            pointers[lo:hi] = np.argmax(values, axis=1)
+            new[lo:hi] = values[np.arange(hi - lo), pointers[lo:hi]]
         best = new
         back.append(pointers)
     assignment = {}
