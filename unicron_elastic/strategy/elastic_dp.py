@@ -87,7 +87,8 @@ class ElasticDataParallel:
     Args:
         model: The model (same initial parameters on every rank).
         optimizer: Its optimizer.
-        plan: The global-batch plan (B micro-batches per step).
+        plan: The global-batch plan (B micro-batches per step); None until
+            :attr:`plan` is set (the Lightning strategy sets it in ``setup``).
         batch: ``indices -> batch`` (materialises any micro-batch).
         loss_fn: ``(model, batch) -> loss`` (mean over the micro-batch).
         store: A store every rank reaches that outlives workers (the agent's).
@@ -130,7 +131,7 @@ class ElasticDataParallel:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        plan: GlobalBatchPlan,
+        plan: GlobalBatchPlan | None,
         batch: Callable[[list[int]], Any],
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
         store: dist.Store,
@@ -170,7 +171,8 @@ class ElasticDataParallel:
         size = bucket_numel or numel
         self.bounds = [(start, min(start + size, numel)) for start in range(0, numel, size)]
         self.protocol = Protocol(rank, list(members if members is not None else range(world_size)),
-                                 plan.num_micro_batches, len(self.bounds), schedule, checkin_timeout,
+                                 plan.num_micro_batches if plan is not None else 0,  # (set with the plan)
+                                 len(self.bounds), schedule, checkin_timeout,
                                  timeout.total_seconds())
         self.pg: dist.ProcessGroupGloo | None = None
         self._incarnations: dict[int, bytes] = {}
