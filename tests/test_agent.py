@@ -52,12 +52,18 @@ class Run:
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+#: Steps of 0.05 s: with the default factor 3, 0.15 s of silence is a hang, and a host whose cores are all busy
+#: stalls a worker that long now and then (a spurious hang restarts a healthy worker). Tests not about hangs ask
+#: for 1 s; a test's own --hang-factor comes later and wins.
+CALM = "--hang-factor=20"
+
+
 def run(tmp: Path, faults: list[Fault], *flags: str, steps: int = 30, step_time: float = 0.05,
         worker_args: tuple[str, ...] = ()) -> Run:
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
     env.update(faults_env(faults, str(tmp / "faults.log")))
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", "--monitor-interval=0.05",
-           "--log-format=json", *flags, WORKER, "--steps", str(steps), "--step-time", str(step_time),
+           "--log-format=json", CALM, *flags, WORKER, "--steps", str(steps), "--step-time", str(step_time),
            "--out", str(tmp / "out"), *worker_args]
     return Run(tmp, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=100))
 
@@ -110,7 +116,7 @@ def test_sev3_that_keeps_failing_escalates_to_a_sev2_restart(tmp_path: Path) -> 
 
 @pytest.mark.timeout(120)
 def test_hang_is_detected_and_the_worker_restarted(tmp_path: Path) -> None:
-    r = run(tmp_path, [fail_at(rank=1, step=12, kind="hang")], step_time=0.1)
+    r = run(tmp_path, [fail_at(rank=1, step=12, kind="hang")], "--hang-factor=3", step_time=0.1)
     assert r.proc.returncode == 0, r.proc.stderr[-3000:]
     assert len(r.fired()) == 1
     assert events(r)[0] == ("SEV2", "task_hang", 1)

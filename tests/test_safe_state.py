@@ -32,6 +32,7 @@ from hypothesis.extra import numpy as hnp
 
 from unicron_elastic.api import StateDecodingError, StateEncodingError
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+from unicron_elastic.strategy.protocol import TransferState
 from unicron_elastic.strategy.safe_state import MAGIC, dumps, encode, loads, pack
 from unicron_elastic.strategy.snapshots import SNAPSHOT_KEY, DiskCheckpoints, MemorySnapshot
 
@@ -298,7 +299,7 @@ def test_a_pickle_broadcast_by_a_peer_is_refused_and_runs_nothing(tmp_path: Path
     sender.start()
     joiner = _engines(store, rank=1)
     with pytest.raises(StateDecodingError, match="pickle|torch.save"):
-        joiner._broadcast_state(0)
+        joiner._transfer(TransferState(0, apply=True))
     sender.join(30)
     assert not marker.exists()
 
@@ -319,9 +320,9 @@ def test_state_broadcast_between_replicas_is_bit_exact() -> None:
     leader.model(torch.randn(3, 4)).sum().backward()
     leader.optimizer.step()
     leader.next_step = 5
-    sent = threading.Thread(target=leader._broadcast_state, args=(0, False))
+    sent = threading.Thread(target=leader._transfer, args=(TransferState(0, apply=False),))
     sent.start()
-    joiner._broadcast_state(0)
+    joiner._transfer(TransferState(0, apply=True))
     sent.join(30)
     assert joiner.next_step == 5
     assert all(torch.equal(a, b) for a, b in zip(leader.model.parameters(), joiner.model.parameters()))
