@@ -145,7 +145,7 @@ def test_a_heartbeat_ends_the_peer_failure_grace() -> None:
 
 
 def test_the_hang_detector_gives_the_grace_to_the_other_workers_only() -> None:
-    detector, ctx = HangDetector(HangThresholds(warmup=1, peer_failure_grace=4.0)), _Context()
+    detector, ctx = HangDetector(HangThresholds(warmup=1, peer_failure_grace=4.0, min_silence=0.0)), _Context()
     detector.ctx = ctx
     detector.on_workers_started([0, 1], "g0")
     for rank in (4, 5):
@@ -153,6 +153,18 @@ def test_the_hang_detector_gives_the_grace_to_the_other_workers_only() -> None:
     detector.on_rank_failed(4, 1.0)
     assert detector.monitors[5].deadline() == pytest.approx(5.0 + 0.3)
     assert detector.monitors[4].deadline() == pytest.approx(1.0 + 0.3)
+
+
+def test_silence_shorter_than_the_floor_is_never_a_hang_however_short_the_iterations() -> None:
+    # 0.05 s iterations: 3 x mean is 0.15 s, which a busy host's scheduling stall exceeds; the floor is 0.5 s
+    monitor = IterationMonitor(HangThresholds(warmup=5))
+    now, _ = _run(monitor, [0.05] * 10)
+    assert monitor.check(now + 0.49) is None
+    finding = monitor.check(now + 0.51)
+    assert finding.kind == "task_hang" and "at least 0.5s" in finding.message
+    slow = IterationMonitor(HangThresholds(warmup=5))  # iterations of 1 s: the factor decides, not the floor
+    now, _ = _run(slow, [1.0] * 10)
+    assert slow.check(now + 2.9) is None and slow.check(now + 3.1).kind == "task_hang"
 
 
 def test_statistics_reset_per_configuration() -> None:
@@ -174,7 +186,8 @@ def test_link_flapping_after_a_run_of_slow_iterations() -> None:
 @pytest.mark.parametrize("kwargs", [{"noise_factor": 1.0}, {"hang_factor": 1.2}, {"warmup": 0}, {"flap_window": 0},
                                     {"hang_factor": float("inf")}, {"hang_factor": float("nan")},
                                     {"peer_failure_grace": -1.0}, {"peer_failure_grace": float("nan")},
-                                    {"peer_failure_grace": 1e9}])
+                                    {"peer_failure_grace": 1e9}, {"min_silence": -0.1},
+                                    {"min_silence": float("inf")}, {"min_silence": "1"}])
 def test_bad_thresholds_are_rejected(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         HangThresholds(**kwargs)

@@ -524,6 +524,14 @@ def test_a_bad_peer_failure_grace_is_refused_naming_the_flag(raw: str) -> None:
     assert agent_config(get_parser().parse_args(["train.py"])).hang.peer_failure_grace == 5.0
 
 
+@pytest.mark.parametrize("raw", ["-1", "nan", "inf", "1e9"])
+def test_a_bad_hang_min_silence_is_refused_naming_the_flag(raw: str) -> None:
+    args = get_parser().parse_args([f"--hang-min-silence={raw}", "train.py"])
+    with pytest.raises(ConfigError, match="--hang-min-silence"):
+        agent_config(args)
+    assert agent_config(get_parser().parse_args(["train.py"])).hang.min_silence == 0.5
+
+
 def test_missing_tls_files_are_refused_before_any_connection(tmp_path: Path) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_text("x")

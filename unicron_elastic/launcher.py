@@ -70,6 +70,9 @@ def get_parser() -> argparse.ArgumentParser:
                        help="after a worker of this node fails, the others' silence counts towards a hang only "
                             "this many seconds later: they may wait in a collective with it until they notice "
                             "(default 5)")
+    group.add_argument("--hang-min-silence", type=float, default=0.5,
+                       help="silence shorter than this many seconds is never a hang, however short the iterations: "
+                            "a busy host stalls a process that long now and then (default 0.5)")
     group.add_argument("--max-reattempts", type=int, default=3, help="SEV3 reattempts per step before SEV2")
     group.add_argument("--max-worker-restarts", type=int, default=3,
                        help="single-worker restarts per rank before the node gives up (SEV1)")
@@ -94,7 +97,8 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     """
     config = AgentConfig(
         detectors=tuple(d.strip() for d in args.detectors.split(",") if d.strip()),
-        hang=HangThresholds(hang_factor=args.hang_factor, peer_failure_grace=args.peer_failure_grace),
+        hang=HangThresholds(hang_factor=args.hang_factor, peer_failure_grace=args.peer_failure_grace,
+                            min_silence=args.hang_min_silence),
         ladder=LadderPolicy(args.max_reattempts, args.max_worker_restarts),
         node_ttl=args.node_ttl,
     )

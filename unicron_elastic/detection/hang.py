@@ -8,9 +8,11 @@ decides:
 * an iteration above ``noise_factor`` x mean is noise: counted, no event;
 * ``flap_window`` consecutive iterations above ``flap_factor`` x mean: link
   flapping, SEV3;
-* no heartbeat for more than ``hang_factor`` x mean since the last one: a hang;
-  SEV3 (``collective_timeout``) if the worker said it is inside a collective,
-  else SEV2 (``task_hang``).
+* no heartbeat for more than ``hang_factor`` x mean since the last one (and
+  at least ``min_silence`` seconds: a busy host stalls a process for a
+  fraction of a second now and then, which is not a hang): a hang; SEV3
+  (``collective_timeout``) if the worker said it is inside a collective, else
+  SEV2 (``task_hang``).
 
 When another worker of the task fails, every survivor may stall in a
 collective with it (or with a survivor that is already regrouping) until it
@@ -39,7 +41,7 @@ class HangThresholds:
 
     Raises:
         ConfigError: A factor is not above 1, a count is below 1, or
-            ``peer_failure_grace`` (seconds) is not in [0, 3600].
+            ``peer_failure_grace`` or ``min_silence`` (seconds) is not in [0, 3600].
     """
 
     noise_factor: float = 1.1
@@ -48,6 +50,7 @@ class HangThresholds:
     flap_window: int = 5
     warmup: int = 5
     peer_failure_grace: float = 5.0
+    min_silence: float = 0.5
 
     def __post_init__(self) -> None:
         factors = (self.noise_factor, self.flap_factor, self.hang_factor)
@@ -60,10 +63,10 @@ class HangThresholds:
             )
         if self.flap_window < 1 or self.warmup < 1:
             raise ConfigError("flap_window and warmup must be >= 1")
-        grace = self.peer_failure_grace
-        if not (isinstance(grace, (int, float)) and math.isfinite(grace) and 0 <= grace <= 3600):
-            raise ConfigError(f"peer_failure_grace (--peer-failure-grace) must be a number of seconds in [0, 3600], "
-                              f"got {grace!r}")
+        for name, flag in (("peer_failure_grace", "--peer-failure-grace"), ("min_silence", "--hang-min-silence")):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= 3600):
+                raise ConfigError(f"{name} ({flag}) must be a number of seconds in [0, 3600], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -195,9 +198,14 @@ class IterationMonitor:
         if self.paused:
             if self._pause_until is None:
                 return None
-            return self._pause_until + self.thresholds.hang_factor * self.mean  # the bound passed: watched again
+            return self._pause_until + self.allowed_silence  # the bound passed: watched again
         since = self.last_beat if self._grace_until is None else max(self.last_beat, self._grace_until)
-        return since + self.thresholds.hang_factor * self.mean
+        return since + self.allowed_silence
+
+    @property
+    def allowed_silence(self) -> float:
+        """Seconds without a heartbeat that are not yet a hang: ``hang_factor`` x mean, at least ``min_silence``."""
+        return max(self.thresholds.hang_factor * self.mean, self.thresholds.min_silence)
 
     def check(self, now: float) -> Finding | None:
         """A hang finding if the worker has been silent too long (reported once per hang)."""
@@ -210,5 +218,6 @@ class IterationMonitor:
             return Finding(Severity.SEV3, "collective_timeout",
                            f"stuck in a collective for {silent:.2f}s (mean iteration {self.mean:.3f}s)", self.last_beat)
         return Finding(Severity.SEV2, "task_hang",
-                       f"no iteration for {silent:.2f}s (> {self.thresholds.hang_factor}x mean {self.mean:.3f}s)",
+                       f"no iteration for {silent:.2f}s (> {self.thresholds.hang_factor}x mean {self.mean:.3f}s, "
+                       f"at least {self.thresholds.min_silence}s)",
                        self.last_beat)
