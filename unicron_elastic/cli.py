@@ -103,20 +103,63 @@ def render_status(store, limit: int = 10) -> str:
     return "\n".join(lines)
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
-    from unicron_elastic.api import ConfigError, EtcdConfig
+def add_etcd_options(parser: argparse.ArgumentParser, endpoint_required: bool = True) -> None:
+    """The flags that say how to reach etcd: endpoint, cluster, TLS, user and password, timeout."""
+    parser.add_argument("--endpoint", required=endpoint_required, help="etcd HOST:PORT (the --rdzv-endpoint)")
+    parser.add_argument("--cluster", default="default")
+    parser.add_argument("--ca-cert", default=None, help="CA certificate file; enables TLS")
+    parser.add_argument("--cert", default=None, help="client certificate file for mutual TLS (with --key)")
+    parser.add_argument("--key", default=None, help="client key file for mutual TLS (with --cert)")
+    parser.add_argument("--user", default=None,
+                        help="etcd user; the password comes from --password-file or $UNICRON_ETCD_PASSWORD")
+    parser.add_argument("--password-file", default=None, help="file holding the etcd password of --user")
+    parser.add_argument("--timeout", type=_bounded(MAX_TIMEOUT_S), default=5.0,
+                        help="seconds to keep retrying while etcd is unreachable (> 0, at most one year)")
+
+
+def etcd_config(args: argparse.Namespace):
+    """The :class:`~unicron_elastic.api.EtcdConfig` of :func:`add_etcd_options`' flags.
+
+    Raises:
+        ConfigError: --cert without --key (or the reverse), a bad endpoint, a password problem.
+    """
+    from unicron_elastic.api import EtcdConfig
     from unicron_elastic.rendezvous.options import etcd_password, parse_endpoint
-    from unicron_elastic.store import StatusStore
 
     if (args.cert is None) != (args.key is None):
         raise ConfigError("--cert and --key must be given together")
     host, port = parse_endpoint(args.endpoint)
     password = etcd_password(args.user, None, args.password_file, names=_STATUS_PASSWORD_NAMES)
-    config = EtcdConfig(host=host, port=port, cluster=args.cluster, reconnect_timeout=args.timeout,
-                        ca_cert=args.ca_cert, cert_cert=args.cert, cert_key=args.key, user=args.user, password=password)
-    with StatusStore(config) as store:
-        print(render_status(store, args.limit))
-    return 0
+    return EtcdConfig(host=host, port=port, cluster=args.cluster, reconnect_timeout=args.timeout,
+                      ca_cert=args.ca_cert, cert_cert=args.cert, cert_key=args.key, user=args.user, password=password)
+
+
+def _status_text(store, limit: int) -> str:
+    from unicron_elastic.coordinator.status import cluster_status, render_plan
+
+    return render_status(store, limit) + "\n\n" + render_plan(cluster_status(store, limit))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from unicron_elastic.coordinator.status import cluster_status
+    from unicron_elastic.store import StatusStore
+
+    with StatusStore(etcd_config(args)) as store:
+        while True:
+            if args.json:
+                print(json.dumps(cluster_status(store, args.limit), sort_keys=True), flush=True)
+            else:
+                if args.watch is not None and sys.stdout.isatty():
+                    print("\033[2J\033[H", end="")
+                print(_status_text(store, args.limit), flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+            if not args.json:
+                print(flush=True)
 
 
 def _positive_int(text: str) -> int:
@@ -208,19 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     etcd = sub.add_parser("etcd", help="run a private etcd on a free loopback port until Ctrl-C")
     etcd.add_argument("--cluster", default="default")
     etcd.set_defaults(func=_cmd_etcd)
-    status = sub.add_parser("status", help="nodes and recent error events of a cluster, from etcd")
-    status.add_argument("--endpoint", required=True, help="etcd HOST:PORT (the --rdzv-endpoint)")
-    status.add_argument("--cluster", default="default")
+    status = sub.add_parser("status", help="nodes, tasks, the plan and recent error events of a cluster, from etcd")
+    add_etcd_options(status)
     status.add_argument("--limit", type=_positive_int, default=10, help="newest events to show (>= 1)")
-    status.add_argument("--ca-cert", default=None, help="CA certificate file; enables TLS")
-    status.add_argument("--cert", default=None, help="client certificate file for mutual TLS (with --key)")
-    status.add_argument("--key", default=None, help="client key file for mutual TLS (with --cert)")
-    status.add_argument("--user", default=None,
-                        help="etcd user; the password comes from --password-file or $UNICRON_ETCD_PASSWORD")
-    status.add_argument("--password-file", default=None, help="file holding the etcd password of --user")
-    status.add_argument("--timeout", type=_bounded(MAX_TIMEOUT_S), default=5.0,
-                        help="seconds to wait for etcd (> 0, at most one year)")
+    status.add_argument("--json", action="store_true", help="one JSON document (per refresh) for scripts")
+    status.add_argument("--watch", type=_bounded(3600), default=None, metavar="SECONDS",
+                        help="refresh every SECONDS until Ctrl-C")
     status.set_defaults(func=_cmd_status)
+    from unicron_elastic.cluster_cli import add_cluster_commands
+
+    add_cluster_commands(sub)
     sim = sub.add_parser(
         "simulate",
         help="regenerate the paper's evaluation: multi-task table and trace-a/trace-b",
@@ -250,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, UnicronError) as exc:  # bad input or etcd unreachable: the message says which
         parser.exit(2, f"unicron: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

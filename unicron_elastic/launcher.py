@@ -77,6 +77,9 @@ def get_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-worker-restarts", type=int, default=3,
                        help="single-worker restarts per rank before the node gives up (SEV1)")
     group.add_argument("--node-ttl", type=int, default=2, help="lease TTL of this node in etcd (seconds, >= 1)")
+    group.add_argument("--node-name", default=None,
+                       help="this node's name in events and node records (default: HOST-PID; "
+                            "the node daemon passes its own name)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics (events, actions, detection latency) on this port")
     parser.add_argument(
@@ -101,6 +104,7 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
                             min_silence=args.hang_min_silence),
         ladder=LadderPolicy(args.max_reattempts, args.max_worker_restarts),
         node_ttl=args.node_ttl,
+        **({"node": args.node_name} if args.node_name else {}),
     )
     make_detectors(config)  # unknown names fail now, before etcd or any worker starts
     return config

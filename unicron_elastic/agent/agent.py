@@ -136,6 +136,26 @@ def install_stop_signals() -> None:
         signal.signal(sig, _on_stop_signal)
 
 
+#: Set by ``unicron node`` to its PID: the launcher stops when its node daemon is gone.
+DAEMON_PID_ENV = "UNICRON_NODE_DAEMON_PID"
+
+
+def raise_if_orphaned() -> None:
+    """Stop like on SIGTERM when the node daemon that started this launcher died.
+
+    A daemon killed alone (its launcher and workers still running) has lost
+    the node's record; the coordinator re-plans without the node, so its
+    workers must not keep training.
+
+    Raises:
+        SignalException: ``$UNICRON_NODE_DAEMON_PID`` is set and is no longer the parent.
+    """
+    expected = os.environ.get(DAEMON_PID_ENV)
+    if expected and expected.isdigit() and os.getppid() != int(expected) and not _shutting_down.is_set():
+        log.warning("node_daemon_gone", daemon_pid=int(expected))
+        raise SignalException(f"Process {os.getpid()}: node daemon {expected} is gone", sigval=signal.SIGTERM)
+
+
 def begin_shutdown() -> None:
     """From now on the process is cleaning up: stop signals are ignored (see :func:`install_stop_signals`)."""
     _shutting_down.set()
@@ -536,6 +556,7 @@ class UnicronAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         raise_pending_stop()  # a signal some library code swallowed
+        raise_if_orphaned()
         with self._lock:
             procs = _torch_compat.worker_processes(self._pcontext)
             for local_rank, proc in procs.items():  # no-op while a give-up is pending

@@ -8,6 +8,7 @@ provided through the ``unicron_detectors`` hook; these are the default plugin's.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from abc import ABC
@@ -222,6 +223,10 @@ class HangDetector(Detector):
         self._stop.set()
 
 
+#: Set by ``unicron node`` for the launchers it starts: the daemon keeps the node's record.
+NODE_DAEMON_ENV = "UNICRON_NODE_DAEMON"
+
+
 class NodeHealthDetector(Detector):
     """Node health: this node's lease in etcd, and a watch on every other node's."""
 
@@ -241,6 +246,8 @@ class NodeHealthDetector(Detector):
             return
         self.lease = KeptLease(store, self.ttl, on_lost=ctx.lost_own_lease)
         self._watch = PrefixWatch(store, store.keys.nodes(), self._on_change)
+        if os.environ.get(NODE_DAEMON_ENV):
+            return  # the node daemon holds this node's record (with its slots) on its own lease
         store.put_json(store.keys.node(ctx.node), {"state": "running", "lease": self.lease.id, "ts": time.time()},
                        lease=self.lease.id)
 
@@ -269,10 +276,11 @@ class NodeHealthDetector(Detector):
         if self._watch is not None:
             self._watch.cancel()
         if self.lease is not None and store is not None:
-            try:
-                store.put_json(store.keys.node(self.ctx.node), {"state": "leaving"}, lease=self.lease.id)
-            except StoreError:
-                pass
+            if not os.environ.get(NODE_DAEMON_ENV):
+                try:
+                    store.put_json(store.keys.node(self.ctx.node), {"state": "leaving"}, lease=self.lease.id)
+                except StoreError:
+                    pass
             self.lease.close(revoke=True)
 
 

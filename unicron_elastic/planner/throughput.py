@@ -410,3 +410,24 @@ class ThroughputModel:
             raise ConfigError(f"calibration file {path}: JSON nested too deeply") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"calibration file {path}: {exc}") from exc
+
+
+@dataclass
+class TabulatedThroughput:
+    """T(t, x) given as a table per model name, zero elsewhere (the coordinator's node-unit model).
+
+    Has the two methods the cost model calls, like :class:`ThroughputModel`.
+
+    Args:
+        table: FLOP/s by model name and size; sizes absent or at 0 are infeasible.
+    """
+
+    table: dict[str, dict[int, float]]
+
+    def flops(self, m: GptModel, x: int) -> float:
+        """T of ``m`` at ``x`` (0 if not tabulated)."""
+        return self.table.get(m.name, {}).get(x, 0.0)
+
+    def candidates(self, m: GptModel, n: int) -> tuple[int, ...]:
+        """Tabulated sizes <= n where T > 0."""
+        return tuple(sorted(x for x, v in self.table.get(m.name, {}).items() if v > 0 and x <= n))

@@ -37,3 +37,11 @@ def unicron_detectors(config: AgentConfig) -> list[Detector]:
         HangDetector(config.hang),
         NvmlDetector(),
     ]
+
+
+@hookimpl
+def unicron_alert(severity: str, message: str, node: str, task: str) -> None:
+    """Log the alert (``alert`` at warning level)."""
+    import structlog
+
+    structlog.get_logger("unicron_elastic.alert").warning("alert", severity=severity, message=message, node=node, task=task)

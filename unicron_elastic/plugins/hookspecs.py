@@ -65,3 +65,18 @@ def unicron_action(action: str, event: ErrorEvent, detail: dict) -> None:
         event: The event that caused it.
         detail: Action-specific data (rank, attempt, ...).
     """
+
+
+@hookspec
+def unicron_alert(severity: str, message: str, node: str, task: str) -> None:
+    """Called by the coordinator on SEV1 (a node lost or isolated) and on repeated failures of a node.
+
+    The built-in implementation writes a log line (``alert``). A plugin pages
+    someone, posts to a chat, opens a ticket.
+
+    Args:
+        severity: ``SEV1``, ``SEV2`` or ``SEV3``.
+        message: What happened, for people.
+        node: The node concerned ("" if none).
+        task: The task(s) concerned, comma-separated ("" if none).
+    """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
+import etcd3.utils
 import structlog
 
 from unicron_elastic.api import NotLeaderError
@@ -100,6 +101,10 @@ class LeaderElection:
             current is not None and self._lease is not None and current.lease == self._lease.id
         )
 
+    def holds_lease(self) -> bool:
+        """False once this candidate's lease was lost (or never granted); no store request."""
+        return self._lease is not None and not self._lease.lost.is_set()
+
     def fenced_put(self, key: str, value: bytes | str) -> int:
         """Write ``key`` only while this candidate is still the leader.
 
@@ -124,6 +129,32 @@ class LeaderElection:
         if not ok:
             raise NotLeaderError(f"{self.candidate} lost leadership of {self.key} (token {token})")
         return int(responses[0].response_put.header.revision)
+
+    def fenced_txn(self, puts: dict[str, str], deletes: tuple[str, ...] = (), delete_prefixes: tuple[str, ...] = ()) -> None:
+        """Apply ``puts`` and deletions in one transaction, only while this candidate is the leader.
+
+        Args:
+            puts: Keys and values to write.
+            deletes: Keys to delete.
+            delete_prefixes: Prefixes to delete (must not overlap ``puts``: etcd refuses that).
+
+        Raises:
+            NotLeaderError: The leader key is gone or belongs to another term.
+        """
+        token = self.token
+        if token is None:
+            raise NotLeaderError(f"{self.candidate} was never elected for {self.key}")
+
+        def op(c):
+            t = c.transactions
+            success = [t.put(k, v) for k, v in puts.items()] + [t.delete(k) for k in deletes]
+            success += [t.delete(p, range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p)))
+                        for p in delete_prefixes]
+            return c.transaction(compare=[t.create(self.key) == token], success=success, failure=[])
+
+        ok, _ = self._store.call(op, "fenced transaction")
+        if not ok:
+            raise NotLeaderError(f"{self.candidate} lost leadership of {self.key} (token {token})")
 
     def resign(self) -> None:
         """Give up leadership (revokes the lease, deleting the leader key)."""

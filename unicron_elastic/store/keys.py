@@ -6,6 +6,9 @@
     /unicron/<cluster>/events/<seq>            ErrorEvent JSON
     /unicron/<cluster>/tasks/<task>/spec       TaskSpec JSON
     /unicron/<cluster>/tasks/<task>/status     task status JSON
+    /unicron/<cluster>/tasks/<task>/cancel     present once the task was cancelled
+    /unicron/<cluster>/tasks/<task>/done/<node> the node's workers of the task completed
+    /unicron/<cluster>/coordinator/state       the coordinator's state (written with the plan)
     /unicron/<cluster>/plan                    Plan JSON
     /unicron/<cluster>/commands/<node>/<seq>   actions for one agent
     /unicron/<cluster>/rdzv/<run_id>           DynamicRendezvous state bytes
@@ -65,6 +68,23 @@ class Keys:
     def task(self, task: str) -> str:
         """Prefix of one task's keys."""
         return f"{self.prefix}tasks/{_check_part('task', task)}/"
+
+    def tasks(self) -> str:
+        """Prefix of every task's keys."""
+        return f"{self.prefix}tasks/"
+
+    def task_cancel(self, task: str) -> str:
+        """Key present once ``task`` was cancelled."""
+        return self.task(task) + "cancel"
+
+    def task_done(self, task: str, node: str | None = None) -> str:
+        """Key a node's daemon writes when its workers of ``task`` completed (the prefix without ``node``)."""
+        prefix = self.task(task) + "done/"
+        return prefix if node is None else prefix + _check_part("node", node)
+
+    def coordinator_state(self) -> str:
+        """Key of the coordinator's state (written in the plan's transaction)."""
+        return f"{self.prefix}coordinator/state"
 
     def task_spec(self, task: str) -> str:
         """Key of a task's specification."""

@@ -1,0 +1,282 @@
+"""The coordinator's pure decisions: plans, placement, escalation, the one-step table, specs (issue #11, item 4)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from unicron_elastic.coordinator.api import ClusterPlan, Command, NodeRecord, SpecError, TaskSpec
+from unicron_elastic.coordinator.policy import (
+    Alert,
+    ClusterState,
+    Failure,
+    NodeJoined,
+    NodeLost,
+    Observed,
+    PolicyConfig,
+    Replan,
+    TaskFinished,
+    TaskSubmitted,
+    WritePlan,
+    changes,
+    decide,
+    fold,
+    place,
+    replan,
+    state_from_json,
+    state_to_json,
+    task_throughput,
+)
+from unicron_elastic.events import ErrorEvent, Severity
+from unicron_elastic.planner import CostModel, PlanTask, Problem, solve
+from unicron_elastic.planner.throughput import GptModel, TabulatedThroughput
+
+CONFIG = PolicyConfig(failure_rate=1e-4, d_transition=60.0)
+
+
+def spec(name: str, weight: float = 1.0, lo: int = 2, hi: int = 6, table: dict | None = None, **kw) -> TaskSpec:
+    table = table or {"2": 2.0, "4": 3.6, "6": 5.0}
+    doc = dict(name=name, command=["python"], weight=weight, min_workers=lo, max_workers=hi, global_batch=12,
+               model={"calibration": table})
+    doc.update(kw)
+    return TaskSpec.from_dict(doc)
+
+
+A = spec("a", 1.0)
+B = spec("b", 2.0, hi=4, table={"2": 1.0, "4": 1.5})
+
+
+def cluster(*events) -> ClusterState:
+    state = ClusterState(config=CONFIG)
+    for e in events:
+        state = decide(state, e).state
+    return state
+
+
+def optimum(state: ClusterState, faulted=frozenset(), current=None) -> dict[str, int]:
+    """The planner's optimum, built here from the specs by hand (node units)."""
+    slots = state.slots()
+    n = len(state.usable())
+    table = {t.name: task_throughput(t, slots, n, CONFIG.gpu)[0] for t in state.tasks}
+    cost = CostModel(TabulatedThroughput(table), CONFIG.failure_rate, CONFIG.d_transition)
+    current = current or {}
+    tasks = tuple(PlanTask(t.name, GptModel(t.name, 1, 1, 1), t.weight, 1, current.get(t.name, 0), t.name in faulted)
+                  for t in state.tasks)
+    return solve(Problem(tasks, n, cost)).assignment
+
+
+def sizes(plan: ClusterPlan) -> dict[str, int]:
+    return {n: len(t.nodes) for n, t in plan.tasks.items()}
+
+
+def test_initial_plan_is_the_planners_optimum_and_every_node_gets_a_command() -> None:
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)))
+    d = fold(state, [TaskSubmitted(A), TaskSubmitted(B)])
+    assert sizes(d.state.plan) == optimum(d.state) == {"a": 2, "b": 1}
+    assert d.state.plan.tasks["a"].workers == 4 and d.state.plan.tasks["b"].workers == 2
+    assert d.state.plan.tasks["b"].waf == pytest.approx(2.0 * 1.0)
+    assert d.state.plan.generation == state.plan.generation + 1  # one generation per plan written
+    (write,) = [a for a in d.actions if isinstance(a, WritePlan)]
+    assert {c.node: c.task for c in write.commands} == {"n0": "a", "n1": "a", "n2": "b"}
+
+
+def test_node_lost_replans_with_the_task_faulted_and_alerts() -> None:
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A), TaskSubmitted(B))
+    d = decide(state, NodeLost("n1"))
+    assert sizes(d.state.plan) == optimum(d.state, frozenset({"a"}), {"a": 2, "b": 1})
+    assert "n1" not in d.state.plan.nodes
+    alerts = [a for a in d.actions if isinstance(a, Alert)]
+    assert alerts and alerts[0].severity == Severity.SEV1 and alerts[0].task == "a"
+    (write,) = [a for a in d.actions if isinstance(a, WritePlan)]
+    assert write.forget == ("n1",)  # a lost node's commands are deleted, none are sent to it
+
+
+def test_a_returning_node_is_used_again_and_the_survivors_keep_their_nodes() -> None:
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A), TaskSubmitted(B), NodeLost("n0"))
+    before = {n: set(t.nodes) for n, t in state.plan.tasks.items()}
+    after = decide(state, NodeJoined("n0", 2)).state
+    assert "n0" in {n for t in after.plan.tasks.values() for n in t.nodes}
+    for name, nodes in before.items():
+        assert nodes <= set(after.plan.tasks[name].nodes) or len(after.plan.tasks[name].nodes) < len(nodes)
+
+
+def test_task_finished_gives_its_nodes_to_the_other_and_is_never_planned_again() -> None:
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A), TaskSubmitted(B))
+    d = decide(state, TaskFinished("b"))
+    assert sizes(d.state.plan) == {"a": 3}
+    assert d.state.plan.finished == ("b",)
+    assert decide(d.state, TaskSubmitted(B)).state == d.state  # a finished name is not reused
+
+
+def test_cancel_is_a_finish_that_says_so() -> None:
+    state = cluster(NodeJoined("n0", 2), TaskSubmitted(A))
+    assert "cancelled" in decide(state, TaskFinished("a", cancelled=True)).state.plan.reason
+
+
+def test_repeated_failures_on_one_node_alert_then_isolate_it() -> None:
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A))
+    e = lambda t: Failure(ErrorEvent(Severity.SEV2, "exited_abnormally", "process", "n1", 0, "a", detected_at=t))
+    first = decide(state, e(100.0))
+    assert first.actions == () and first.state.plan is state.plan  # the agent handles one SEV2 in place
+    second = decide(first.state, e(101.0))
+    assert [a.severity for a in second.actions] == [Severity.SEV2]  # repeated: an alert, no re-plan
+    third = decide(second.state, e(102.0))
+    assert "n1" in third.state.isolated and "n1" not in third.state.plan.nodes
+    assert any(isinstance(a, Alert) and a.severity == Severity.SEV1 for a in third.actions)
+    late = decide(first.state, e(100.0 + CONFIG.window_s + 1))
+    assert late.actions == ()  # outside the window the count starts again
+
+
+def test_a_sev1_event_isolates_the_node_at_once() -> None:
+    state = cluster(NodeJoined("n0", 2), NodeJoined("n1", 2), TaskSubmitted(A))
+    d = decide(state, Failure(ErrorEvent(Severity.SEV1, "ecc", "nvml", "n0", -1, "a")))
+    assert d.state.isolated == {"n0"} and d.state.plan.tasks["a"].nodes == ("n1",)
+
+
+def test_events_for_unknown_or_repeated_things_change_nothing() -> None:
+    state = cluster(NodeJoined("n0", 2), TaskSubmitted(A))
+    for event in (NodeLost("zz"), NodeJoined("n0", 2), TaskSubmitted(A), TaskFinished("zz"),
+                  Failure(ErrorEvent(Severity.SEV2, "x", "d", "zz"))):
+        assert decide(state, event) == type(decide(state, event))(state)
+    with pytest.raises(TypeError):
+        decide(state, "node lost")
+
+
+def test_a_task_with_no_feasible_size_waits_with_no_nodes() -> None:
+    state = cluster(NodeJoined("n0", 2), TaskSubmitted(spec("big", lo=4, hi=8, table={"4": 1.0})))
+    assert state.plan.tasks["big"].nodes == () and state.plan.tasks["big"].workers == 0
+
+
+def test_analytic_model_gives_the_megatron_parallel_config() -> None:
+    s = spec("gpt", lo=8, hi=64, model="1.3B", global_batch=512)
+    state = cluster(*(NodeJoined(f"n{i}", 8) for i in range(2)), TaskSubmitted(s))
+    share = state.plan.tasks["gpt"]
+    assert share.workers == 16 and share.parallel.startswith("tp=") and share.waf > 0
+
+
+def test_place_keeps_tasks_where_they_run() -> None:
+    usable = ["a1", "a2", "b1", "c1", "c2"]
+    got = place({"x": 2, "y": 2}, {"x": ("a2", "b1", "zz"), "y": ("c1",)}, usable)
+    assert got == {"x": ("a2", "b1"), "y": ("a1", "c1")}
+    with pytest.raises(ValueError, match="needs 6 nodes"):
+        place({"x": 6}, {}, usable)
+
+
+def test_changes_derives_events_worst_first() -> None:
+    state = cluster(NodeJoined("n0", 2), NodeJoined("n1", 2), TaskSubmitted(A))
+    err = ErrorEvent(Severity.SEV3, "timeout", "exception", "n0")
+    seen = Observed({"n0": 2, "n2": 2}, (A, B), frozenset(), frozenset({"a"}), ((5, err),))
+    assert changes(state, seen) == [NodeLost("n1"), NodeJoined("n2", 2), TaskFinished("a"), TaskSubmitted(B),
+                                    Failure(err)]
+    assert changes(ClusterState(config=CONFIG), Observed()) == [Replan("first plan")]
+    assert changes(state, Observed({"n0": 2, "n1": 2}, (A,))) == []
+
+
+def test_state_survives_its_json_form() -> None:
+    state = cluster(NodeJoined("n0", 2), NodeJoined("n1", 2), TaskSubmitted(A), TaskSubmitted(B),
+                    Failure(ErrorEvent(Severity.SEV2, "x", "d", "n0", detected_at=5.0)), TaskFinished("b"))
+    plan = ClusterPlan.from_json(state.plan.to_json())
+    assert plan == state.plan
+    back, cursor = state_from_json(state_to_json(state, 42, "me"), plan, {"a": A, "b": B}, CONFIG)
+    assert cursor == 42 and back == state
+
+
+# -- the one-step table ----------------------------------------------------------------------------
+weights = st.sampled_from([0.5, 1.0, 1.5, 2.0])
+flops = st.lists(st.floats(0.5, 10.0), min_size=3, max_size=3)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=st.lists(weights, min_size=1, max_size=3), f=st.lists(flops, min_size=3, max_size=3),
+       nodes=st.integers(1, 5), victim=st.integers(0, 4), event=st.sampled_from(["lost", "joined", "finished"]))
+def test_one_step_events_come_from_the_table_and_equal_a_fresh_solve(w, f, nodes, victim, event) -> None:
+    tasks = [spec(f"t{i}", wi, table={"2": f[i][0], "4": f[i][0] + f[i][1], "6": f[i][0] + f[i][1] + f[i][2]})
+             for i, wi in enumerate(w)]
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(nodes)), *(TaskSubmitted(t) for t in tasks))
+    assert state.table is not None
+    if event == "lost":
+        node = f"n{victim % nodes}"
+        e, hit = NodeLost(node), frozenset({state.plan.task_of(node)} - {None})
+    elif event == "joined":
+        e, hit = NodeJoined(f"n{nodes}", 2), frozenset()
+    else:
+        e, hit = TaskFinished(tasks[victim % len(tasks)].name), frozenset()
+    via_table = decide(state, e).state
+    fresh = decide(replace(state, table=None), e).state
+    assert sizes(via_table.plan) == sizes(fresh.plan)
+    held = {n: len(t.nodes) for n, t in state.plan.tasks.items() if n in {t.name for t in via_table.tasks}}
+    assert sizes(via_table.plan) == optimum(via_table, hit, held)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["join", "lose", "submit", "finish", "fail"]), st.integers(0, 4)),
+                    max_size=25))
+def test_any_sequence_of_events_gives_consistent_plans(ops) -> None:
+    state = ClusterState(config=CONFIG)
+    pool = [spec(f"t{i}", 0.5 + i * 0.5) for i in range(4)]
+    for op, i in ops:
+        event = {"join": NodeJoined(f"n{i}", 2), "lose": NodeLost(f"n{i}"), "submit": TaskSubmitted(pool[i % 4]),
+                 "finish": TaskFinished(f"t{i % 4}"),
+                 "fail": Failure(ErrorEvent(Severity.SEV2, "x", "d", f"n{i}", detected_at=float(len(ops))))}[op]
+        before = state
+        d = decide(state, event)
+        state = d.state
+        if state.plan is None:
+            continue
+        used = [n for t in state.plan.tasks.values() for n in t.nodes]
+        assert len(used) == len(set(used)) and set(used) <= set(state.usable())
+        assert set(state.plan.tasks) == {t.name for t in state.tasks}
+        for name, share in state.plan.tasks.items():
+            assert share.workers == len(share.nodes) * state.slots()
+        for action in d.actions:
+            if isinstance(action, WritePlan):
+                assert all(c.node in state.nodes for c in action.commands)
+                assert all(c.generation == state.plan.generation for c in action.commands)
+        if before.plan is not None and state.plan is not before.plan:
+            assert state.plan.generation == before.plan.generation + 1
+
+
+# -- specs -----------------------------------------------------------------------------------------
+GOOD = dict(name="t", command=["python", "train.py"], weight=1.0, min_workers=1, max_workers=4, global_batch=8,
+            model="1.3B")
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"colour": "red"}, "colour"),
+    ({"weight": 0}, "weight"), ({"weight": -1}, "weight"), ({"weight": float("nan")}, "weight"),
+    ({"weight": True}, "weight"),
+    ({"min_workers": 5}, "min_workers"), ({"min_workers": 0}, "min_workers"), ({"max_workers": 1.5}, "max_workers"),
+    ({"global_batch": 0}, "global_batch"),
+    ({"command": []}, "command"), ({"command": "python"}, "command"),
+    ({"command": ["no-such-command-unicron"]}, "command"),
+    ({"name": "a/b"}, "name"), ({"name": ""}, "name"),
+    ({"model": "3B"}, "model"), ({"model": {"calibration": {"x": 1}}}, "model"),
+    ({"model": {"calibration": {"2": -1}}}, "model"), ({"model": {"layers": 2}}, "model"),
+])
+def test_a_bad_spec_names_its_field(change, field) -> None:
+    with pytest.raises(SpecError, match=repr(field)):
+        TaskSpec.from_dict({**GOOD, **change})
+
+
+def test_a_missing_field_is_named() -> None:
+    with pytest.raises(SpecError, match="'global_batch'"):
+        TaskSpec.from_dict({k: v for k, v in GOOD.items() if k != "global_batch"})
+
+
+def test_spec_files_json_and_yaml(tmp_path) -> None:
+    (tmp_path / "t.json").write_text(json.dumps(GOOD))
+    (tmp_path / "t.yaml").write_text("name: t\ncommand: [python, train.py]\nweight: 1.0\nmin_workers: 1\n"
+                                     "max_workers: 4\nglobal_batch: 8\nmodel: 1.3B\n")
+    assert TaskSpec.from_file(tmp_path / "t.json") == TaskSpec.from_file(tmp_path / "t.yaml")
+    (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match="bad.yaml"):
+        TaskSpec.from_file(tmp_path / "bad.yaml")
+
+
+def test_records_survive_json() -> None:
+    assert NodeRecord.from_json(NodeRecord("n", 2, "h", 3).to_json()) == NodeRecord("n", 2, "h", 3)
+    assert Command.from_json(Command("n", 4, None).to_json()) == Command("n", 4, None)

@@ -1,0 +1,495 @@
+"""The coordinator's decisions, pure: ``decide(state, event) -> Decision``.
+
+No I/O, no clock (events carry their time). The service feeds it what it
+reads from etcd and executes the actions (one fenced transaction per plan);
+the simulator re-plans through :func:`replan` too, so ``unicron simulate``
+and a live cluster choose plans with the same code.
+
+Planning unit: a whole node. A task runs ``k`` nodes of ``s`` workers, where
+``s`` is the smallest slot count of the usable nodes, so T(t, k) is the task's
+throughput on ``k * s`` workers (its calibration table, else the analytic
+Megatron model), zero outside ``min_workers..max_workers`` or above
+``global_batch``. Handling (paper section 4.2):
+
+- node lost (SEV1, its lease expired): re-plan without it, its task faulted;
+- a SEV1 error event (e.g. ECC): isolate the node, re-plan, alert;
+- SEV2/SEV3 error events: the node's agent handles them in place; the
+  ``escalate_after``-th within ``window_s`` on one node isolates it (SEV1);
+  the second and later ones raise an alert;
+- node joined, task submitted, task finished or cancelled: re-plan.
+
+One-step events (a node lost or joined, a task finished) are answered from a
+:class:`~unicron_elastic.planner.OneStepTable` computed with the previous plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Union
+
+from unicron_elastic.coordinator.api import ClusterPlan, Command, TaskPlan, TaskSpec
+from unicron_elastic.events import ErrorEvent, Severity
+from unicron_elastic.planner.cost_model import CostModel, PlanTask
+from unicron_elastic.planner.onestep import Event as TableEvent
+from unicron_elastic.planner.onestep import OneStepTable
+from unicron_elastic.planner.solver import MAX_GPUS, Problem, solve
+from unicron_elastic.planner.throughput import GptModel, TabulatedThroughput, estimate, gpu_type
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the policy.
+
+    Attributes:
+        gpu: GPU type of the analytic throughput model (tasks without calibration).
+        failure_rate: lambda of the cost model, failures per GPU per second.
+        d_transition: D_transition of the cost model, seconds.
+        escalate_after: SEV2/SEV3 events on one node within ``window_s`` that isolate it.
+        window_s: The escalation window.
+    """
+
+    gpu: str = "A800-80GB"
+    failure_rate: float = 1.0 / (128 * 7 * 86400 / 4)
+    d_transition: float = 60.0
+    escalate_after: int = 3
+    window_s: float = 600.0
+
+
+# -- events ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeJoined:
+    """A node daemon registered (``nodes/<node>`` appeared)."""
+
+    node: str
+    slots: int
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """A node's lease expired or its daemon left (SEV1)."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class TaskSubmitted:
+    """A task spec was stored."""
+
+    spec: TaskSpec
+
+
+@dataclass(frozen=True)
+class TaskFinished:
+    """A task's workers completed (``cancelled``: the user cancelled it)."""
+
+    task: str
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An error event an agent published."""
+
+    event: ErrorEvent
+
+
+@dataclass(frozen=True)
+class Replan:
+    """Re-plan from the current state (a new leader, or no plan yet)."""
+
+    reason: str = "replan"
+
+
+PolicyEvent = Union[NodeJoined, NodeLost, TaskSubmitted, TaskFinished, Failure, Replan]
+
+
+# -- actions -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WritePlan:
+    """Store ``plan`` and ``commands`` in one fenced transaction; delete the commands of ``forget``."""
+
+    plan: ClusterPlan
+    commands: tuple[Command, ...]
+    forget: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Alert:
+    """Call the ``unicron_alert`` hook."""
+
+    severity: Severity
+    message: str
+    node: str = ""
+    task: str = ""
+
+
+Action = Union[WritePlan, Alert]
+
+
+# -- state -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterState:
+    """What the coordinator knows.
+
+    Attributes:
+        nodes: Registered nodes and their slots.
+        tasks: Active tasks in submission order.
+        plan: The current plan (None before the first).
+        isolated: Nodes out of service.
+        finished: Tasks finished or cancelled.
+        failures: Per node, the times of recent SEV2/SEV3 events.
+        table: Plans for the one-step events from ``plan`` (None: none computed).
+        config: The policy's knobs.
+    """
+
+    nodes: Mapping[str, int] = field(default_factory=dict)
+    tasks: tuple[TaskSpec, ...] = ()
+    plan: ClusterPlan | None = None
+    isolated: frozenset[str] = frozenset()
+    finished: frozenset[str] = frozenset()
+    failures: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    table: OneStepTable | None = field(default=None, compare=False, repr=False)
+    config: PolicyConfig = PolicyConfig()
+
+    def usable(self) -> list[str]:
+        """Registered nodes not isolated, sorted."""
+        return sorted(n for n in self.nodes if n not in self.isolated)
+
+    def slots(self) -> int:
+        """Workers per node in plans: the smallest slot count of the usable nodes (0 if none)."""
+        return min((self.nodes[n] for n in self.usable()), default=0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The new state and what to do."""
+
+    state: ClusterState
+    actions: tuple[Action, ...] = ()
+
+
+# -- planning ----------------------------------------------------------------------------------------
+def _model(spec: TaskSpec) -> GptModel:
+    if isinstance(spec.model, str):
+        from unicron_elastic.planner.throughput import model
+
+        return model(spec.model)
+    if isinstance(spec.model, dict) and "calibration" not in spec.model:
+        doc = dict(spec.model)
+        return GptModel(name=str(doc.pop("name", spec.name)), **doc)
+    return GptModel(spec.name, 1, 1, 1)
+
+
+def task_throughput(spec: TaskSpec, slots: int, nodes: int, gpu: str) -> tuple[dict[int, float], dict[int, str]]:
+    """T(t, k) for k = 1..``nodes`` nodes of ``slots`` workers, and the parallel config at each.
+
+    Zero outside ``min_workers..max_workers`` and above ``global_batch``.
+    """
+    table, configs = {}, {}
+    calibration = spec.calibration
+    for k in range(1, nodes + 1):
+        workers = k * slots
+        if not spec.min_workers <= workers <= min(spec.max_workers, spec.global_batch):
+            continue
+        if calibration is not None:
+            flops, config = calibration.get(workers, 0.0), f"dp={workers}"
+        else:
+            est = estimate(_model(spec), gpu_type(gpu), workers)
+            flops = est.flops
+            config = "" if est.config is None else f"tp={est.config.tp} pp={est.config.pp} dp={est.config.dp}"
+        if flops > 0:
+            table[k], configs[k] = flops, config
+    return table, configs
+
+
+def _problem(state: ClusterState, tasks: tuple[TaskSpec, ...], n: int, faulted: frozenset[str],
+             horizon: int | None = None) -> Problem:
+    """The planning problem in node units; x of each task is its node count under the current plan.
+
+    Args:
+        horizon: Largest node count T is tabulated for (default ``n``).
+    """
+    slots = state.slots()
+    held = {} if state.plan is None else {name: len(share.nodes) for name, share in state.plan.tasks.items()}
+    table = {t.name: task_throughput(t, slots, max(horizon or n, 1), state.config.gpu)[0] for t in tasks}
+    cost = CostModel(TabulatedThroughput(table), state.config.failure_rate, state.config.d_transition)
+    plan_tasks = tuple(
+        PlanTask(t.name, GptModel(t.name, 1, 1, 1), t.weight, 1, held.get(t.name, 0), t.name in faulted)
+        for t in tasks
+    )
+    return Problem(plan_tasks, min(n, MAX_GPUS), cost)
+
+
+def _current_nodes(state: ClusterState) -> dict[str, tuple[str, ...]]:
+    """Each task's nodes under the current plan that are still usable."""
+    if state.plan is None:
+        return {}
+    usable = set(state.usable())
+    return {name: tuple(n for n in share.nodes if n in usable) for name, share in state.plan.tasks.items()}
+
+
+def place(counts: Mapping[str, int], current: Mapping[str, tuple[str, ...]], usable: list[str]) -> dict[str, tuple[str, ...]]:
+    """Put each task on ``counts[task]`` nodes, keeping it where it runs.
+
+    A task keeps its first current nodes (sorted) up to its count; the free
+    nodes (sorted) then fill the remaining counts in task order.
+
+    Raises:
+        ValueError: The counts need more nodes than ``usable`` has.
+    """
+    if sum(counts.values()) > len(usable):
+        raise ValueError(f"the plan needs {sum(counts.values())} nodes but only {len(usable)} are usable")
+    kept = {name: tuple(sorted(n for n in current.get(name, ()) if n in usable))[:k] for name, k in counts.items()}
+    taken = {n for nodes in kept.values() for n in nodes}
+    free = [n for n in usable if n not in taken]
+    out = {}
+    for name, k in counts.items():
+        extra, free = free[: k - len(kept[name])], free[k - len(kept[name]):]
+        out[name] = tuple(sorted(kept[name] + tuple(extra)))
+    return out
+
+
+def replan(state: ClusterState, faulted: frozenset[str] = frozenset(), reason: str = "replan",
+           lookup: TableEvent | None = None) -> ClusterState:
+    """The state with a new plan (generation + 1) for its nodes and tasks.
+
+    Args:
+        state: The state after the event (nodes, tasks, isolation updated).
+        faulted: Tasks that lost workers (the transition indicator is 1).
+        reason: Recorded in the plan, for people.
+        lookup: The one-step event, if it is one: the plan comes from the table.
+
+    Returns:
+        The state with the new plan and a fresh one-step table.
+    """
+    usable = state.usable()
+    n = len(usable)
+    counts = None
+    if lookup is not None and state.table is not None:
+        try:
+            counts = dict(state.table.lookup(lookup).assignment)
+        except KeyError:
+            counts = None
+    problem = _problem(state, state.tasks, n, faulted)
+    if counts is None or set(counts) != {t.name for t in state.tasks}:
+        counts = dict(solve(problem).assignment)
+    nodes = place(counts, _current_nodes(state), usable)
+    slots = state.slots()
+    shares = {}
+    for spec in state.tasks:
+        k = counts[spec.name]
+        flops, configs = task_throughput(spec, slots, max(k, 1), state.config.gpu)
+        shares[spec.name] = TaskPlan(nodes[spec.name], k * slots, spec.weight * flops.get(k, 0.0) if k else 0.0,
+                                     configs.get(k, "") if k else "")
+    generation = 0 if state.plan is None else state.plan.generation + 1
+    plan = ClusterPlan(generation, shares, {u: state.nodes[u] for u in usable}, tuple(sorted(state.isolated)),
+                       tuple(sorted(state.finished)), reason)
+    planned = replace(state, plan=plan, table=None)
+    return replace(planned, table=_table(planned))
+
+
+def _table(state: ClusterState) -> OneStepTable | None:
+    """The one-step table from ``state``'s plan, in node units (T tabulated up to one node more)."""
+    if state.plan is None:
+        return None
+    n = len(state.usable())
+    return OneStepTable(_problem(state, state.tasks, n, frozenset(), horizon=n + 1), 1)
+
+
+def commands(old: ClusterPlan | None, new: ClusterPlan, nodes: list[str]) -> tuple[Command, ...]:
+    """A command for every node whose task changes between ``old`` and ``new`` (and every node of a first plan)."""
+    out = []
+    for node in nodes:
+        task = new.task_of(node)
+        if old is not None and old.task_of(node) == task:
+            continue
+        share = new.tasks.get(task) if task else None
+        out.append(Command(node, new.generation, task, len(share.nodes) if share else 0, share.workers if share else 0))
+    return tuple(out)
+
+
+def _write(old: ClusterState, new: ClusterState) -> WritePlan:
+    """The plan of ``new`` with commands for the registered nodes whose task changed since ``old``."""
+    cmds = commands(old.plan, new.plan, sorted(new.nodes))
+    return WritePlan(new.plan, cmds, tuple(sorted(set(old.nodes) - set(new.nodes))))
+
+
+def _with_plan(state: ClusterState, new: ClusterState, *alerts: Alert) -> Decision:
+    return Decision(new, (*alerts, _write(state, new)))
+
+
+# -- decide ------------------------------------------------------------------------------------------
+def _owners(state: ClusterState, node: str) -> frozenset[str]:
+    task = state.plan.task_of(node) if state.plan else None
+    return frozenset({task}) if task else frozenset()
+
+
+def _isolate(state: ClusterState, node: str, why: str, alerts: tuple[Alert, ...]) -> Decision:
+    hit = _owners(state, node)
+    after = replace(state, isolated=state.isolated | {node}, failures={k: v for k, v in state.failures.items() if k != node})
+    new = replan(after, hit, f"isolated {node}: {why}")
+    return _with_plan(state, new, *alerts, Alert(Severity.SEV1, f"node {node} isolated: {why}", node, ",".join(hit)))
+
+
+def _on_failure(state: ClusterState, e: ErrorEvent) -> Decision:
+    if e.node not in state.nodes or e.node in state.isolated:
+        return Decision(state)
+    if e.severity == Severity.SEV1:
+        return _isolate(state, e.node, f"{e.kind} ({e.message})", ())
+    cfg = state.config
+    recent = tuple(t for t in state.failures.get(e.node, ()) if e.detected_at - t < cfg.window_s) + (e.detected_at,)
+    if len(recent) >= cfg.escalate_after:
+        why = f"{len(recent)} failures within {cfg.window_s:g} s (last: {e.kind})"
+        return _isolate(state, e.node, why, ())
+    after = replace(state, failures={**state.failures, e.node: recent})
+    if len(recent) >= 2:
+        return Decision(after, (Alert(e.severity, f"node {e.node}: {len(recent)} failures within {cfg.window_s:g} s "
+                                      f"(last: {e.kind})", e.node, e.task),))
+    return Decision(after)
+
+
+def decide(state: ClusterState, event: PolicyEvent) -> Decision:
+    """The coordinator's reaction to one event.
+
+    Args:
+        state: What the coordinator knows.
+        event: What happened.
+
+    Returns:
+        The new state and the actions (a :class:`WritePlan` when the plan changes).
+
+    Raises:
+        TypeError: ``event`` is not a policy event.
+    """
+    if isinstance(event, NodeJoined):
+        if state.nodes.get(event.node) == event.slots:
+            return Decision(state)
+        new = replan(replace(state, nodes={**state.nodes, event.node: event.slots}), reason=f"node {event.node} joined",
+                     lookup=TableEvent("node_joined") if event.node not in state.nodes else None)
+        return _with_plan(state, new)
+    if isinstance(event, NodeLost):
+        if event.node not in state.nodes:
+            return Decision(state)
+        hit = _owners(state, event.node)
+        lost = {k: v for k, v in state.nodes.items() if k != event.node}
+        usable_before = event.node not in state.isolated
+        new = replan(replace(state, nodes=lost, isolated=state.isolated - {event.node}), hit,
+                     f"node {event.node} lost (SEV1)", TableEvent("node_lost", hit) if usable_before else None)
+        return _with_plan(state, new, Alert(Severity.SEV1, f"node {event.node} lost", event.node, ",".join(hit)))
+    if isinstance(event, TaskSubmitted):
+        if any(t.name == event.spec.name for t in state.tasks) or event.spec.name in state.finished:
+            return Decision(state)
+        new = replan(replace(state, tasks=(*state.tasks, event.spec)), reason=f"task {event.spec.name} submitted")
+        return _with_plan(state, new)
+    if isinstance(event, TaskFinished):
+        if not any(t.name == event.task for t in state.tasks):
+            return Decision(state)
+        rest = tuple(t for t in state.tasks if t.name != event.task)
+        word = "cancelled" if event.cancelled else "finished"
+        new = replan(replace(state, tasks=rest, finished=state.finished | {event.task}), reason=f"task {event.task} {word}",
+                     lookup=TableEvent("task_finished", frozenset({event.task})))
+        return _with_plan(state, new)
+    if isinstance(event, Failure):
+        return _on_failure(state, event.event)
+    if isinstance(event, Replan):
+        return _with_plan(state, replan(state, reason=event.reason))
+    raise TypeError(f"not a policy event: {event!r}")
+
+
+def fold(state: ClusterState, events: list[PolicyEvent]) -> Decision:
+    """Decide a batch of events: every alert, and one :class:`WritePlan` from ``state``'s plan to the last one.
+
+    Raises:
+        TypeError: An event is not a policy event.
+    """
+    current, alerts = state, []
+    for event in events:
+        decision = decide(current, event)
+        alerts += [a for a in decision.actions if isinstance(a, Alert)]
+        current = decision.state
+    if current.plan is not state.plan:
+        generation = 0 if state.plan is None else state.plan.generation + 1  # one generation per plan written
+        current = replace(current, plan=replace(current.plan, generation=generation))
+        return Decision(current, (*alerts, _write(state, current)))
+    return Decision(current, tuple(alerts))
+
+
+# -- what changed in the store ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Observed:
+    """One read of the store by the coordinator.
+
+    Attributes:
+        nodes: Registered nodes and their slots.
+        specs: Stored task specs, oldest first.
+        cancelled: Tasks with a cancel request.
+        done: Tasks some node reported completed.
+        events: Error events after the coordinator's cursor, oldest first, with their sequence numbers.
+    """
+
+    nodes: Mapping[str, int] = field(default_factory=dict)
+    specs: tuple[TaskSpec, ...] = ()
+    cancelled: frozenset[str] = frozenset()
+    done: frozenset[str] = frozenset()
+    events: tuple[tuple[int, ErrorEvent], ...] = ()
+
+
+def changes(state: ClusterState, seen: Observed) -> list[PolicyEvent]:
+    """The events that turn ``state`` into what the store shows, worst first.
+
+    Nodes lost, then nodes joined, tasks finished or cancelled, tasks
+    submitted, error events; :class:`Replan` if there is no plan yet.
+    """
+    out: list[PolicyEvent] = [NodeLost(n) for n in sorted(state.nodes) if n not in seen.nodes]
+    out += [NodeJoined(n, k) for n, k in sorted(seen.nodes.items()) if state.nodes.get(n) != k]
+    active = {t.name for t in state.tasks}
+    out += [TaskFinished(name, cancelled=name in seen.cancelled) for name in sorted(active)
+            if name in seen.cancelled or name in seen.done]
+    out += [TaskSubmitted(spec) for spec in seen.specs
+            if spec.name not in active and spec.name not in state.finished
+            and spec.name not in seen.cancelled and spec.name not in seen.done]
+    out += [Failure(e) for _, e in seen.events]
+    if state.plan is None and not any(isinstance(e, (NodeJoined, NodeLost, TaskSubmitted)) for e in out):
+        out.append(Replan("first plan"))
+    return out
+
+
+# -- the state's JSON form (``coordinator/state``) ---------------------------------------------------
+def state_to_json(state: ClusterState, cursor: int, leader: str) -> str:
+    """What a standby needs to take over (besides the plan and the specs).
+
+    Args:
+        state: The state.
+        cursor: Sequence number of the last error event decided.
+        leader: Who wrote it.
+    """
+    import json
+
+    return json.dumps({"nodes": dict(state.nodes), "tasks": [t.name for t in state.tasks],
+                       "isolated": sorted(state.isolated), "finished": sorted(state.finished),
+                       "failures": {k: list(v) for k, v in state.failures.items()}, "cursor": cursor,
+                       "leader": leader, "generation": state.plan.generation if state.plan else -1}, sort_keys=True)
+
+
+def state_from_json(raw: str | bytes, plan: ClusterPlan | None, specs: Mapping[str, TaskSpec],
+                    config: PolicyConfig) -> tuple[ClusterState, int]:
+    """The state a leader wrote, and its event cursor; tasks whose spec is gone are dropped.
+
+    Raises:
+        MalformedValueError: Wrong shape.
+    """
+    import json
+
+    from unicron_elastic.api import MalformedValueError
+
+    try:
+        doc = json.loads(raw)
+        state = ClusterState(
+            nodes={str(k): int(v) for k, v in doc["nodes"].items()},
+            tasks=tuple(specs[name] for name in doc["tasks"] if name in specs),
+            plan=plan, isolated=frozenset(doc["isolated"]), finished=frozenset(doc["finished"]),
+            failures={str(k): tuple(float(t) for t in v) for k, v in doc["failures"].items()}, config=config)
+        return replace(state, table=_table(state)), int(doc["cursor"])
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise MalformedValueError(f"not a coordinator state document: {exc}") from None

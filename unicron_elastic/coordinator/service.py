@@ -1,0 +1,280 @@
+"""The coordinator's I/O: leader election, reading the cluster from etcd, executing decisions.
+
+Level-triggered: whenever something changes under ``nodes/``, ``tasks/`` or
+``events/`` (and at least once a second), the leader reads the store,
+derives the events that happened since its state (:func:`~.policy.changes`),
+decides them (:func:`~.policy.fold`) and writes the new plan, the per-node
+commands, the task statuses and its own state in **one fenced transaction**.
+A standby that takes over reads that state and the plan back, so nothing is
+lost: an event the old leader had not decided is still visible in the store.
+A deposed leader's transaction fails its fencing comparison
+(:class:`~unicron_elastic.api.NotLeaderError`); it then campaigns again.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from unicron_elastic.api import MalformedValueError, NotLeaderError, StoreError
+from unicron_elastic.coordinator.api import ClusterPlan, NodeRecord, SpecError, TaskSpec
+from unicron_elastic.coordinator.metrics import CoordinatorMetrics
+from unicron_elastic.coordinator.policy import (
+    Alert,
+    ClusterState,
+    Decision,
+    Failure,
+    NodeLost,
+    Observed,
+    PolicyEvent,
+    PolicyConfig,
+    WritePlan,
+    changes,
+    fold,
+    state_from_json,
+    state_to_json,
+)
+from unicron_elastic.events import ErrorEvent
+from unicron_elastic.store.client import StatusStore
+from unicron_elastic.store.election import LeaderElection
+from unicron_elastic.store.watch import PrefixWatch
+
+log = structlog.get_logger(__name__)
+
+
+def read_specs(store: StatusStore) -> dict[str, TaskSpec]:
+    """Every stored task spec by name, oldest first; malformed ones are logged and skipped."""
+    out = {}
+    kvs = [kv for kv in store.get_prefix(store.keys.tasks()) if kv.key.endswith("/spec")]
+    for kv in sorted(kvs, key=lambda kv: kv.create_revision):
+        try:
+            spec = TaskSpec.from_dict(json.loads(kv.value), check_command=False)
+        except (ValueError, SpecError, RecursionError, UnicodeDecodeError) as exc:
+            log.warning("malformed_task_spec_skipped", key=kv.key, error=str(exc))
+            continue
+        out[spec.name] = spec
+    return out
+
+
+def read_plan(store: StatusStore) -> ClusterPlan | None:
+    """The stored plan, or None if there is none (a malformed one is logged and read as none)."""
+    kv = store.get(store.keys.plan())
+    if kv is None:
+        return None
+    try:
+        return ClusterPlan.from_json(kv.value)
+    except MalformedValueError as exc:
+        log.error("malformed_plan_ignored", error=str(exc))
+        return None
+
+
+def observe(store: StatusStore, cursor: int) -> Observed:
+    """Read what the policy needs from the store (error events after ``cursor``)."""
+    keys = store.keys
+    nodes = {}
+    for kv in store.get_prefix(keys.nodes()):
+        try:
+            record = NodeRecord.from_json(kv.value)
+        except MalformedValueError:
+            log.debug("not_a_daemon_node_record", key=kv.key)  # e.g. a unicron-run agent's record
+            continue
+        if b'"leaving"' not in kv.value:
+            nodes[kv.key.rsplit("/", 1)[-1]] = record.slots
+    task_keys = [kv.key[len(keys.tasks()):] for kv in store.get_prefix(keys.tasks())]
+    cancelled = frozenset(k.split("/")[0] for k in task_keys if k.endswith("/cancel"))
+    done = frozenset(k.split("/")[0] for k in task_keys if "/done/" in k)
+    events = []
+    for kv in store.get_prefix(keys.events()):
+        seq = int(kv.key.rsplit("/", 1)[-1])
+        if seq <= cursor:
+            continue
+        try:
+            events.append((seq, ErrorEvent.from_json(kv.value)))
+        except MalformedValueError:
+            log.warning("malformed_event_skipped", key=kv.key)
+    return Observed(nodes, tuple(read_specs(store).values()), cancelled, done, tuple(events))
+
+
+def task_status(state: ClusterState, name: str) -> dict:
+    """The status document of one task under ``state``'s plan."""
+    share = state.plan.tasks.get(name) if state.plan else None
+    if name in state.finished:
+        return {"state": "finished", "generation": state.plan.generation if state.plan else -1}
+    if share is None or not share.nodes:
+        return {"state": "waiting", "nodes": [], "workers": 0, "generation": state.plan.generation if state.plan else -1}
+    return {"state": "running", "nodes": list(share.nodes), "workers": share.workers, "waf": share.waf,
+            "parallel": share.parallel, "generation": state.plan.generation}
+
+
+class Coordinator:
+    """One coordinator process: a candidate for leadership, the leader's loop once elected.
+
+    Args:
+        store: The status store of the cluster.
+        config: The policy's knobs.
+        ttl: Lease TTL of the leader key (a dead leader is replaced within about this).
+        candidate: Identity in the leader key; default ``host:pid``.
+        alert: Called for every :class:`~.policy.Alert` (default: the ``unicron_alert`` hook).
+        on_plan: Called after a plan was written, with the plan and the seconds from reading the store.
+        metrics: Prometheus metrics to keep (None: none).
+    """
+
+    def __init__(self, store: StatusStore, config: PolicyConfig | None = None, ttl: int = 5,
+                 candidate: str | None = None, alert: Callable[[Alert], None] | None = None,
+                 on_plan: Callable[[ClusterPlan, float], None] | None = None,
+                 metrics: CoordinatorMetrics | None = None) -> None:
+        import os
+
+        self.store = store
+        self.config = config or PolicyConfig()
+        self.candidate = candidate or f"{socket.gethostname()}:{os.getpid()}"
+        self.election = LeaderElection(store, self.candidate, ttl=ttl)
+        self.alert = alert or _hook_alert()
+        self.on_plan = on_plan
+        self.metrics = metrics
+        self.stopped = threading.Event()
+        self._wake = threading.Event()
+        self.state: ClusterState | None = None
+        self.cursor = 0
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Campaign, lead until deposed, campaign again; until :meth:`stop`."""
+        while not self.stopped.is_set():
+            try:
+                self.election.campaign(timeout=1.0)
+            except TimeoutError:
+                continue
+            except StoreError as exc:
+                log.warning("campaign_failed", error=str(exc))
+                self.stopped.wait(0.5)
+                continue
+            try:
+                self.lead()
+            except NotLeaderError as exc:
+                log.warning("deposed", candidate=self.candidate, error=str(exc))
+            except StoreError as exc:
+                log.warning("leader_store_error", error=str(exc))
+        self.election.resign()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return (it resigns leadership)."""
+        self.stopped.set()
+        self._wake.set()
+
+    def lead(self) -> None:
+        """The leader's loop: load the state, then decide whatever changes until leadership is lost.
+
+        Raises:
+            NotLeaderError: A write was refused: another leader took over.
+            StoreError: etcd unreachable for longer than the store's reconnect timeout.
+        """
+        self.load()
+        watches = [PrefixWatch(self.store, p, lambda _e: self._wake.set())
+                   for p in (self.store.keys.nodes(), self.store.keys.tasks(), self.store.keys.events())]
+        try:
+            while not self.stopped.is_set():
+                if not self.election.holds_lease():
+                    raise NotLeaderError(f"{self.candidate}: the leader lease was lost")
+                self._wake.clear()
+                self.step()
+                self._wake.wait(1.0)
+        finally:
+            for w in watches:
+                w.cancel()
+
+    def load(self) -> None:
+        """Read the state the last leader left (or start empty, skipping older error events)."""
+        specs = read_specs(self.store)
+        plan = read_plan(self.store)
+        kv = self.store.get(self.store.keys.coordinator_state())
+        state = None
+        if kv is not None:
+            try:
+                state, self.cursor = state_from_json(kv.value, plan, specs, self.config)
+            except MalformedValueError as exc:
+                log.error("malformed_coordinator_state_ignored", error=str(exc))
+        if state is None:
+            newest = self.store.get_prefix(self.store.keys.events(), limit=1, descending=True)
+            self.cursor = int(newest[0].key.rsplit("/", 1)[-1]) if newest else 0
+            state = ClusterState(config=self.config)
+        self.state = state
+        log.info("leading", candidate=self.candidate, token=self.election.token,
+                 generation=plan.generation if plan else None, tasks=[t.name for t in state.tasks])
+
+    def step(self) -> Decision | None:
+        """Read the store once and execute what the policy decides.
+
+        Returns:
+            The decision, or None if nothing changed.
+
+        Raises:
+            NotLeaderError: The write was refused.
+        """
+        started = time.perf_counter()
+        seen = observe(self.store, self.cursor)
+        events = changes(self.state, seen)
+        if not events:
+            return None
+        decision = fold(self.state, events)
+        cursor = max([self.cursor, *[seq for seq, _ in seen.events]])
+        self.execute(decision, cursor)
+        self.state, self.cursor = decision.state, cursor
+        elapsed = time.perf_counter() - started
+        for action in decision.actions:
+            if isinstance(action, Alert):
+                self.alert(action)
+                continue
+            if self.on_plan is not None:
+                self.on_plan(action.plan, elapsed)
+            if self.metrics is not None:
+                self.metrics.planned(action.plan, elapsed, len(decision.state.finished))
+        if self.metrics is not None:
+            for event in events:
+                self.metrics.decided(_severity(event))
+        return decision
+
+    def execute(self, decision: Decision, cursor: int) -> None:
+        """Write the decision in one fenced transaction (plan, commands, task statuses, state).
+
+        Raises:
+            NotLeaderError: This candidate is no longer the leader.
+        """
+        keys = self.store.keys
+        state = decision.state
+        puts = {keys.coordinator_state(): state_to_json(state, cursor, self.candidate)}
+        forget: tuple[str, ...] = ()
+        for action in decision.actions:
+            if isinstance(action, WritePlan):
+                puts[keys.plan()] = action.plan.to_json()
+                puts.update({keys.command(c.node, c.generation): c.to_json() for c in action.commands})
+                forget = action.forget
+                for name in {t.name for t in state.tasks} | set(state.finished):
+                    puts[keys.task_status(name)] = json.dumps(task_status(state, name), sort_keys=True)
+                log.info("plan_written", generation=action.plan.generation, reason=action.plan.reason,
+                         tasks={n: list(t.nodes) for n, t in action.plan.tasks.items()},
+                         commands=[(c.node, c.task) for c in action.commands])
+        self.election.fenced_txn(puts, delete_prefixes=tuple(keys.commands(n) for n in forget))
+
+
+def _severity(event: PolicyEvent) -> str:
+    if isinstance(event, Failure):
+        return event.event.severity.name
+    return "SEV1" if isinstance(event, NodeLost) else "none"
+
+
+def _hook_alert() -> Callable[[Alert], None]:
+    """Alerts go to the ``unicron_alert`` hook of the loaded plugins."""
+    from unicron_elastic.plugins.manager import call_isolated, plugin_manager
+
+    pm = plugin_manager()
+
+    def alert(a: Alert) -> None:
+        call_isolated(pm, "unicron_alert", severity=a.severity.name, message=a.message, node=a.node, task=a.task)
+
+    return alert

@@ -1,0 +1,229 @@
+"""``unicron node``: the per-machine daemon of a coordinated cluster (the paper's agent).
+
+It holds the node's lease and keeps the node's record (``nodes/<name>``,
+with its slots) on it, so the coordinator sees the node join and, when the
+machine is lost, sees the record vanish within one TTL (SEV1). It follows the
+commands the coordinator writes for it (``commands/<name>/<generation>``,
+the newest wins): run task T means start ``unicron-run`` - the existing
+agent, detectors and ladder - for T with ``--nproc-per-node`` = the node's
+slots, joining T's rendezvous (run id = task name) with ``--nnodes
+1:ceil(max_workers / slots)``; a command for another task or for none stops
+the running launcher first (SIGTERM, then SIGKILL after ``stop_timeout``).
+
+Reports: the launcher exiting 0 writes ``tasks/<T>/done/<name>`` (the task
+finished); exiting otherwise while the command still stands publishes a SEV2
+``launcher_failed`` event and starts it again after a back-off (the
+coordinator isolates a node that fails repeatedly).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import structlog
+
+from unicron_elastic.api import MalformedValueError, StoreError
+from unicron_elastic.coordinator.api import Command, NodeRecord, TaskSpec
+from unicron_elastic.events import ErrorEvent, Severity
+from unicron_elastic.store.client import StatusStore
+from unicron_elastic.store.lease import KeptLease
+from unicron_elastic.store.watch import PrefixWatch
+
+log = structlog.get_logger(__name__)
+
+#: Seconds between a failed launcher and its next start.
+RESTART_BACKOFF_S = 1.0
+
+
+class NodeDaemon:
+    """One machine's daemon.
+
+    Args:
+        store: The cluster's status store.
+        name: The node's name (unique in the cluster).
+        slots: Workers it runs (its GPUs).
+        ttl: Lease TTL in seconds (the node counts as lost within about this).
+        launcher_args: Extra ``unicron-run`` flags for every task (e.g. ``--node-ttl=1``).
+        stop_timeout: Seconds a stopped launcher gets before SIGKILL.
+    """
+
+    def __init__(self, store: StatusStore, name: str, slots: int, ttl: int = 2,
+                 launcher_args: Sequence[str] = (), stop_timeout: float = 30.0) -> None:
+        self.store = store
+        self.name = name
+        self.record = NodeRecord(name, slots, socket.gethostname(), os.getpid())
+        self.ttl = ttl
+        self.launcher_args = list(launcher_args)
+        self.stop_timeout = stop_timeout
+        self.stopped = threading.Event()
+        self._wake = threading.Event()
+        self.applied: Command | None = None
+        self.launcher: subprocess.Popen | None = None
+        self.task: str | None = None
+        self.lease: KeptLease | None = None
+        self._next_start = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Register, follow commands until :meth:`stop`; then stop the launcher and leave.
+
+        Returns:
+            0 after a requested stop, 1 if the node's lease was lost.
+        """
+        keys = self.store.keys
+        self.lease = KeptLease(self.store, self.ttl, on_lost=self.stop)
+        self.store.put(keys.node(self.name), self.record.to_json(), lease=self.lease.id)
+        log.info("node_registered", node=self.name, slots=self.record.slots, lease=self.lease.id)
+        watch = PrefixWatch(self.store, keys.commands(self.name), lambda _e: self._wake.set())
+        try:
+            while not self.stopped.is_set():
+                self._wake.clear()
+                self.tick()
+                self._wake.wait(0.2)
+        finally:
+            watch.cancel()
+            self._stop_launcher()
+            lost = self.lease.lost.is_set()
+            if not lost:
+                try:
+                    self.store.put(keys.node(self.name), self.record.to_json("leaving"), lease=self.lease.id)
+                except StoreError:
+                    pass
+            self.lease.close(revoke=not lost)
+        return 1 if lost else 0
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to stop (thread- and signal-safe)."""
+        self.stopped.set()
+        self._wake.set()
+
+    def tick(self) -> None:
+        """Apply the newest command, then look after the launcher."""
+        command = self.latest_command()
+        if command is not None and (self.applied is None or command.generation > self.applied.generation):
+            self.apply(command)
+        self.supervise()
+
+    # -- commands ----------------------------------------------------------------------------------
+    def latest_command(self) -> Command | None:
+        """The newest command for this node (older ones are deleted), or None."""
+        kvs = self.store.get_prefix(self.store.keys.commands(self.name))
+        commands = []
+        for kv in kvs:
+            try:
+                commands.append((Command.from_json(kv.value), kv.key))
+            except MalformedValueError:
+                log.warning("malformed_command_skipped", key=kv.key)
+        if not commands:
+            return None
+        commands.sort(key=lambda c: c[0].generation)
+        for _, key in commands[:-1]:
+            self.store.delete(key)
+        return commands[-1][0]
+
+    def apply(self, command: Command) -> None:
+        """Run the command's task (stopping another one first) or stop what runs."""
+        log.info("command", node=self.name, generation=command.generation, task=command.task,
+                 running=self.task)
+        self.applied = command
+        if command.task == self.task and self.launcher is not None:
+            return
+        self._stop_launcher()
+        self.task = command.task
+        self._next_start = 0.0
+
+    def supervise(self) -> None:
+        """Start the launcher the command asks for; report how a launcher ended."""
+        if self.task is None:
+            return
+        if self.launcher is not None:
+            code = self.launcher.poll()
+            if code is None:
+                return
+            self.launcher = None
+            self._ended(self.task, code)
+            return
+        if time.monotonic() >= self._next_start:
+            self._start(self.task)
+
+    def _ended(self, task: str, code: int) -> None:
+        keys = self.store.keys
+        if code == 0:
+            log.info("task_done_on_node", node=self.name, task=task)
+            self.store.put(keys.task_done(task, self.name), str(time.time()))
+            self.task = None
+            return
+        log.warning("launcher_failed", node=self.name, task=task, exitcode=code)
+        event = ErrorEvent(Severity.SEV2, "launcher_failed", "node-daemon", self.name, task=task,
+                           message=f"unicron-run of task {task} exited with code {code}")
+        try:
+            self.store.append_event(event.to_json())
+        except StoreError as exc:
+            log.warning("event_not_published", error=str(exc))
+        self._next_start = time.monotonic() + RESTART_BACKOFF_S
+
+    # -- the launcher ------------------------------------------------------------------------------
+    def launcher_argv(self, spec: TaskSpec) -> list[str]:
+        """The ``unicron-run`` command line of ``spec`` on this node."""
+        config = self.store.config
+        slots = self.record.slots
+        conf = [f"cluster={config.cluster}", f"task={spec.name}"]
+        if config.ca_cert:
+            conf.append(f"ca_cert={config.ca_cert}")
+        if config.cert_cert and config.cert_key:
+            conf += [f"cert_cert={config.cert_cert}", f"cert_key={config.cert_key}"]
+        if config.user:
+            conf.append(f"user={config.user}")  # the password travels in $UNICRON_ETCD_PASSWORD
+        return [
+            sys.executable, "-m", "unicron_elastic.launcher",
+            f"--nnodes=1:{max(1, math.ceil(spec.max_workers / slots))}",
+            f"--nproc-per-node={slots}",
+            "--rdzv-backend=unicron",
+            f"--rdzv-endpoint={config.endpoint}",
+            f"--rdzv-id={spec.name}",
+            f"--rdzv-conf={','.join(conf)}",
+            f"--node-name={self.name}",
+            *self.launcher_args,
+            "--no-python",
+            *spec.command,
+        ]
+
+    def _start(self, task: str) -> None:
+        from unicron_elastic.agent.agent import DAEMON_PID_ENV
+        from unicron_elastic.agent.detectors import NODE_DAEMON_ENV
+        from unicron_elastic.meeting import PASSWORD_ENV
+        from unicron_elastic.coordinator.service import read_specs
+
+        spec = read_specs(self.store).get(task)
+        if spec is None:
+            log.error("task_spec_missing", node=self.name, task=task)
+            self._next_start = time.monotonic() + RESTART_BACKOFF_S
+            return
+        env = dict(os.environ)
+        env[NODE_DAEMON_ENV] = self.name
+        env[DAEMON_PID_ENV] = str(os.getpid())
+        if self.store.config.password:
+            env[PASSWORD_ENV] = self.store.config.password
+        argv = self.launcher_argv(spec)
+        log.info("launcher_starting", node=self.name, task=task, argv=argv)
+        self.launcher = subprocess.Popen(argv, env=env)
+
+    def _stop_launcher(self) -> None:
+        proc, self.launcher = self.launcher, None
+        if proc is None or proc.poll() is not None:
+            return
+        log.info("launcher_stopping", node=self.name, task=self.task, pid=proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
