@@ -136,10 +136,6 @@ def install_stop_signals() -> None:
         signal.signal(sig, _on_stop_signal)
 
 
-#: Set by ``unicron node`` to its PID: the launcher stops when its node daemon is gone.
-DAEMON_PID_ENV = "UNICRON_NODE_DAEMON_PID"
-
-
 def raise_if_orphaned() -> None:
     """Stop like on SIGTERM when the node daemon that started this launcher died.
 
@@ -150,6 +146,8 @@ def raise_if_orphaned() -> None:
     Raises:
         SignalException: ``$UNICRON_NODE_DAEMON_PID`` is set and is no longer the parent.
     """
+    from unicron_elastic.node import DAEMON_PID_ENV
+
     expected = os.environ.get(DAEMON_PID_ENV)
     if expected and expected.isdigit() and os.getppid() != int(expected) and not _shutting_down.is_set():
         log.warning("node_daemon_gone", daemon_pid=int(expected))

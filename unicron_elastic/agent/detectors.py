@@ -20,6 +20,7 @@ import structlog
 from unicron_elastic.api import StoreError
 from unicron_elastic.detection.hang import Finding, HangThresholds, IterationMonitor
 from unicron_elastic.events import Classification, ErrorEvent, Severity
+from unicron_elastic.node import NODE_DAEMON_ENV
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.lease import KeptLease
 from unicron_elastic.store.watch import PrefixWatch, WatchEvent
@@ -221,10 +222,6 @@ class HangDetector(Detector):
 
     def stop(self) -> None:
         self._stop.set()
-
-
-#: Set by ``unicron node`` for the launchers it starts: the daemon keeps the node's record.
-NODE_DAEMON_ENV = "UNICRON_NODE_DAEMON"
 
 
 class NodeHealthDetector(Detector):

@@ -333,8 +333,8 @@ def _isolate(state: ClusterState, node: str, why: str, alerts: tuple[Alert, ...]
 
 
 def _on_failure(state: ClusterState, e: ErrorEvent) -> Decision:
-    if e.node not in state.nodes or e.node in state.isolated:
-        return Decision(state)
+    if e.node not in state.nodes or e.node in state.isolated or e.kind == "lost_connection":
+        return Decision(state)  # node loss comes from the node registry itself (NodeLost)
     if e.severity == Severity.SEV1:
         return _isolate(state, e.node, f"{e.kind} ({e.message})", ())
     cfg = state.config

@@ -171,11 +171,17 @@ class NodeDaemon:
         self._next_start = time.monotonic() + RESTART_BACKOFF_S
 
     # -- the launcher ------------------------------------------------------------------------------
-    def launcher_argv(self, spec: TaskSpec) -> list[str]:
-        """The ``unicron-run`` command line of ``spec`` on this node."""
+    def launcher_argv(self, spec: TaskSpec, planned_nodes: int = 1) -> list[str]:
+        """The ``unicron-run`` command line of ``spec`` on this node.
+
+        The first round waits for the ``planned_nodes`` the plan gives the task
+        (at most ``last_call_timeout`` = 2 s longer for more), up to
+        ``ceil(max_workers / slots)`` nodes.
+        """
         config = self.store.config
         slots = self.record.slots
-        conf = [f"cluster={config.cluster}", f"task={spec.name}"]
+        most = max(1, math.ceil(spec.max_workers / slots))
+        conf = [f"cluster={config.cluster}", f"task={spec.name}", "last_call_timeout=2"]
         if config.ca_cert:
             conf.append(f"ca_cert={config.ca_cert}")
         if config.cert_cert and config.cert_key:
@@ -184,7 +190,7 @@ class NodeDaemon:
             conf.append(f"user={config.user}")  # the password travels in $UNICRON_ETCD_PASSWORD
         return [
             sys.executable, "-m", "unicron_elastic.launcher",
-            f"--nnodes=1:{max(1, math.ceil(spec.max_workers / slots))}",
+            f"--nnodes={min(max(1, planned_nodes), most)}:{most}",
             f"--nproc-per-node={slots}",
             "--rdzv-backend=unicron",
             f"--rdzv-endpoint={config.endpoint}",
@@ -197,9 +203,8 @@ class NodeDaemon:
         ]
 
     def _start(self, task: str) -> None:
-        from unicron_elastic.agent.agent import DAEMON_PID_ENV
-        from unicron_elastic.agent.detectors import NODE_DAEMON_ENV
         from unicron_elastic.meeting import PASSWORD_ENV
+        from unicron_elastic.node import DAEMON_PID_ENV, NODE_DAEMON_ENV
         from unicron_elastic.coordinator.service import read_specs
 
         spec = read_specs(self.store).get(task)
@@ -212,7 +217,7 @@ class NodeDaemon:
         env[DAEMON_PID_ENV] = str(os.getpid())
         if self.store.config.password:
             env[PASSWORD_ENV] = self.store.config.password
-        argv = self.launcher_argv(spec)
+        argv = self.launcher_argv(spec, self.applied.nodes if self.applied else 1)
         log.info("launcher_starting", node=self.name, task=task, argv=argv)
         self.launcher = subprocess.Popen(argv, env=env)
 

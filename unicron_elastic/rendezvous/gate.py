@@ -1,8 +1,9 @@
 """The seam through which the coordinator's plan decides who joins a rendezvous.
 
-The default gate admits every node (plain torchrun behaviour). The coordinator
-issue supplies a gate that blocks a node until the global plan assigns it to
-the task and world size of this run.
+The default gate admits every node (plain torchrun behaviour). Under a node
+daemon (``unicron node``), :class:`PlanGate` admits a node only while the
+coordinator's plan gives it this run's task, and says when the plan wants the
+run larger than its running round.
 """
 
 from __future__ import annotations
@@ -40,9 +41,77 @@ class JoinGate(ABC):
         """
 
 
+    def grow(self, request: JoinRequest, nodes: int) -> bool:
+        """Whether the run should have more nodes than the ``nodes`` of its running round.
+
+        The handler then joins the next round (torch's restart-all with the
+        new size) instead of waiting for a lost node's place. Default: False.
+        """
+        return False
+
+
 class OpenGate(JoinGate):
     """Admits everyone: the behaviour of torchrun without a coordinator."""
 
     def admit(self, request: JoinRequest) -> None:
         """See base class."""
         return None
+
+
+class PlanGate(JoinGate):
+    """Admits this node into a task's rendezvous only as the coordinator's plan says.
+
+    Args:
+        store: The cluster's status store (the plan is read from it).
+        node: This node's name in the plan (the daemon's ``--name``).
+        timeout: Seconds :meth:`admit` waits for the plan to give the node the task.
+        poll: Seconds between reads of the plan.
+    """
+
+    def __init__(self, store, node: str, timeout: float = 600.0, poll: float = 0.2) -> None:
+        self.store = store
+        self.node = node
+        self.timeout = timeout
+        self.poll = poll
+
+    def _share(self, task: str):
+        from unicron_elastic.api import MalformedValueError
+        from unicron_elastic.coordinator.api import ClusterPlan
+
+        kv = self.store.get(self.store.keys.plan())
+        if kv is None:
+            return None, None
+        try:
+            plan = ClusterPlan.from_json(kv.value)
+        except MalformedValueError:
+            return None, None
+        return plan, plan.tasks.get(task)
+
+    def admit(self, request: JoinRequest) -> None:
+        """Wait until the plan gives this node ``request.task``.
+
+        Raises:
+            RendezvousClosedError: The plan gives this node another task or none.
+            RendezvousTimeoutError: No plan gave it the task within ``timeout``.
+        """
+        import time
+
+        from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+        deadline = time.monotonic() + self.timeout
+        while True:
+            plan, share = self._share(request.task)
+            if share is not None and self.node in share.nodes:
+                return
+            if plan is not None and plan.task_of(self.node) not in (None, request.task):
+                raise RendezvousClosedError(f"the plan (generation {plan.generation}) gives node {self.node} "
+                                            f"task {plan.task_of(self.node)!r}, not {request.task!r}")
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(f"no plan gave node {self.node} task {request.task!r} "
+                                             f"within {self.timeout:g} s")
+            time.sleep(self.poll)
+
+    def grow(self, request: JoinRequest, nodes: int) -> bool:
+        """True when the plan gives the task more nodes than ``nodes`` and this node is one of them."""
+        _, share = self._share(request.task)
+        return share is not None and self.node in share.nodes and len(share.nodes) > nodes

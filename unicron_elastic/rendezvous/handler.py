@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
-from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate
+from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate, PlanGate
 from unicron_elastic.rendezvous.options import BackendOptions, parse_options
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
@@ -94,6 +94,10 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             for g in range(nodes):
                 if g not in alive and self._place_free(prefix, g) and self._claim(prefix, g):
                     return self._running_round_info(round_, g, nodes)
+            request = JoinRequest(self.get_run_id(), self.task, str(self._this_node), round_)
+            if self.gate.grow(request, nodes):
+                log.warning("rendezvous_grows", run_id=self.get_run_id(), round=round_, nodes=nodes)
+                return None  # the plan wants the run larger: join the next round (torch's restart-all)
             if time.monotonic() >= deadline:
                 raise RendezvousTimeoutError(f"round {round_} of {self.get_run_id()!r} runs with every place "
                                              f"taken; no lost node's place freed within the join timeout")
@@ -160,13 +164,26 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         self._bootstrap_store_info = None
 
 
+def _default_gate(store: StatusStore, options: BackendOptions) -> JoinGate:
+    """:class:`PlanGate` under a node daemon (``$UNICRON_NODE_DAEMON`` names the node), else :class:`OpenGate`."""
+    import os
+
+    from unicron_elastic.node import NODE_DAEMON_ENV
+
+    node = os.environ.get(NODE_DAEMON_ENV)
+    if not node:
+        return OpenGate()
+    timeout = options.join_timeout.total_seconds() if options.join_timeout is not None else 600.0
+    return PlanGate(store, node, timeout=timeout)
+
+
 def create_handler(params: RendezvousParameters, gate: JoinGate | None = None) -> UnicronRendezvousHandler:
     """Build the handler from torchrun's rendezvous parameters.
 
     Args:
         params: ``--rdzv-endpoint`` (etcd), ``--rdzv-id``, ``--nnodes`` and
             ``--rdzv-conf`` as torchrun parsed them.
-        gate: Join gate; default admits everyone.
+        gate: Join gate; default: :class:`PlanGate` under a node daemon, else admits everyone.
 
     Returns:
         The handler.
@@ -192,7 +209,7 @@ def create_handler(params: RendezvousParameters, gate: JoinGate | None = None) -
         keep_alive_interval=options.keep_alive_interval,
         keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
-    handler.gate = gate or OpenGate()
+    handler.gate = gate or _default_gate(store, options)
     handler.task = options.task
     handler.status_store = store
     return handler

@@ -1,0 +1,104 @@
+"""A coordinated cluster of real processes: etcd, coordinator, node daemons, unicron-run, workers (issue #11, item 5, 7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from unicron_elastic.coordinator.service import read_plan
+from unicron_elastic.node.local_cluster import LocalCluster
+from unicron_elastic.store import EmbeddedEtcd, StatusStore
+from unicron_elastic.testing import kill_node
+
+WORKER = str(Path(__file__).parent / "workers" / "cluster_worker.py")
+TABLE_A = {"2": 2.0, "4": 3.6, "6": 5.0}
+TABLE_B = {"2": 1.0, "4": 1.5}
+
+
+def spec(name: str, out: Path, weight: float, table: dict, hi: int = 6) -> str:
+    return json.dumps(dict(name=name, command=[sys.executable, WORKER, str(out), name], weight=weight, min_workers=2,
+                           max_workers=hi, global_batch=12, model={"calibration": table}))
+
+
+def wait_for(what, deadline_s: float = 90.0, interval: float = 0.1, why: str = ""):
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = what()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {deadline_s} s: {why}")
+        time.sleep(interval)
+
+
+def started(out: Path, task: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / task).glob("started-*.json"))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def running(out: Path, task: str) -> list[dict]:
+    return [d for d in started(out, task) if alive(d["pid"])]
+
+
+def sizes(plan) -> dict[str, int]:
+    return {n: len(t.nodes) for n, t in plan.tasks.items()}
+
+
+def test_the_plan_drives_node_daemons_through_loss_return_finish_and_submit(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with LocalCluster(nodes=3, slots=2, cluster="e2e", etcd=etcd, log_dir=tmp_path / "logs",
+                      launcher_args=["--node-ttl=1", "--monitor-interval=0.1"],
+                      coordinator_args=["--failure-rate=1e-4"]) as cluster, \
+            StatusStore(replace(etcd.config, cluster="e2e")) as store:
+        store.put(store.keys.task_spec("a"), spec("a", out, 1.0, TABLE_A))
+        store.put(store.keys.task_spec("b"), spec("b", out, 2.0, TABLE_B, hi=4))
+        plan = wait_for(lambda: (p := read_plan(store)) and len(p.nodes) == 3 and len(p.tasks) == 2 and p,
+                        why="a plan for 3 nodes and 2 tasks")
+        assert sizes(plan) == {"a": 2, "b": 1}  # the planner's optimum (tests/test_coordinator_policy.py)
+        a_workers = wait_for(lambda: len(r := running(out, "a")) == 4 and r, why="a's 4 workers")
+        b_workers = wait_for(lambda: len(r := running(out, "b")) == 2 and r, why="b's 2 workers")
+        assert {d["world"] for d in a_workers} == {4} and {d["world"] for d in b_workers} == {2}
+        assert {d["node"] for d in a_workers} == set(plan.tasks["a"].nodes)
+
+        victim = plan.tasks["a"].nodes[0]
+        survivors = [d["pid"] for d in a_workers if d["node"] != victim]
+        kill_node(cluster.daemons[victim].pid)  # SEV1: the daemon, its launcher and workers
+        lost = wait_for(lambda: (p := read_plan(store)) and victim not in p.nodes and p, why="re-plan after the loss")
+        assert sizes(lost) == {"a": 1, "b": 1}
+        assert all(alive(pid) for pid in survivors)  # a continues on fewer workers
+
+        cluster.start_node(victim)
+        back = wait_for(lambda: (p := read_plan(store)) and victim in p.tasks["a"].nodes and p,
+                        why="the returning node in a's plan")
+        assert sizes(back) == {"a": 2, "b": 1}
+        rejoined = wait_for(lambda: [d for d in running(out, "a") if d["node"] == victim and d["pid"] not in
+                                     [w["pid"] for w in a_workers]], why="a's workers on the returning node")
+        assert {d["world"] for d in rejoined} == {4}
+        assert all(alive(pid) for pid in survivors)  # the healthy workers were not restarted
+
+        (out / "b" / "finish").touch()
+        grown = wait_for(lambda: (p := read_plan(store)) and "b" in p.finished and p, why="b finished")
+        assert sizes(grown) == {"a": 3}
+        wait_for(lambda: {d["world"] for d in running(out, "a")} == {6} and len(running(out, "a")) == 6,
+                 why="a on 6 workers")
+
+        store.put(store.keys.task_spec("c"), spec("c", out, 2.0, TABLE_B, hi=4))
+        shared = wait_for(lambda: (p := read_plan(store)) and "c" in p.tasks and p, why="a plan with c")
+        assert sizes(shared)["c"] >= 1
+        wait_for(lambda: len(running(out, "c")) == 2 * sizes(shared)["c"], why="c's workers")
+        for task in ("a", "c"):
+            (out / task / "finish").touch()
+        wait_for(lambda: set(read_plan(store).finished) == {"a", "b", "c"}, why="every task finished")
