@@ -21,8 +21,8 @@ TABLE_A = {"2": 2.0, "4": 3.6, "6": 5.0}
 TABLE_B = {"2": 1.0, "4": 1.5}
 
 
-def spec(name: str, out: Path, weight: float, table: dict, hi: int = 6) -> str:
-    return json.dumps(dict(name=name, command=[sys.executable, WORKER, str(out), name], weight=weight, min_workers=2,
+def spec(name: str, out: Path, weight: float, table: dict, hi: int = 6, lo: int = 2) -> str:
+    return json.dumps(dict(name=name, command=[sys.executable, WORKER, str(out), name], weight=weight, min_workers=lo,
                            max_workers=hi, global_batch=12, model={"calibration": table}))
 
 
@@ -102,3 +102,54 @@ def test_the_plan_drives_node_daemons_through_loss_return_finish_and_submit(etcd
         for task in ("a", "c"):
             (out / task / "finish").touch()
         wait_for(lambda: set(read_plan(store).finished) == {"a", "b", "c"}, why="every task finished")
+
+
+def test_the_cluster_rides_out_a_5s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with LocalCluster(nodes=2, slots=1, cluster="outage", etcd=private_etcd, log_dir=tmp_path / "logs",
+                      launcher_args=["--monitor-interval=0.1"], coordinator_args=["--failure-rate=1e-4"]) as cluster, \
+            StatusStore(replace(private_etcd.config, cluster="outage")) as store:
+        store.put(store.keys.task_spec("a"), spec("a", out, 1.0, {"1": 1.0, "2": 1.9}, hi=2, lo=1))
+        wait_for(lambda: (p := read_plan(store)) and sizes(p) == {"a": 2}, why="a on both nodes")
+        before = wait_for(lambda: len(r := running(out, "a")) == 2 and r, why="a's workers")
+        generation = read_plan(store).generation
+        private_etcd.kill()
+        time.sleep(5.0)  # the fault: etcd is down for 5 s
+        private_etcd.start()
+        store.put(store.keys.task_spec("b"), spec("b", out, 1.0, {"1": 5.0}, hi=1, lo=1))  # an event after the outage
+        after = wait_for(lambda: (p := read_plan(store)) and "b" in p.tasks and p, why="a plan for b")
+        assert after.generation == generation + 1  # nothing re-planned in between: no node was taken for lost
+        assert cluster.dead() is None
+        assert all(alive(d["pid"]) for d in before if d["node"] in after.tasks["a"].nodes)
+        for task in ("a", "b"):
+            (out / task).mkdir(parents=True, exist_ok=True)
+            (out / task / "finish").touch()
+
+
+def test_cluster_up_starts_everything_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+
+    from conftest import BIN
+    from unicron_elastic.testing import process_tree
+
+    proc = subprocess.Popen([os.path.join(BIN, "unicron"), "cluster", "up", "--nodes", "2", "--slots", "1",
+                             "--cluster", "demo"], stdout=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert "etcd at " in first, first
+        endpoint = first.split("etcd at ")[1].split(",")[0]
+        status = wait_for(lambda: (r := subprocess.run([os.path.join(BIN, "unicron"), "status", "--json",
+                                                        f"--endpoint={endpoint}", "--cluster=demo"],
+                                                       capture_output=True, text=True)).returncode == 0
+                          and len(json.loads(r.stdout)["nodes"]) == 2 and json.loads(r.stdout)["leader"]
+                          and json.loads(r.stdout), why="2 nodes and a leader in unicron status")
+        assert {n["name"] for n in status["nodes"]} == {"node0", "node1"}
+        tree = process_tree(proc.pid)
+        assert len(tree) >= 4  # etcd (+ its guard), a coordinator, two daemons
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wait_for(lambda: not any(alive(pid) for pid in tree), 30, why="every process of the cluster gone")

@@ -103,9 +103,15 @@ def render_status(store, limit: int = 10) -> str:
     return "\n".join(lines)
 
 
-def add_etcd_options(parser: argparse.ArgumentParser, endpoint_required: bool = True) -> None:
-    """The flags that say how to reach etcd: endpoint, cluster, TLS, user and password, timeout."""
-    parser.add_argument("--endpoint", required=endpoint_required, help="etcd HOST:PORT (the --rdzv-endpoint)")
+def add_etcd_options(parser: argparse.ArgumentParser, timeout: float = 5.0) -> None:
+    """The flags that say how to reach etcd: endpoint, cluster, TLS, user and password, timeout.
+
+    Args:
+        parser: The (sub-)command's parser.
+        timeout: Default of ``--timeout``: 5 s for one-shot commands, longer for daemons,
+            which must ride out an etcd restart.
+    """
+    parser.add_argument("--endpoint", required=True, help="etcd HOST:PORT (the --rdzv-endpoint)")
     parser.add_argument("--cluster", default="default")
     parser.add_argument("--ca-cert", default=None, help="CA certificate file; enables TLS")
     parser.add_argument("--cert", default=None, help="client certificate file for mutual TLS (with --key)")
@@ -113,8 +119,9 @@ def add_etcd_options(parser: argparse.ArgumentParser, endpoint_required: bool = 
     parser.add_argument("--user", default=None,
                         help="etcd user; the password comes from --password-file or $UNICRON_ETCD_PASSWORD")
     parser.add_argument("--password-file", default=None, help="file holding the etcd password of --user")
-    parser.add_argument("--timeout", type=_bounded(MAX_TIMEOUT_S), default=5.0,
-                        help="seconds to keep retrying while etcd is unreachable (> 0, at most one year)")
+    parser.add_argument("--timeout", type=_bounded(MAX_TIMEOUT_S), default=timeout,
+                        help=f"seconds to keep retrying while etcd is unreachable (> 0, at most one year; "
+                             f"default {timeout:g})")
 
 
 def etcd_config(args: argparse.Namespace):

@@ -20,6 +20,9 @@ from unicron_elastic.api import ConfigError
 
 log = structlog.get_logger(__name__)
 
+#: Default ``--timeout`` of the coordinator and the node daemon: they ride out etcd outages this long.
+DAEMON_TIMEOUT_S = 30.0
+
 
 def _store(args: argparse.Namespace):
     from unicron_elastic.cli import etcd_config
@@ -98,7 +101,7 @@ def coordinator_parser() -> argparse.ArgumentParser:
         prog="unicron-coordinator",
         description="The cluster's workload manager: leader-elected on etcd (run any number; one leads), "
         "turns node losses and joins, task submissions and completions into plans for all tasks.")
-    add_etcd_options(parser)
+    add_etcd_options(parser, timeout=DAEMON_TIMEOUT_S)
     parser.add_argument("--ttl", type=_positive_int, default=5,
                         help="lease TTL of the leader key, seconds: a dead leader is replaced within about this")
     parser.add_argument("--gpu", default="A800-80GB", help="GPU type of the analytic throughput model")
@@ -176,7 +179,7 @@ def add_cluster_commands(sub) -> None:
     cancel.set_defaults(func=_cmd_task_cancel)
 
     node = sub.add_parser("node", help="the node daemon: registers the node and runs the workers the plan gives it")
-    add_etcd_options(node)
+    add_etcd_options(node, timeout=DAEMON_TIMEOUT_S)
     node.add_argument("--slots", type=_positive_int, required=True, help="workers this node runs (its GPUs)")
     node.add_argument("--name", default=socket.gethostname(), help="node name (default: the host name)")
     node.add_argument("--ttl", type=_positive_int, default=2, help="lease TTL of the node, seconds")

@@ -47,15 +47,20 @@ from unicron_elastic.store.watch import PrefixWatch
 log = structlog.get_logger(__name__)
 
 
+_reported: set[tuple[str, int]] = set()  # malformed specs already logged (key, revision)
+
+
 def read_specs(store: StatusStore) -> dict[str, TaskSpec]:
-    """Every stored task spec by name, oldest first; malformed ones are logged and skipped."""
+    """Every stored task spec by name, oldest first; malformed ones are skipped (and logged once)."""
     out = {}
     kvs = [kv for kv in store.get_prefix(store.keys.tasks()) if kv.key.endswith("/spec")]
     for kv in sorted(kvs, key=lambda kv: kv.create_revision):
         try:
             spec = TaskSpec.from_dict(json.loads(kv.value), check_command=False)
         except (ValueError, SpecError, RecursionError, UnicodeDecodeError) as exc:
-            log.warning("malformed_task_spec_skipped", key=kv.key, error=str(exc))
+            if (kv.key, kv.mod_revision) not in _reported:
+                _reported.add((kv.key, kv.mod_revision))
+                log.warning("malformed_task_spec_skipped", key=kv.key, error=str(exc))
             continue
         out[spec.name] = spec
     return out
