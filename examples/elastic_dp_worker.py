@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--width", type=int, default=16, help="hidden width of the MLP")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
+    parser.add_argument("--progress", action="store_true", help="write OUT/progress<RANK> (last completed step) every step")
     parser.add_argument("--members", default=None, help="initial members, e.g. 0,1 (default: all)")
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [members]}: reconfigure at that step')
     parser.add_argument("--grad-dtype", choices=["float32", "float64"], default="float32",
@@ -73,6 +74,7 @@ def main() -> None:
     )
     start = ddp.join() if restarted or rank not in members else 0
     reports = []
+    args.out.mkdir(parents=True, exist_ok=True)
     try:
         step = args.steps if start is None else start
         while step < args.steps:
@@ -86,6 +88,9 @@ def main() -> None:
                 reports.append({"excluded_at": step, "rejoined_at": rejoined})
                 step = args.steps if rejoined is None else rejoined
                 continue
+            if args.progress:  # the last completed step, for whoever watches from outside
+                (args.out / f".progress{rank}").write_text(str(step))
+                (args.out / f".progress{rank}").replace(args.out / f"progress{rank}")
             time.sleep(args.step_time)
             worker.heartbeat(step, time.monotonic() - began)
             step += 1
