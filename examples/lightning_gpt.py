@@ -113,6 +113,26 @@ class HoldForJoiner(pl.Callback):
         worker.set_paused(False)
 
 
+class HoldUntil(pl.Callback):
+    """Before step ``step``, wait (at most ``bound`` s) until the file ``path`` exists (a declared pause).
+
+    Lets a test or a demo decide when a task may end, instead of racing it.
+    """
+
+    def __init__(self, step: int, path: Path, bound: float = 300.0) -> None:
+        self.step, self.path, self.bound = step, path, bound
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step != self.step:
+            return
+        worker = get_worker()
+        worker.set_paused(True, pause_for=self.bound)
+        deadline = time.monotonic() + self.bound
+        while not self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.set_paused(False)
+
+
 class StepTimes(pl.Callback):
     """Append ``{"step", "t"}`` per finished step to ``OUT/times<R>.jsonl`` (benchmarks)."""
 
@@ -144,6 +164,9 @@ def main() -> None:
     parser.add_argument("--record-times", action="store_true", help="write OUT/times<R>.jsonl")
     parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
                         help="before STEP, wait (at most 120 s) until every rank is a member or asks to join")
+    parser.add_argument("--hold-until", type=Path, default=None, metavar="FILE",
+                        help="before step --hold-step, wait (at most 300 s) until FILE exists")
+    parser.add_argument("--hold-step", type=int, default=0)
     parser.add_argument("--members", default=None, help="initial data-parallel ranks, e.g. 0,1 (default: all)")
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [ranks]}: scale in/out at that step')
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
@@ -163,6 +186,8 @@ def main() -> None:
         callbacks.append(StepTimes(args.out / f"times{rank}.jsonl"))
     if args.hold_for_joiner is not None:
         callbacks.append(HoldForJoiner(args.hold_for_joiner))
+    if args.hold_until is not None:
+        callbacks.append(HoldUntil(args.hold_step, args.hold_until))
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
         snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,

@@ -56,6 +56,8 @@ DETECTION = Histogram("unicron_detection_latency_seconds", "From failure to dete
                       buckets=(0.01, 0.05, 0.1, 0.3, 1, 3, 10, 60))
 
 GENERATION_ENV = "UNICRON_GENERATION"
+#: The rendezvous round the workers were started in (set by the unicron rendezvous; 0: the run's first).
+ROUND_ENV = "UNICRON_ROUND"
 ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
 #: Signals that stop ``unicron-run`` (torch's default set of handled signals).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -279,6 +281,9 @@ class UnicronAgent(LocalElasticAgent):
         log.info("agent_rendezvous_complete", world_size=world_size)
         if getattr(worker_group.spec.rdzv_handler, "rejoined", False):
             os.environ["UNICRON_WORKER_RESTARTS"] = "1"  # its workers join the running task from a replica
+        current_round = getattr(worker_group.spec.rdzv_handler, "current_round", None)
+        if current_round is not None:  # > 0: this run's workers were restarted all together (torch's restart-all)
+            os.environ[ROUND_ENV] = str(current_round())
         self._open_meeting(worker_group)
         if not self._started:
             self._started = True

@@ -57,7 +57,9 @@ def _calibration(table: object) -> dict[int, float]:
         if not 1 <= count <= MAX_WORKERS or str(count) != str(workers).strip():
             raise SpecError(f"field 'model': calibration key {workers!r} must be a worker count in 1..{MAX_WORKERS}")
         if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not math.isfinite(flops) or flops < 0:
-            raise SpecError(f"field 'model': calibration of {workers} workers: {flops!r} must be a finite number >= 0")
+            hint = " (YAML reads 2.0e12 as text: write 2.0e+12)" if isinstance(flops, str) else ""
+            raise SpecError(f"field 'model': calibration of {workers} workers: {flops!r} must be a finite number "
+                            f">= 0{hint}")
         out[count] = float(flops)
     return out
 

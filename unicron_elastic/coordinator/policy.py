@@ -250,6 +250,21 @@ def place(counts: Mapping[str, int], current: Mapping[str, tuple[str, ...]], usa
     return out
 
 
+def plan_sizes(problem: Problem, table: OneStepTable | None = None, event: TableEvent | None = None) -> dict[str, int]:
+    """The planner's sizes for ``problem``: from the one-step table when it holds ``event``, else solved.
+
+    The coordinator (node units) and the simulator (GPU units) both re-plan through this.
+    """
+    if event is not None and table is not None:
+        try:
+            counts = dict(table.lookup(event).assignment)
+        except KeyError:
+            counts = None
+        if counts is not None and set(counts) == {t.name for t in problem.tasks}:
+            return counts
+    return dict(solve(problem).assignment)
+
+
 def replan(state: ClusterState, faulted: frozenset[str] = frozenset(), reason: str = "replan",
            lookup: TableEvent | None = None) -> ClusterState:
     """The state with a new plan (generation + 1) for its nodes and tasks.
@@ -264,16 +279,7 @@ def replan(state: ClusterState, faulted: frozenset[str] = frozenset(), reason: s
         The state with the new plan and a fresh one-step table.
     """
     usable = state.usable()
-    n = len(usable)
-    counts = None
-    if lookup is not None and state.table is not None:
-        try:
-            counts = dict(state.table.lookup(lookup).assignment)
-        except KeyError:
-            counts = None
-    problem = _problem(state, state.tasks, n, faulted)
-    if counts is None or set(counts) != {t.name for t in state.tasks}:
-        counts = dict(solve(problem).assignment)
+    counts = plan_sizes(_problem(state, state.tasks, len(usable), faulted), state.table, lookup)
     nodes = place(counts, _current_nodes(state), usable)
     slots = state.slots()
     shares = {}

@@ -41,7 +41,7 @@ def unicron_detectors(config: AgentConfig) -> list[Detector]:
 
 @hookimpl
 def unicron_alert(severity: str, message: str, node: str, task: str) -> None:
-    """Log the alert (``alert`` at warning level)."""
+    """Log the alert (``alert`` at warning level, logger ``unicron_elastic.plugins.builtin``)."""
     import structlog
 
-    structlog.get_logger("unicron_elastic.alert").warning("alert", severity=severity, message=message, node=node, task=task)
+    structlog.get_logger(__name__).warning("alert", severity=severity, message=message, node=node, task=task)

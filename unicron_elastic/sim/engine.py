@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from unicron_elastic.api import lookup
+from unicron_elastic.coordinator.policy import plan_sizes
 from unicron_elastic.planner.cost_model import CostModel, PlanTask
 from unicron_elastic.planner.solver import Problem, solve
 from unicron_elastic.sim.trace import Trace
@@ -173,11 +174,11 @@ class _Cluster:
     def replan(self, t: float, faulted: set[str], delay: float) -> None:
         tasks = tuple(replace(task, current=self.alloc[name], faulted=name in faulted)
                       for name, task in self.tasks.items())
-        plan = solve(Problem(tasks, self.gpus(), self.cost))
-        for name, size in plan.assignment.items():
+        sizes = plan_sizes(Problem(tasks, self.gpus(), self.cost))  # the coordinator's re-planning code
+        for name, size in sizes.items():
             if size != self.alloc[name] or name in faulted:
                 self.hold(name, t + (delay if name in faulted else 0.0) + self.pol.transition["sev1"])
-        self.alloc = dict(plan.assignment)
+        self.alloc = sizes
         self.placement = self._pack()
 
     def on_failure(self, t: float, kind: str, node: int) -> None:

@@ -200,9 +200,17 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     @property
     def joining(self) -> bool:
-        """This process joins a running group: the agent restarted it, or the schedule adds it later."""
+        """This process joins a running group: the agent restarted it, or the schedule adds it later.
+
+        After torch's restart-all (a rendezvous round after the run's first,
+        ``$UNICRON_ROUND`` > 0: e.g. a run grown past its round by the
+        coordinator's plan) every rank joins: with no replica left, the lowest
+        one resumes from the in-memory snapshot or the disk checkpoint and the
+        others take its state, instead of step 0.
+        """
         restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
-        return restarted or self.env.launch_rank not in self._members()
+        restarted_all = int(os.environ.get("UNICRON_ROUND", "0") or 0) > 0
+        return restarted or restarted_all or self.env.launch_rank not in self._members()
 
     def _members(self) -> list[int]:
         """The initial data-parallel members.

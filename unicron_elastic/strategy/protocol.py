@@ -711,12 +711,18 @@ class Protocol:
         return True
 
     def _resume_if_no_replica(self) -> Effects:
-        """If every member waits to join, the lowest waiting rank restarts the group from :class:`Fallback`."""
+        """If every member waits to join, the lowest waiting rank restarts the group from :class:`Fallback`.
+
+        With no group ever formed in this meeting space (a fresh round after
+        torch's restart-all), that is when every initial member waits.
+        """
         last = yield ReadMembers()
-        if last is None:
-            return
-        last_generation, last_members = last
         waiting = yield ReadWaiting()
+        if last is None:
+            if not self.members or not set(self.members) <= set(waiting):
+                return
+            last = (-1, list(self.members))
+        last_generation, last_members = last
         alive = yield ReadAlive(tuple(last_members), exclude_waiting=False)
         holders = [r for r in last_members if r not in waiting and (alive is None or r in alive)]
         if holders or not waiting or self.rank != min(waiting):
