@@ -119,7 +119,7 @@ def test_the_cluster_rides_out_a_5s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_
         store.put(store.keys.task_spec("b"), spec("b", out, 1.0, {"1": 5.0}, hi=1, lo=1))  # an event after the outage
         after = wait_for(lambda: (p := read_plan(store)) and "b" in p.tasks and p, why="a plan for b")
         assert after.generation == generation + 1  # nothing re-planned in between: no node was taken for lost
-        assert cluster.dead() is None
+        assert cluster.dead() is None and cluster.dead_nodes() == []
         assert all(alive(d["pid"]) for d in before if d["node"] in after.tasks["a"].nodes)
         for task in ("a", "b"):
             (out / task).mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,9 @@ def _node_line(kv) -> str:
     state = info.get("state", "?") if isinstance(info, dict) else None
     if not isinstance(state, str):
         return f"  (malformed node record at {_printable(kv.key)})"
-    return f"  {_printable(kv.key.rsplit('/', 1)[-1], 64):<32} {_printable(state, 40)}"
+    slots = info.get("slots")
+    extra = f" slots={slots}" if isinstance(slots, int) and not isinstance(slots, bool) else ""
+    return f"  {_printable(kv.key.rsplit('/', 1)[-1], 64):<32} {_printable(state, 40)}{extra}"
 
 
 def _event_line(kv) -> str:

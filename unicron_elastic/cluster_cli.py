@@ -150,11 +150,15 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
               f"{args.slots} slots\n  unicron status --endpoint {cluster.endpoint} --cluster {args.cluster}\n"
               f"  unicron task submit SPEC.json --endpoint {cluster.endpoint} --cluster {args.cluster}\n"
               "Ctrl-C stops everything.", flush=True)
+        reported: set[str] = set()
         while not stop.wait(0.5):
             dead = cluster.dead()
             if dead:
                 print(f"stopping: {dead} exited", file=sys.stderr)
                 return 1
+            for name in set(cluster.dead_nodes()) - reported:
+                reported.add(name)
+                print(f"node daemon {name} exited (a lost node); the cluster carries on", file=sys.stderr, flush=True)
     return 0
 
 

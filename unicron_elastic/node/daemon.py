@@ -39,6 +39,8 @@ from unicron_elastic.store.watch import PrefixWatch
 
 log = structlog.get_logger(__name__)
 
+#: Seconds a task's first rendezvous round waits for more nodes after the first one arrived.
+LAST_CALL_S = 5
 #: Seconds between a failed launcher and its next start.
 RESTART_BACKOFF_S = 1.0
 
@@ -171,17 +173,19 @@ class NodeDaemon:
         self._next_start = time.monotonic() + RESTART_BACKOFF_S
 
     # -- the launcher ------------------------------------------------------------------------------
-    def launcher_argv(self, spec: TaskSpec, planned_nodes: int = 1) -> list[str]:
+    def launcher_argv(self, spec: TaskSpec) -> list[str]:
         """The ``unicron-run`` command line of ``spec`` on this node.
 
-        The first round waits for the ``planned_nodes`` the plan gives the task
-        (at most ``last_call_timeout`` = 2 s longer for more), up to
-        ``ceil(max_workers / slots)`` nodes.
+        ``--nnodes=1:ceil(max_workers / slots)`` with a last call of
+        :data:`LAST_CALL_S`: the first round forms that long after the first
+        node arrives (the plan's nodes start together), or at once with every
+        node. A fixed minimum would wait forever when the plan shrinks the task
+        before its first round formed.
         """
         config = self.store.config
         slots = self.record.slots
         most = max(1, math.ceil(spec.max_workers / slots))
-        conf = [f"cluster={config.cluster}", f"task={spec.name}", "last_call_timeout=2"]
+        conf = [f"cluster={config.cluster}", f"task={spec.name}", f"last_call_timeout={LAST_CALL_S}"]
         if config.ca_cert:
             conf.append(f"ca_cert={config.ca_cert}")
         if config.cert_cert and config.cert_key:
@@ -190,7 +194,7 @@ class NodeDaemon:
             conf.append(f"user={config.user}")  # the password travels in $UNICRON_ETCD_PASSWORD
         return [
             sys.executable, "-m", "unicron_elastic.launcher",
-            f"--nnodes={min(max(1, planned_nodes), most)}:{most}",
+            f"--nnodes=1:{most}",
             f"--nproc-per-node={slots}",
             "--rdzv-backend=unicron",
             f"--rdzv-endpoint={config.endpoint}",
@@ -217,7 +221,7 @@ class NodeDaemon:
         env[DAEMON_PID_ENV] = str(os.getpid())
         if self.store.config.password:
             env[PASSWORD_ENV] = self.store.config.password
-        argv = self.launcher_argv(spec, self.applied.nodes if self.applied else 1)
+        argv = self.launcher_argv(spec)
         log.info("launcher_starting", node=self.name, task=task, argv=argv)
         self.launcher = subprocess.Popen(argv, env=env)
 

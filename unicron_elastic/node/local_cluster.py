@@ -103,15 +103,19 @@ class LocalCluster:
         return self
 
     def dead(self) -> str | None:
-        """The name of a part that exited on its own, if any (a killed part counts)."""
+        """The part without which the cluster cannot go on, if it exited: etcd, or every coordinator.
+
+        A node daemon that exits is a lost node: the cluster carries on (see :meth:`dead_nodes`).
+        """
         if self.etcd.proc is not None and self.etcd.proc.poll() is not None:
             return "etcd"
-        for name, proc in self.daemons.items():
-            if proc.poll() is not None:
-                return f"node daemon {name}"
         if self.coordinators and all(p.poll() is not None for p in self.coordinators):
             return "every coordinator"
         return None
+
+    def dead_nodes(self) -> list[str]:
+        """Nodes whose daemon exited (killed, or it lost its lease)."""
+        return [name for name, proc in self.daemons.items() if proc.poll() is not None]
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the daemons (they stop their workers), the coordinators, then etcd."""
