@@ -206,3 +206,62 @@ def test_kill_and_pause_the_leader_process(private_etcd: EmbeddedEtcd, tmp_path:
     assert any(e.get("event") in ("deposed", "lease_lost") for e in logs), [e.get("event") for e in logs][-20:]
     for lease in leases[1:]:
         lease.close()
+
+
+def test_malformed_and_clock_skewed_events(store: StatusStore, leader: Coordinator) -> None:
+    leases = [register(store, "n0"), register(store, "n1")]
+    store.put(store.keys.task_spec("a"), json.dumps(spec_doc("a", 1.0, TABLE_A)))
+    leader.step()
+    store.put(store.keys.events() + "not-a-number", "{}")  # a stray key
+    store.put(store.keys.event(5), json.dumps({"severity": "SEV2", "kind": ["x"], "detector": "d", "node": "n0"}))
+    for seq in (1, 2, 3):  # a writer whose clock is far behind: keys sort before everything, revisions are new
+        event = ErrorEvent(Severity.SEV2, "exited_abnormally", "process", "n0", 0, "a", detected_at=100.0 + seq)
+        store.put(store.keys.event(seq), event.to_json())
+    decision = leader.step()  # nothing raises; the three good events are decided: n0 isolated
+    assert decision is not None and "n0" in leader.state.isolated
+    for lease in leases:
+        lease.close()
+
+
+def test_a_restarted_daemon_ends_an_isolation_and_a_lost_state_keeps_the_generation(
+        store: StatusStore, leader: Coordinator) -> None:
+    leases = [register(store, "n0"), register(store, "n1")]
+    store.put(store.keys.task_spec("a"), json.dumps(spec_doc("a", 1.0, TABLE_A)))
+    leader.step()
+    store.append_event(ErrorEvent(Severity.SEV1, "ecc", "nvml", "n0", -1, "a").to_json())
+    leader.step()
+    assert leader.state.isolated == {"n0"}
+    leases[0].close(revoke=False)  # the daemon restarts: same name, a new lease, before the old one expired
+    leases[0] = register(store, "n0")
+    leader.step()
+    assert leader.state.isolated == frozenset() and "n0" in read_plan(store).nodes
+    generation = read_plan(store).generation
+    store.delete(store.keys.coordinator_state())  # the state is lost: the plan's generation goes on
+    leader.load()
+    leases.append(register(store, "n2"))
+    leader.step()
+    assert read_plan(store).generation == generation + 1
+    for lease in leases:
+        lease.close()
+
+
+def test_plan_gate_waits_instead_of_refusing(store: StatusStore, leader: Coordinator) -> None:
+    import threading
+
+    from unicron_elastic.rendezvous.gate import JoinRequest, PlanGate
+
+    leases = [register(store, "n0")]
+    store.put(store.keys.task_spec("a"), json.dumps(spec_doc("a", 1.0, TABLE_A)))
+    store.put(store.keys.task_spec("b"), json.dumps(spec_doc("b", 2.0, TABLE_B, hi=4)))
+    leader.step()
+    assert read_plan(store).task_of("n0") == "a"
+    admitted = threading.Event()
+    gate = PlanGate(store, "n0", poll=0.05)
+    thread = threading.Thread(target=lambda: (gate.admit(JoinRequest("b", "b", "n0", 0)), admitted.set()), daemon=True)
+    thread.start()
+    assert not admitted.wait(0.5)  # the plan gives n0 task a: b's launcher waits (raising would close b's rendezvous)
+    store.put(store.keys.task_cancel("a"), "cancel")
+    leader.step()
+    assert admitted.wait(10) and gate.grow(JoinRequest("b", "b", "n0", 0), 0)
+    for lease in leases:
+        lease.close()

@@ -256,6 +256,9 @@ GOOD = dict(name="t", command=["python", "train.py"], weight=1.0, min_workers=1,
     ({"name": "a/b"}, "name"), ({"name": ""}, "name"),
     ({"model": "3B"}, "model"), ({"model": {"calibration": {"x": 1}}}, "model"),
     ({"model": {"calibration": {"2": -1}}}, "model"), ({"model": {"layers": 2}}, "model"),
+    ({"model": {"layers": 24.0, "hidden": 64, "heads": 4}}, "model"),
+    ({"model": {"layers": 10**9, "hidden": 64, "heads": 4}}, "model"),
+    ({"model": {"calibration": {"2": "2.0e12"}}}, "model"),
 ])
 def test_a_bad_spec_names_its_field(change, field) -> None:
     with pytest.raises(SpecError, match=repr(field)):

@@ -23,33 +23,8 @@ from unicron_elastic.faults import (  # noqa: F401 - re-exported: tests and demo
     maybe_fail,
     planned_faults,
 )
+from unicron_elastic.node.processes import child_pids, process_tree  # noqa: F401 - re-exported for tests
 from unicron_elastic.store.keys import MeetingKeys
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux ``/proc``), empty if it is gone."""
-    children: list[int] = []
-    task_dir = Path(f"/proc/{pid}/task")
-    try:
-        tasks = list(task_dir.iterdir())
-    except OSError:
-        return children
-    for task in tasks:
-        try:
-            children.extend(int(p) for p in (task / "children").read_text().split())
-        except OSError:
-            continue
-    return children
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, parents first."""
-    tree, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop(0)
-        tree.append(current)
-        frontier.extend(child_pids(current))
-    return tree
 
 
 def kill_node(launcher_pid: int, sig: int = signal.SIGKILL) -> list[int]:

@@ -10,7 +10,7 @@ import json
 import math
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 #: Largest weight (as the planner's MAX_WEIGHT) and largest worker count.
 MAX_WEIGHT = 1e6
 MAX_WORKERS = 100_000
+#: Largest number in a model description (layers, hidden, heads, seq_len, vocab, global_batch).
+MAX_MODEL_SIZE = 10_000_000
 #: The weights the paper recommends; outside them a spec is accepted with a warning.
 RECOMMENDED_WEIGHTS = (0.5, 2.0)
 
@@ -78,8 +80,12 @@ def _model(value: object) -> str | dict[str, Any]:
         if set(value) != {"calibration"}:
             raise SpecError(f"field 'model': a calibration table has no other keys (got {sorted(value)})")
         return {"calibration": {str(k): v for k, v in _calibration(value["calibration"]).items()}}
+    sizes = {k: v for k, v in value.items() if k != "name"}
+    for key, number in sizes.items():
+        if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= MAX_MODEL_SIZE:
+            raise SpecError(f"field 'model': {key}={number!r} must be a whole number in 1..{MAX_MODEL_SIZE}")
     try:
-        GptModel(name=str(value.get("name", "model")), **{k: v for k, v in value.items() if k != "name"})
+        GptModel(name=str(value.get("name", "model")), **sizes)
     except (TypeError, ValueError) as exc:
         raise SpecError(f"field 'model': not a model description: {exc}") from None
     return dict(value)
@@ -107,7 +113,7 @@ class TaskSpec:
     min_workers: int
     max_workers: int
     global_batch: int
-    model: str | dict[str, Any] = field(compare=True)
+    model: str | dict[str, Any]
 
     @classmethod
     def from_dict(cls, doc: object, check_command: bool = True) -> TaskSpec:
@@ -216,10 +222,11 @@ class NodeRecord:
             MalformedValueError: Wrong shape.
         """
         doc = _doc(raw, "node record")
-        slots = doc.get("slots")
-        if not isinstance(doc.get("name"), str) or isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        slots, pid = doc.get("slots"), doc.get("pid", 0)
+        if not isinstance(doc.get("name"), str) or isinstance(slots, bool) or not isinstance(slots, int) \
+                or not 1 <= slots <= MAX_WORKERS or not isinstance(pid, int):
             raise MalformedValueError(f"not a node record: {str(raw)[:80]!r}")
-        return cls(doc["name"], slots, str(doc.get("host", "")), int(doc.get("pid", 0) or 0))
+        return cls(doc["name"], slots, str(doc.get("host", "")), pid)
 
 
 @dataclass(frozen=True)
@@ -294,7 +301,7 @@ class ClusterPlan:
                               str(t.get("parallel", ""))) for n, t in doc["tasks"].items()}
             return cls(int(doc["generation"]), tasks, {str(k): int(v) for k, v in doc["nodes"].items()},
                        tuple(doc.get("isolated", ())), tuple(doc.get("finished", ())), str(doc.get("reason", "")))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise MalformedValueError(f"not a plan document: {exc}") from None
 
 
@@ -333,5 +340,5 @@ class Command:
             task = doc["task"]
             return cls(str(doc["node"]), int(doc["generation"]), None if task is None else str(task),
                        int(doc.get("nodes", 0)), int(doc.get("workers", 0)))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise MalformedValueError(f"not a command document: {exc}") from None

@@ -2,8 +2,9 @@
 
 No I/O, no clock (events carry their time). The service feeds it what it
 reads from etcd and executes the actions (one fenced transaction per plan);
-the simulator re-plans through :func:`replan` too, so ``unicron simulate``
-and a live cluster choose plans with the same code.
+the simulator sizes its plans through :func:`plan_sizes` too (the code
+:func:`replan` sizes with), so ``unicron simulate`` and a live cluster choose
+sizes with the same code.
 
 Planning unit: a whole node. A task runs ``k`` nodes of ``s`` workers, where
 ``s`` is the smallest slot count of the usable nodes, so T(t, k) is the task's
@@ -59,10 +60,11 @@ class PolicyConfig:
 # -- events ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NodeJoined:
-    """A node daemon registered (``nodes/<node>`` appeared)."""
+    """A node daemon registered (``nodes/<node>`` appeared; ``incarnation``: its lease)."""
 
     node: str
     slots: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,8 @@ class ClusterState:
         failures: Per node, the times of recent SEV2/SEV3 events.
         table: Plans for the one-step events from ``plan`` (None: none computed).
         config: The policy's knobs.
+        incarnations: Per node, the lease of the daemon that registered it (a
+            restarted daemon is a node lost and joined again, which ends an isolation).
     """
 
     nodes: Mapping[str, int] = field(default_factory=dict)
@@ -151,6 +155,7 @@ class ClusterState:
     failures: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     table: OneStepTable | None = field(default=None, compare=False, repr=False)
     config: PolicyConfig = PolicyConfig()
+    incarnations: Mapping[str, int] = field(default_factory=dict)
 
     def usable(self) -> list[str]:
         """Registered nodes not isolated, sorted."""
@@ -371,17 +376,20 @@ def decide(state: ClusterState, event: PolicyEvent) -> Decision:
     if isinstance(event, NodeJoined):
         if state.nodes.get(event.node) == event.slots:
             return Decision(state)
-        new = replan(replace(state, nodes={**state.nodes, event.node: event.slots}), reason=f"node {event.node} joined",
-                     lookup=TableEvent("node_joined") if event.node not in state.nodes else None)
+        after = replace(state, nodes={**state.nodes, event.node: event.slots},
+                        incarnations={**state.incarnations, event.node: event.incarnation})
+        one_step = event.node not in state.nodes and after.slots() == state.slots()  # the table is in these units
+        new = replan(after, reason=f"node {event.node} joined", lookup=TableEvent("node_joined") if one_step else None)
         return _with_plan(state, new)
     if isinstance(event, NodeLost):
         if event.node not in state.nodes:
             return Decision(state)
         hit = _owners(state, event.node)
         lost = {k: v for k, v in state.nodes.items() if k != event.node}
-        usable_before = event.node not in state.isolated
-        new = replan(replace(state, nodes=lost, isolated=state.isolated - {event.node}), hit,
-                     f"node {event.node} lost (SEV1)", TableEvent("node_lost", hit) if usable_before else None)
+        after = replace(state, nodes=lost, isolated=state.isolated - {event.node},
+                        incarnations={k: v for k, v in state.incarnations.items() if k != event.node})
+        one_step = event.node not in state.isolated and after.slots() == state.slots()
+        new = replan(after, hit, f"node {event.node} lost (SEV1)", TableEvent("node_lost", hit) if one_step else None)
         return _with_plan(state, new, Alert(Severity.SEV1, f"node {event.node} lost", event.node, ",".join(hit)))
     if isinstance(event, TaskSubmitted):
         if any(t.name == event.spec.name for t in state.tasks) or event.spec.name in state.finished:
@@ -431,7 +439,9 @@ class Observed:
         specs: Stored task specs, oldest first.
         cancelled: Tasks with a cancel request.
         done: Tasks some node reported completed.
-        events: Error events after the coordinator's cursor, oldest first, with their sequence numbers.
+        events: Error events after the coordinator's cursor, oldest first, with their etcd revisions.
+        incarnations: Per node, the lease its record is attached to.
+        cursor: The newest error event's revision read (malformed ones included).
     """
 
     nodes: Mapping[str, int] = field(default_factory=dict)
@@ -439,6 +449,8 @@ class Observed:
     cancelled: frozenset[str] = frozenset()
     done: frozenset[str] = frozenset()
     events: tuple[tuple[int, ErrorEvent], ...] = ()
+    incarnations: Mapping[str, int] = field(default_factory=dict)
+    cursor: int = 0
 
 
 def changes(state: ClusterState, seen: Observed) -> list[PolicyEvent]:
@@ -447,8 +459,13 @@ def changes(state: ClusterState, seen: Observed) -> list[PolicyEvent]:
     Nodes lost, then nodes joined, tasks finished or cancelled, tasks
     submitted, error events; :class:`Replan` if there is no plan yet.
     """
-    out: list[PolicyEvent] = [NodeLost(n) for n in sorted(state.nodes) if n not in seen.nodes]
-    out += [NodeJoined(n, k) for n, k in sorted(seen.nodes.items()) if state.nodes.get(n) != k]
+    def restarted(n: str) -> bool:  # the same name, another daemon (a new lease): lost, then joined again
+        known, now = state.incarnations.get(n), seen.incarnations.get(n)
+        return n in seen.nodes and known is not None and now is not None and known != now
+
+    out: list[PolicyEvent] = [NodeLost(n) for n in sorted(state.nodes) if n not in seen.nodes or restarted(n)]
+    out += [NodeJoined(n, k, seen.incarnations.get(n, 0)) for n, k in sorted(seen.nodes.items())
+            if state.nodes.get(n) != k or restarted(n)]
     active = {t.name for t in state.tasks}
     out += [TaskFinished(name, cancelled=name in seen.cancelled) for name in sorted(active)
             if name in seen.cancelled or name in seen.done]
@@ -472,7 +489,8 @@ def state_to_json(state: ClusterState, cursor: int, leader: str) -> str:
     """
     import json
 
-    return json.dumps({"nodes": dict(state.nodes), "tasks": [t.name for t in state.tasks],
+    return json.dumps({"nodes": dict(state.nodes), "incarnations": dict(state.incarnations),
+                       "tasks": [t.name for t in state.tasks],
                        "isolated": sorted(state.isolated), "finished": sorted(state.finished),
                        "failures": {k: list(v) for k, v in state.failures.items()}, "cursor": cursor,
                        "leader": leader, "generation": state.plan.generation if state.plan else -1}, sort_keys=True)
@@ -495,7 +513,18 @@ def state_from_json(raw: str | bytes, plan: ClusterPlan | None, specs: Mapping[s
             nodes={str(k): int(v) for k, v in doc["nodes"].items()},
             tasks=tuple(specs[name] for name in doc["tasks"] if name in specs),
             plan=plan, isolated=frozenset(doc["isolated"]), finished=frozenset(doc["finished"]),
-            failures={str(k): tuple(float(t) for t in v) for k, v in doc["failures"].items()}, config=config)
+            failures={str(k): tuple(float(t) for t in v) for k, v in doc["failures"].items()}, config=config,
+            incarnations={str(k): int(v) for k, v in doc.get("incarnations", {}).items()})
         return replace(state, table=_table(state)), int(doc["cursor"])
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
         raise MalformedValueError(f"not a coordinator state document: {exc}") from None
+
+
+def state_from_plan(plan: ClusterPlan, specs: Mapping[str, TaskSpec], config: PolicyConfig) -> ClusterState:
+    """The state implied by a stored plan alone (when ``coordinator/state`` is gone or unreadable).
+
+    The plan's generation goes on from there, so daemons keep following it.
+    """
+    state = ClusterState(nodes=dict(plan.nodes), tasks=tuple(specs[n] for n in plan.tasks if n in specs), plan=plan,
+                         isolated=frozenset(plan.isolated), finished=frozenset(plan.finished), config=config)
+    return replace(state, table=_table(state))

@@ -5,8 +5,11 @@ Level-triggered: whenever something changes under ``nodes/``, ``tasks/`` or
 derives the events that happened since its state (:func:`~.policy.changes`),
 decides them (:func:`~.policy.fold`) and writes the new plan, the per-node
 commands, the task statuses and its own state in **one fenced transaction**.
-A standby that takes over reads that state and the plan back, so nothing is
-lost: an event the old leader had not decided is still visible in the store.
+A standby that takes over reads that state and the plan back; an event the
+old leader had not decided is still in the store (error events are tracked by
+their etcd revision), so it is decided then. What can be lost: alerts of a
+decision whose leader died right after writing it, and error events trimmed by
+the store's retention before any leader read them.
 A deposed leader's transaction fails its fencing comparison
 (:class:`~unicron_elastic.api.NotLeaderError`); it then campaigns again.
 """
@@ -37,6 +40,7 @@ from unicron_elastic.coordinator.policy import (
     changes,
     fold,
     state_from_json,
+    state_from_plan,
     state_to_json,
 )
 from unicron_elastic.events import ErrorEvent
@@ -46,6 +50,9 @@ from unicron_elastic.store.watch import PrefixWatch
 
 log = structlog.get_logger(__name__)
 
+
+#: Most operations the coordinator puts in one etcd transaction (etcd's default limit is 128).
+MAX_TXN_OPS = 120
 
 _reported: set[tuple[str, int]] = set()  # malformed specs already logged (key, revision)
 
@@ -78,31 +85,56 @@ def read_plan(store: StatusStore) -> ClusterPlan | None:
         return None
 
 
-def observe(store: StatusStore, cursor: int) -> Observed:
-    """Read what the policy needs from the store (error events after ``cursor``)."""
-    keys = store.keys
-    nodes = {}
-    for kv in store.get_prefix(keys.nodes()):
+def _event_ok(e: ErrorEvent) -> bool:
+    """The fields the policy reads have the right types (``from_json`` checks only the shape)."""
+    import math
+
+    number = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    return all(isinstance(getattr(e, f), str) for f in ("kind", "node", "task", "detector")) and number(e.detected_at)
+
+
+def _nodes(store: StatusStore) -> tuple[dict[str, int], dict[str, int]]:
+    """Daemon node records that are up: slots and incarnation (the record's lease) by node name."""
+    slots, incarnations = {}, {}
+    for kv in store.get_prefix(store.keys.nodes()):
         try:
             record = NodeRecord.from_json(kv.value)
-        except MalformedValueError:
+            state = json.loads(kv.value).get("state", "up")
+        except (MalformedValueError, ValueError, AttributeError):
             log.debug("not_a_daemon_node_record", key=kv.key)  # e.g. a unicron-run agent's record
             continue
-        if b'"leaving"' not in kv.value:
-            nodes[kv.key.rsplit("/", 1)[-1]] = record.slots
+        if state == "up":
+            name = kv.key.rsplit("/", 1)[-1]
+            slots[name], incarnations[name] = record.slots, kv.lease
+    return slots, incarnations
+
+
+def observe(store: StatusStore, cursor: int) -> Observed:
+    """Read what the policy needs from the store: error events created after revision ``cursor``.
+
+    Events are ordered and tracked by their etcd ``create_revision`` (not by the
+    writer's clock in their key), so a late or clock-skewed event is not skipped.
+    A malformed event is logged and passed over.
+    """
+    keys = store.keys
+    nodes, incarnations = _nodes(store)
     task_keys = [kv.key[len(keys.tasks()):] for kv in store.get_prefix(keys.tasks())]
     cancelled = frozenset(k.split("/")[0] for k in task_keys if k.endswith("/cancel"))
     done = frozenset(k.split("/")[0] for k in task_keys if "/done/" in k)
-    events = []
-    for kv in store.get_prefix(keys.events()):
-        seq = int(kv.key.rsplit("/", 1)[-1])
-        if seq <= cursor:
+    events, newest = [], cursor
+    for kv in sorted(store.get_prefix(keys.events()), key=lambda kv: kv.create_revision):
+        if kv.create_revision <= cursor:
             continue
+        newest = max(newest, kv.create_revision)
         try:
-            events.append((seq, ErrorEvent.from_json(kv.value)))
-        except MalformedValueError:
+            event = ErrorEvent.from_json(kv.value)
+        except (MalformedValueError, RecursionError):
+            event = None
+        if event is None or not _event_ok(event):
             log.warning("malformed_event_skipped", key=kv.key)
-    return Observed(nodes, tuple(read_specs(store).values()), cancelled, done, tuple(events))
+            continue
+        events.append((kv.create_revision, event))
+    return Observed(nodes, tuple(read_specs(store).values()), cancelled, done, tuple(events), incarnations, newest)
 
 
 def task_status(state: ClusterState, name: str) -> dict:
@@ -165,6 +197,9 @@ class Coordinator:
                 log.warning("deposed", candidate=self.candidate, error=str(exc))
             except StoreError as exc:
                 log.warning("leader_store_error", error=str(exc))
+            except Exception:  # noqa: BLE001 - a bug or a value nobody foresaw must not end the coordinator
+                log.exception("leader_loop_failed", candidate=self.candidate)
+                self.stopped.wait(1.0)
         self.election.resign()
 
     def stop(self) -> None:
@@ -204,10 +239,9 @@ class Coordinator:
                 state, self.cursor = state_from_json(kv.value, plan, specs, self.config)
             except MalformedValueError as exc:
                 log.error("malformed_coordinator_state_ignored", error=str(exc))
-        if state is None:
-            newest = self.store.get_prefix(self.store.keys.events(), limit=1, descending=True)
-            self.cursor = int(newest[0].key.rsplit("/", 1)[-1]) if newest else 0
-            state = ClusterState(config=self.config)
+        if state is None:  # first leader ever, or its state is gone: older error events are history
+            self.cursor = self.store.revision()
+            state = ClusterState(config=self.config) if plan is None else state_from_plan(plan, specs, self.config)
         self.state = state
         log.info("leading", candidate=self.candidate, token=self.election.token,
                  generation=plan.generation if plan else None, tasks=[t.name for t in state.tasks])
@@ -227,8 +261,8 @@ class Coordinator:
         if not events:
             return None
         decision = fold(self.state, events)
-        cursor = max([self.cursor, *[seq for seq, _ in seen.events]])
-        self.execute(decision, cursor)
+        cursor = max(self.cursor, seen.cursor)
+        self.execute(decision, cursor, self.state)
         self.state, self.cursor = decision.state, cursor
         elapsed = time.perf_counter() - started
         for action in decision.actions:
@@ -244,8 +278,12 @@ class Coordinator:
                 self.metrics.decided(_severity(event))
         return decision
 
-    def execute(self, decision: Decision, cursor: int) -> None:
-        """Write the decision in one fenced transaction (plan, commands, task statuses, state).
+    def execute(self, decision: Decision, cursor: int, before: ClusterState | None = None) -> None:
+        """Write the decision fenced: plan, commands, changed task statuses and the state in one transaction.
+
+        A decision of more than :data:`MAX_TXN_OPS` writes (a first plan for a
+        very large cluster) goes in several fenced transactions, the plan first:
+        etcd refuses larger ones (``--max-txn-ops``, default 128).
 
         Raises:
             NotLeaderError: This candidate is no longer the leader.
@@ -253,18 +291,32 @@ class Coordinator:
         keys = self.store.keys
         state = decision.state
         puts = {keys.coordinator_state(): state_to_json(state, cursor, self.candidate)}
+        commands: dict[str, str] = {}
         forget: tuple[str, ...] = ()
         for action in decision.actions:
             if isinstance(action, WritePlan):
                 puts[keys.plan()] = action.plan.to_json()
-                puts.update({keys.command(c.node, c.generation): c.to_json() for c in action.commands})
+                commands = {keys.command(c.node, c.generation): c.to_json() for c in action.commands}
                 forget = action.forget
                 for name in {t.name for t in state.tasks} | set(state.finished):
-                    puts[keys.task_status(name)] = json.dumps(task_status(state, name), sort_keys=True)
+                    status = task_status(state, name)
+                    if before is None or _sans_generation(task_status(before, name)) != _sans_generation(status):
+                        puts[keys.task_status(name)] = json.dumps(status, sort_keys=True)
                 log.info("plan_written", generation=action.plan.generation, reason=action.plan.reason,
                          tasks={n: list(t.nodes) for n, t in action.plan.tasks.items()},
                          commands=[(c.node, c.task) for c in action.commands])
-        self.election.fenced_txn(puts, delete_prefixes=tuple(keys.commands(n) for n in forget))
+        prefixes = tuple(keys.commands(n) for n in forget)
+        if len(puts) + len(commands) + len(prefixes) <= MAX_TXN_OPS:
+            self.election.fenced_txn({**puts, **commands}, delete_prefixes=prefixes)
+            return
+        self.election.fenced_txn(puts, delete_prefixes=prefixes)
+        items = list(commands.items())
+        for i in range(0, len(items), MAX_TXN_OPS):
+            self.election.fenced_txn(dict(items[i:i + MAX_TXN_OPS]))
+
+
+def _sans_generation(status: dict) -> dict:
+    return {k: v for k, v in status.items() if k != "generation"}
 
 
 def _severity(event: PolicyEvent) -> str:

@@ -3,8 +3,8 @@
 :func:`cluster_status` reads one consistent-enough picture (nodes, tasks, the
 plan, the leader, recent events) as a JSON-ready dict; :func:`render_tasks`
 and :func:`render_plan` turn it into fixed-width text for a person. Text from
-the store is stripped of control characters; malformed values are shown as
-such, never raised.
+the store is stripped of control characters; a malformed spec, plan or event
+is shown as such and a status field of the wrong type is left out.
 """
 
 from __future__ import annotations
@@ -28,6 +28,25 @@ def _json(value: bytes) -> Any:
         return None
 
 
+def _checked_status(status: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a stored task status that have the right types (others are dropped)."""
+    import math
+
+    out: dict[str, Any] = {}
+    if isinstance(status.get("state"), str):
+        out["state"] = status["state"]
+    nodes = status.get("nodes")
+    if isinstance(nodes, list) and all(isinstance(n, str) for n in nodes):
+        out["nodes"] = nodes
+    for key, kind in (("workers", int), ("waf", (int, float))):
+        value = status.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value):
+            out[key] = value
+    if isinstance(status.get("parallel"), str):
+        out["parallel"] = status["parallel"]
+    return out
+
+
 def read_tasks(store) -> list[dict[str, Any]]:
     """Every task with its spec fields and status (``state`` ``malformed`` for a bad spec)."""
     keys = store.keys
@@ -45,7 +64,7 @@ def read_tasks(store) -> list[dict[str, Any]]:
         elif rest == "status":
             status = _json(kv.value)
             if isinstance(status, dict) and entry["state"] != "malformed":
-                entry.update({k: v for k, v in status.items() if k in ("state", "nodes", "workers", "waf", "parallel")})
+                entry.update(_checked_status(status))
         elif rest == "cancel" and entry["state"] not in ("finished", "malformed"):
             entry["state"] = "cancelling"
     return list(by_task.values())

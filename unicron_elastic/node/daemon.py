@@ -33,6 +33,7 @@ import structlog
 from unicron_elastic.api import MalformedValueError, StoreError
 from unicron_elastic.coordinator.api import Command, NodeRecord, TaskSpec
 from unicron_elastic.events import ErrorEvent, Severity
+from unicron_elastic.node.processes import process_tree
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.lease import KeptLease
 from unicron_elastic.store.watch import PrefixWatch
@@ -173,7 +174,7 @@ class NodeDaemon:
         self._next_start = time.monotonic() + RESTART_BACKOFF_S
 
     # -- the launcher ------------------------------------------------------------------------------
-    def launcher_argv(self, spec: TaskSpec) -> list[str]:
+    def launcher_argv(self, spec: TaskSpec, per_node: int | None = None) -> list[str]:
         """The ``unicron-run`` command line of ``spec`` on this node.
 
         ``--nnodes=1:ceil(max_workers / slots)`` with a last call of
@@ -183,7 +184,7 @@ class NodeDaemon:
         before its first round formed.
         """
         config = self.store.config
-        slots = self.record.slots
+        slots = min(per_node or self.record.slots, self.record.slots)  # the plan's workers per node
         most = max(1, math.ceil(spec.max_workers / slots))
         conf = [f"cluster={config.cluster}", f"task={spec.name}", f"last_call_timeout={LAST_CALL_S}"]
         if config.ca_cert:
@@ -221,11 +222,18 @@ class NodeDaemon:
         env[DAEMON_PID_ENV] = str(os.getpid())
         if self.store.config.password:
             env[PASSWORD_ENV] = self.store.config.password
-        argv = self.launcher_argv(spec)
+        command = self.applied
+        per_node = command.workers // command.nodes if command is not None and command.nodes else None
+        argv = self.launcher_argv(spec, per_node)
         log.info("launcher_starting", node=self.name, task=task, argv=argv)
         self.launcher = subprocess.Popen(argv, env=env)
 
     def _stop_launcher(self) -> None:
+        """SIGTERM the launcher (it stops its workers); after ``stop_timeout`` SIGKILL its whole process tree.
+
+        torch starts workers in sessions of their own, so killing the launcher
+        alone would leave them running on slots the plan gives another task.
+        """
         proc, self.launcher = self.launcher, None
         if proc is None or proc.poll() is not None:
             return
@@ -234,5 +242,11 @@ class NodeDaemon:
         try:
             proc.wait(self.stop_timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            tree = process_tree(proc.pid)
+            log.warning("launcher_killed", node=self.name, task=self.task, pids=tree)
+            for pid in reversed(tree):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait()

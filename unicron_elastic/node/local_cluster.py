@@ -18,6 +18,7 @@ from pathlib import Path
 
 import structlog
 
+from unicron_elastic.node.processes import process_tree
 from unicron_elastic.store.embedded import EmbeddedEtcd
 
 log = structlog.get_logger(__name__)
@@ -128,8 +129,13 @@ class LocalCluster:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("cluster_part_killed", pid=proc.pid)
-                proc.kill()
+                tree = process_tree(proc.pid)
+                log.warning("cluster_part_killed", pids=tree)
+                for pid in reversed(tree):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 proc.wait()
         if self._own_etcd:
             self.etcd.stop()

@@ -11,6 +11,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import structlog
+
+log = structlog.get_logger(__name__)
+
 
 @dataclass(frozen=True)
 class JoinRequest:
@@ -64,7 +68,7 @@ class PlanGate(JoinGate):
     Args:
         store: The cluster's status store (the plan is read from it).
         node: This node's name in the plan (the daemon's ``--name``).
-        timeout: Seconds :meth:`admit` waits for the plan to give the node the task.
+        timeout: Seconds between ``plan_gate_waiting`` warnings while :meth:`admit` waits.
         poll: Seconds between reads of the plan.
     """
 
@@ -90,25 +94,34 @@ class PlanGate(JoinGate):
     def admit(self, request: JoinRequest) -> None:
         """Wait until the plan gives this node ``request.task``.
 
+        It never refuses: a launcher that raised a rendezvous error here would
+        close the task's rendezvous for every node. A plan that gives the node
+        another task makes its daemon stop this launcher (SIGTERM); a daemon
+        that died makes it stop itself (a ``SignalException``, which closes nothing).
+
         Raises:
-            RendezvousClosedError: The plan gives this node another task or none.
-            RendezvousTimeoutError: No plan gave it the task within ``timeout``.
+            SignalException: The node daemon that started this launcher is gone.
         """
+        import os
+        import signal
         import time
 
-        from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+        from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        deadline = time.monotonic() + self.timeout
+        from unicron_elastic.node import DAEMON_PID_ENV
+
+        waited_since = time.monotonic()
         while True:
             plan, share = self._share(request.task)
             if share is not None and self.node in share.nodes:
                 return
-            if plan is not None and plan.task_of(self.node) not in (None, request.task):
-                raise RendezvousClosedError(f"the plan (generation {plan.generation}) gives node {self.node} "
-                                            f"task {plan.task_of(self.node)!r}, not {request.task!r}")
-            if time.monotonic() >= deadline:
-                raise RendezvousTimeoutError(f"no plan gave node {self.node} task {request.task!r} "
-                                             f"within {self.timeout:g} s")
+            daemon = os.environ.get(DAEMON_PID_ENV, "")
+            if daemon.isdigit() and os.getppid() != int(daemon):
+                raise SignalException(f"node daemon {daemon} is gone", sigval=signal.SIGTERM)
+            if time.monotonic() - waited_since > self.timeout:
+                log.warning("plan_gate_waiting", node=self.node, task=request.task,
+                            generation=None if plan is None else plan.generation)
+                waited_since = time.monotonic()
             time.sleep(self.poll)
 
     def grow(self, request: JoinRequest, nodes: int) -> bool:
