@@ -57,6 +57,7 @@ def sizes(plan) -> dict[str, int]:
     return {n: len(t.nodes) for n, t in plan.tasks.items()}
 
 
+@pytest.mark.timeout(600)
 def test_the_plan_drives_node_daemons_through_loss_return_finish_and_submit(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     out = tmp_path / "out"
     with LocalCluster(nodes=3, slots=2, cluster="e2e", etcd=etcd, log_dir=tmp_path / "logs",
@@ -104,6 +105,7 @@ def test_the_plan_drives_node_daemons_through_loss_return_finish_and_submit(etcd
         wait_for(lambda: set(read_plan(store).finished) == {"a", "b", "c"}, why="every task finished")
 
 
+@pytest.mark.timeout(300)
 def test_the_cluster_rides_out_a_5s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     out = tmp_path / "out"
     with LocalCluster(nodes=2, slots=1, cluster="outage", etcd=private_etcd, log_dir=tmp_path / "logs",
@@ -126,6 +128,7 @@ def test_the_cluster_rides_out_a_5s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_
             (out / task / "finish").touch()
 
 
+@pytest.mark.timeout(300)
 def test_cluster_up_starts_everything_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
     import signal
     import subprocess

@@ -166,6 +166,7 @@ def leader_of(store: StatusStore) -> str | None:
     return kv.value.decode() if kv else None
 
 
+@pytest.mark.timeout(300)
 def test_kill_and_pause_the_leader_process(private_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     """Two coordinator processes: SIGKILL the leader, then SIGSTOP the new one past its TTL and resume it."""
     ttl = 2
@@ -182,7 +183,7 @@ def test_kill_and_pause_the_leader_process(private_etcd: EmbeddedEtcd, tmp_path:
         killed_at = time.monotonic()
         second = wait_for(lambda: (leader_of(store) or first) != first and leader_of(store), 30)
         took_over = time.monotonic() - killed_at
-        assert took_over <= ttl + 1.5, took_over  # within one lease TTL (plus the watch's delivery)
+        assert took_over <= ttl + 3.0, took_over  # one lease TTL, plus the watch and a busy host's scheduling
         leases.append(register(store, "n2"))
         after = wait_for(lambda: (p := read_plan(store)) and "n2" in p.nodes and p, 30)
         assert after.generation == plan.generation + 1 and set(after.tasks) == {"a"}  # nothing lost
