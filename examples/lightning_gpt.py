@@ -116,7 +116,8 @@ class HoldForJoiner(pl.Callback):
 class HoldUntil(pl.Callback):
     """Before step ``step``, wait (at most ``bound`` s) until the file ``path`` exists (a declared pause).
 
-    Lets a test or a demo decide when a task may end, instead of racing it.
+    Each waiting rank first touches ``<path>.waiting<RANK>``. Lets a test or a
+    demo decide when a task may end, instead of racing it.
     """
 
     def __init__(self, step: int, path: Path, bound: float = 300.0) -> None:
@@ -125,6 +126,8 @@ class HoldUntil(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_step != self.step:
             return
+        rank = os.environ.get("RANK", "0")
+        self.path.with_name(f"{self.path.name}.waiting{rank}").touch()  # who waits, for whoever creates the file
         worker = get_worker()
         worker.set_paused(True, pause_for=self.bound)
         deadline = time.monotonic() + self.bound

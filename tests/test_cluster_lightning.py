@@ -89,6 +89,8 @@ def test_two_lightning_tasks_survive_a_lost_node_and_take_it_back(etcd: Embedded
         # a finishes: its nodes go to b (b grows to its max, 2 nodes: torch's restart-all, state from disk)
         grown = wait_for(lambda: (p := read_plan(store)) and "a" in p.finished and p, 600, why="a finished")
         assert {n: len(t.nodes) for n, t in grown.tasks.items()} == {"b": 2}
+        wait_for(lambda: all(a_done.with_name(f"a-done.waiting{r}").exists() for r in (2, 3)), 600,
+                 why="b's ranks 2 and 3 (only in the grown round) waiting before step 4")
         a_done.touch()
         wait_for(lambda: "b" in read_plan(store).finished, 600, why="b finished")
 
