@@ -605,6 +605,8 @@ class Protocol:
         previous = list(self.members)
         if self.rank == previous[0]:
             yield from self._propose_resize(self.generation + 1, previous, wanted, step)
+        else:
+            yield from self._await_proposal(self.generation + 1, previous)
         base, dead = previous, []
         while True:
             try:
@@ -627,6 +629,24 @@ class Protocol:
             except RuntimeError as exc:
                 self.log.warning("dp_resize_transfer_failed", step=step, error=str(exc)[:200])
         self.log.info("dp_resized", step=step, members=self.members, generation=self.generation)
+
+    def _await_proposal(self, generation: int, previous: list[int]) -> Effects:
+        """(A follower) before checking in for a resize, wait for the leader's record of ``generation``.
+
+        The leader writes it only while nobody checked in for ``generation``
+        (a check-in there means a failure's recovery): a follower that checked
+        in first made the leader defer the resize, and the joiners missed the
+        step (seen under load: they were never admitted before training ended).
+        The wait ends when the record is there, when some member checked in
+        (the leader deferred, or a failure is being recovered), or after
+        ``checkin_timeout`` (the leader is gone).
+        """
+        yield Pause(True, self.checkin_timeout + self.collective_timeout)  # waiting for the leader: no hang
+        start = yield Now()
+        while (yield Now()) - start < self.checkin_timeout:
+            if (yield ReadRecord(generation)) is not None or (yield ReadCheckIns(generation, tuple(previous))):
+                return
+            yield Sleep(0.002)
 
     def _propose_resize(self, generation: int, previous: list[int], wanted: list[int], step: int) -> Effects:
         """(The leader) write the resize record of ``generation`` create-only and announce it to the joiners.
