@@ -23,7 +23,7 @@ from unicron_elastic.faults import (  # noqa: F401 - re-exported: tests and demo
     maybe_fail,
     planned_faults,
 )
-from unicron_elastic.node.processes import child_pids, process_tree  # noqa: F401 - re-exported for tests
+from unicron_elastic.node.processes import child_pids, process_tree, signal_tree  # noqa: F401 - re-exported for tests
 from unicron_elastic.store.keys import MeetingKeys
 
 
@@ -41,13 +41,7 @@ def kill_node(launcher_pid: int, sig: int = signal.SIGKILL) -> list[int]:
     Returns:
         The PIDs that were signalled.
     """
-    tree = process_tree(launcher_pid)
-    for pid in tree:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    return tree
+    return signal_tree(launcher_pid, sig)
 
 
 # -- faults as data (defined in unicron_elastic.faults, re-exported here) ------------

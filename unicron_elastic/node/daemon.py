@@ -33,7 +33,7 @@ import structlog
 from unicron_elastic.api import MalformedValueError, StoreError
 from unicron_elastic.coordinator.api import Command, NodeRecord, TaskSpec
 from unicron_elastic.events import ErrorEvent, Severity
-from unicron_elastic.node.processes import process_tree
+from unicron_elastic.node.processes import signal_tree
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.lease import KeptLease
 from unicron_elastic.store.watch import PrefixWatch
@@ -242,11 +242,5 @@ class NodeDaemon:
         try:
             proc.wait(self.stop_timeout)
         except subprocess.TimeoutExpired:
-            tree = process_tree(proc.pid)
-            log.warning("launcher_killed", node=self.name, task=self.task, pids=tree)
-            for pid in reversed(tree):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            log.warning("launcher_killed", node=self.name, task=self.task, pids=signal_tree(proc.pid))
             proc.wait()

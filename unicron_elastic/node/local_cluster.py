@@ -18,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-from unicron_elastic.node.processes import process_tree
+from unicron_elastic.node.processes import signal_tree
 from unicron_elastic.store.embedded import EmbeddedEtcd
 
 log = structlog.get_logger(__name__)
@@ -129,13 +129,7 @@ class LocalCluster:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                tree = process_tree(proc.pid)
-                log.warning("cluster_part_killed", pids=tree)
-                for pid in reversed(tree):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                log.warning("cluster_part_killed", pids=signal_tree(proc.pid))
                 proc.wait()
         if self._own_etcd:
             self.etcd.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 
@@ -28,4 +30,22 @@ def process_tree(pid: int) -> list[int]:
         current = frontier.pop(0)
         tree.append(current)
         frontier.extend(child_pids(current))
+    return tree
+
+
+def signal_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Signal ``pid`` and every process below it (collected before any is signalled).
+
+    torch starts each worker in a session of its own, so signalling the
+    launcher's process group would miss them; this walks the tree instead.
+
+    Returns:
+        The PIDs that were signalled (those already gone included).
+    """
+    tree = process_tree(pid)
+    for member in tree:
+        try:
+            os.kill(member, sig)
+        except ProcessLookupError:
+            pass
     return tree

@@ -114,20 +114,7 @@ class LeaderElection:
         Raises:
             NotLeaderError: The leader key is gone or belongs to another term.
         """
-        token = self.token
-        if token is None:
-            raise NotLeaderError(f"{self.candidate} was never elected for {self.key}")
-
-        def op(c):
-            return c.transaction(
-                compare=[c.transactions.create(self.key) == token],
-                success=[c.transactions.put(key, value)],
-                failure=[],
-            )
-
-        ok, responses = self._store.call(op, f"fenced put {key}")
-        if not ok:
-            raise NotLeaderError(f"{self.candidate} lost leadership of {self.key} (token {token})")
+        responses = self._fenced(lambda t: [t.put(key, value)], f"fenced put {key}")
         return int(responses[0].response_put.header.revision)
 
     def fenced_txn(self, puts: dict[str, str], deletes: tuple[str, ...] = (), delete_prefixes: tuple[str, ...] = ()) -> None:
@@ -141,20 +128,32 @@ class LeaderElection:
         Raises:
             NotLeaderError: The leader key is gone or belongs to another term.
         """
+
+        def ops(t):
+            success = [t.put(k, v) for k, v in puts.items()] + [t.delete(k) for k in deletes]
+            return success + [t.delete(p, range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p)))
+                              for p in delete_prefixes]
+
+        self._fenced(ops, "fenced transaction")
+
+    def _fenced(self, ops, what: str) -> list:
+        """One transaction of ``ops(transactions)`` guarded by ``create_revision(leader key) == token``.
+
+        Raises:
+            NotLeaderError: Never elected, or the leader key is gone or belongs to another term.
+        """
         token = self.token
         if token is None:
             raise NotLeaderError(f"{self.candidate} was never elected for {self.key}")
 
         def op(c):
-            t = c.transactions
-            success = [t.put(k, v) for k, v in puts.items()] + [t.delete(k) for k in deletes]
-            success += [t.delete(p, range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p)))
-                        for p in delete_prefixes]
-            return c.transaction(compare=[t.create(self.key) == token], success=success, failure=[])
+            return c.transaction(compare=[c.transactions.create(self.key) == token],
+                                 success=ops(c.transactions), failure=[])
 
-        ok, _ = self._store.call(op, "fenced transaction")
+        ok, responses = self._store.call(op, what)
         if not ok:
             raise NotLeaderError(f"{self.candidate} lost leadership of {self.key} (token {token})")
+        return responses
 
     def resign(self) -> None:
         """Give up leadership (revokes the lease, deleting the leader key)."""
