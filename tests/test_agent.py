@@ -272,3 +272,29 @@ def test_a_worker_that_dies_after_the_monitor_polled_it_is_not_handed_to_torch(m
     assert agent._healthy_for_now()  # one finished with 0, one running
     procs[1] = _Proc(13, 0)
     assert not agent._healthy_for_now()  # all finished: torch reports success
+
+
+def test_own_lease_lost_after_a_worker_finished_is_not_a_give_up(monkeypatch) -> None:
+    """Seen under the CPU hog: the node's lease lapsed while its last workers were on their way out
+    after training; the give-up turned a finished run into exit 75. Mid-run it is still a SEV1."""
+    import threading
+
+    from unicron_elastic.agent import _torch_compat
+    from unicron_elastic.agent.agent import UnicronAgent
+
+    agent = UnicronAgent.__new__(UnicronAgent)  # only the lease-loss bookkeeping is used
+    agent._pcontext, agent._lock, agent._stopping, agent._closed = object(), threading.RLock(), False, False
+    agent.node = "n0"
+    reported = []
+    monkeypatch.setattr(agent, "report", reported.append, raising=False)
+    procs = {0: _Proc(10, 0), 1: _Proc(11, None)}
+    monkeypatch.setattr(_torch_compat, "worker_processes", lambda pcontext: procs)
+    agent.lost_own_lease()
+    assert reported == []  # rank 0 finished training: nothing to give up
+    procs[0] = _Proc(12, None)
+    agent.lost_own_lease()
+    assert [(e.severity.name, e.kind, e.node) for e in reported] == [("SEV1", "lost_connection", "n0")]
+    reported.clear()
+    agent._stopping = True
+    agent.lost_own_lease()
+    assert reported == []

@@ -423,7 +423,24 @@ class UnicronAgent(LocalElasticAgent):
                 self._act(-1, Decision(Action.GIVE_UP, Severity.SEV1, RankHistory(), event.kind), event)
 
     def lost_own_lease(self) -> None:
+        """This node's lease lapsed: give the node up (SEV1), unless its work is already done.
+
+        When the agent is stopping, or one of its workers already finished
+        with exit code 0 (training is over: the rest are on their way out),
+        there is nothing left to hand to other nodes: a give-up would turn a
+        finished run into a failed launcher. That case is logged, not acted on.
+        """
+        with self._lock:
+            finishing = self._stopping or self._closed or self._some_worker_finished()
+        if finishing:
+            log.warning("own_lease_lost_after_work_done", node=self.node,
+                        reason="agent stopping" if self._stopping or self._closed else "a worker finished with 0")
+            return
         self.report(ErrorEvent(Severity.SEV1, "lost_connection", "node", self.node, message="own lease expired"))
+
+    def _some_worker_finished(self) -> bool:
+        """Whether one of this node's current workers exited with code 0 (caller holds the lock)."""
+        return any(proc.poll() == 0 for proc in _torch_compat.worker_processes(self._pcontext).values())
 
     def _event(self, severity: Severity, kind: str, detector: str, rank: int, message: str, occurred: float,
                detected: float | None = None) -> ErrorEvent:

@@ -259,7 +259,7 @@ class NodeHealthDetector(Detector):
         if node == self.ctx.node or node in self._leaving:
             self._leaving.discard(node)
             return
-        marker = f"{store.keys.prefix}nodes-lost/{node}-{change.revision}"
+        marker = store.keys.node_lost(node, change.revision)
         try:
             if not store.cas(marker, str(time.time()), None).succeeded:
                 return  # another node reported it

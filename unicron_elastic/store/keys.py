@@ -57,6 +57,10 @@ class Keys:
         """Key of one node record."""
         return self.nodes() + _check_part("node", node)
 
+    def node_lost(self, node: str, revision: int) -> str:
+        """Key that deduplicates the report of one node's loss (the deleting revision)."""
+        return f"{self.prefix}nodes-lost/{_check_part('node', node)}-{int(revision)}"
+
     def events(self) -> str:
         """Prefix of the error events."""
         return f"{self.prefix}events/"

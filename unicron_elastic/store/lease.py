@@ -54,12 +54,15 @@ class KeptLease:
         return self._store.call(op, "lease keep-alive")
 
     def _run(self) -> None:
-        interval = max(0.2, self.ttl / 3.0)
-        while not self._stop.wait(interval):
+        interval = max(0.2, self.ttl / 4.0)
+        wait = interval
+        while not self._stop.wait(wait):
+            wait = interval
             try:
                 remaining = self._refresh_once()
             except StoreError as exc:
                 if time.monotonic() - self._last_ok < self.ttl:
+                    wait = 0.1  # a slow or loaded etcd: try again soon, not one interval later
                     continue
                 log.error("lease_refresh_failed", lease=self.id, error=str(exc))
                 remaining = -1
