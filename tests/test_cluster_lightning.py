@@ -55,14 +55,19 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.timeout(900)
-def test_two_lightning_tasks_survive_a_lost_node_and_take_it_back(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
-    base = tmp_path / "baseline"
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """The failure-free run's final parameters (2 ranks; the same global batch as every task here)."""
+    base = tmp_path_factory.mktemp("baseline")
     run = subprocess.run([os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", GPT,
                           "--steps", str(STEPS), "--out", str(base)], capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
-    baseline = torch.load(base / "params0.pt")
+    return torch.load(base / "params0.pt")
 
+
+@pytest.mark.timeout(900)
+def test_two_lightning_tasks_survive_a_lost_node_and_take_it_back(etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                  baseline: list[torch.Tensor]) -> None:
     out_a, out_b = tmp_path / "a", tmp_path / "b"
     with LocalCluster(nodes=3, slots=2, cluster="gpt", etcd=etcd, log_dir=tmp_path / "logs",
                       launcher_args=["--monitor-interval=0.05"],
@@ -113,3 +118,70 @@ def test_two_lightning_tasks_survive_a_lost_node_and_take_it_back(etcd: Embedded
     assert {s["state_from"] for s in b.values()} <= {"disk", "memory", "replica"}  # resumed, not from step 0
     for r in range(4):
         assert same(torch.load(out_b / f"params{r}.pt"), baseline), f"task b rank {r} diverged"
+
+
+def steps_between(out: Path, start: float, end: float) -> list[int]:
+    """Steps that some rank finished between two wall-clock times."""
+    return sorted({d["step"] for p in out.glob("times*.jsonl") for line in p.read_text().splitlines() if line
+                   and start <= (d := json.loads(line))["t"] <= end})
+
+
+def leader_of(store: StatusStore) -> str | None:
+    kv = store.get(store.keys.leader())
+    return kv.value.decode() if kv else None
+
+
+@pytest.mark.timeout(600)
+def test_training_carries_on_through_a_leader_kill_and_a_5s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                         baseline: list[torch.Tensor]) -> None:
+    """Issue #11 acceptance: the coordinator leader SIGKILLed mid-run, then etcd stopped for 5 s: a standby
+    leads within one lease TTL, nothing is lost, and the task's workers train through both (steps finish
+    during the outage), are never restarted, and end equal to the failure-free run."""
+    ttl, hold = 2, STEPS - 1
+    out, release = tmp_path / "out", tmp_path / "release"  # the task waits before its last step until released
+    with LocalCluster(nodes=2, slots=1, cluster="carry-on", coordinators=2, coordinator_ttl=ttl, etcd=private_etcd,
+                      log_dir=tmp_path / "logs", launcher_args=["--monitor-interval=0.05"],
+                      coordinator_args=["--failure-rate=1e-4"]) as cluster, \
+            StatusStore(replace(private_etcd.config, cluster="carry-on")) as store:
+        wait_for(lambda: len(store.get_prefix(store.keys.nodes())) == 2, why="2 nodes registered")
+        command = gpt(out, "--step-time", "1.5", "--record-times", "--hold-until", str(release),
+                      "--hold-step", str(hold))  # (the last --step-time wins)
+        store.put(store.keys.task_spec("a"), json.dumps(dict(name="a", command=command, weight=1.0, min_workers=1,
+                                                             max_workers=2, global_batch=24,
+                                                             model={"calibration": {"1": 1.0, "2": 1.9}})))
+        plan = wait_for(lambda: (p := read_plan(store)) and "a" in p.tasks and len(p.tasks["a"].nodes) == 2 and p,
+                        why="a on both nodes")
+        wait_for(lambda: last_step(out) >= 0, why="a's first step")
+
+        first = leader_of(store)
+        victim = next(p for p in cluster.coordinators if first and first.endswith(f":{p.pid}"))
+        at_kill = last_step(out)
+        victim.kill()
+        killed = time.monotonic()
+        second = wait_for(lambda: (leader_of(store) or first) != first and leader_of(store), 30, why="a new leader")
+        assert time.monotonic() - killed <= ttl + 3.0  # one lease TTL, plus the watch and a busy host
+        wait_for(lambda: last_step(out) > at_kill, 60, why="a step after the leader was killed")
+        assert read_plan(store).generation == plan.generation and set(read_plan(store).tasks) == {"a"}  # nothing lost
+        assert last_step(out) < hold - 1, "the task reached its hold before the outage: nothing would be shown"
+
+        outage_start = time.time()
+        private_etcd.kill()
+        time.sleep(5.0)  # the fault: etcd is down for 5 s
+        private_etcd.start()
+        outage_end = time.time()
+        assert steps_between(out, outage_start, outage_end), "no step finished while etcd was down"
+        wait_for(lambda: all(release.with_name(f"release.waiting{r}").exists() for r in (0, 1)), 120,
+                 why="both ranks at the hold")
+        assert cluster.dead() is None and cluster.dead_nodes() == [] and leader_of(store) == second
+        release.touch()
+        done = wait_for(lambda: (p := read_plan(store)) and "a" in p.finished and p, 120, why="a finished")
+        assert done.generation == plan.generation + 1  # only a's end re-planned: no node was taken for lost
+
+    node_logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text() for i in range(2))
+    assert "worker_restarted" not in node_logs and node_logs.count("launcher_starting") == 2  # nobody restarted
+    summaries = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(summaries) == [0, 1]
+    assert all(s["global_step"] == STEPS and s["joined_at"] is None for s in summaries.values())
+    assert all(not r["recoveries"] for s in summaries.values() for r in s["reports"])  # no regroup either
+    for r in range(2):
+        assert same(torch.load(out / f"params{r}.pt"), baseline), f"rank {r} diverged"

@@ -131,6 +131,32 @@ def test_repeated_failures_on_one_node_alert_then_isolate_it() -> None:
     assert late.actions == ()  # outside the window the count starts again
 
 
+def test_a_task_failing_on_several_nodes_is_suspect_and_no_node_is_isolated() -> None:
+    """A crashing task must not take the cluster's nodes out one after another."""
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A))
+    assert len(state.plan.tasks["a"].nodes) == 3
+    e = lambda node, t, task="a": Failure(ErrorEvent(Severity.SEV2, "exited_abnormally", "process", node, 0, task,
+                                                     detected_at=t))
+    for event in (e("n0", 100.0), e("n1", 100.5), e("n0", 101.0), e("n1", 101.5)):
+        state = decide(state, event).state
+    third = decide(state, e("n0", 102.0))  # n0's third failure; a failed on n1 too
+    assert third.state.isolated == frozenset() and third.state.plan is state.plan
+    [alert] = third.actions
+    assert alert.task == "a" and "task is suspect" in alert.message and "n1" in alert.message
+    # failures of the same node under another task (or none) still isolate it
+    other = decide(third.state, e("n2", 103.0, "b"))
+    other = decide(decide(other.state, e("n2", 104.0, "b")).state, e("n2", 105.0, "b"))
+    assert "n2" in other.state.isolated
+    # an isolated node's failures are explained by it: they no longer make a task suspect
+    lone = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A))
+    for t in (1.0, 2.0, 3.0):
+        lone = decide(lone, e("n0", t)).state
+    assert "n0" in lone.isolated and all(n != "n0" for f in lone.task_failures.values() for _, n in f)
+    for t in (4.0, 5.0, 6.0):
+        lone = decide(lone, e("n1", t)).state
+    assert lone.isolated == {"n0", "n1"}
+
+
 def test_a_sev1_event_isolates_the_node_at_once() -> None:
     state = cluster(NodeJoined("n0", 2), NodeJoined("n1", 2), TaskSubmitted(A))
     d = decide(state, Failure(ErrorEvent(Severity.SEV1, "ecc", "nvml", "n0", -1, "a")))
@@ -169,16 +195,29 @@ def test_place_keeps_tasks_where_they_run() -> None:
 def test_changes_derives_events_worst_first() -> None:
     state = cluster(NodeJoined("n0", 2), NodeJoined("n1", 2), TaskSubmitted(A))
     err = ErrorEvent(Severity.SEV3, "timeout", "exception", "n0")
-    seen = Observed({"n0": 2, "n2": 2}, (A, B), frozenset(), frozenset({"a"}), ((5, err),))
+    seen = Observed({"n0": 2, "n2": 2}, (A, B), frozenset(), {"a": frozenset(state.plan.tasks["a"].nodes)}, ((5, err),))
     assert changes(state, seen) == [NodeLost("n1"), NodeJoined("n2", 2), TaskFinished("a"), TaskSubmitted(B),
                                     Failure(err)]
     assert changes(ClusterState(config=CONFIG), Observed()) == [Replan("first plan")]
     assert changes(state, Observed({"n0": 2, "n1": 2}, (A,))) == []
 
 
+def test_a_task_is_finished_when_every_node_of_its_share_reported_done() -> None:
+    state = cluster(NodeJoined("n0", 2), NodeJoined("n1", 2), TaskSubmitted(A))
+    share = state.plan.tasks["a"].nodes
+    assert len(share) == 2
+    nodes = {"n0": 2, "n1": 2}
+    one = Observed(nodes, (A,), done={"a": frozenset(share[:1])})
+    assert changes(state, one) == []  # one launcher ended alone (e.g. its rendezvous closed): a trains on
+    assert changes(state, Observed(nodes, (A,), done={"a": frozenset(share)})) == [TaskFinished("a")]
+    assert changes(state, Observed(nodes, (A,), frozenset({"a"}), done={"a": frozenset(share[:1])})) == [
+        TaskFinished("a", cancelled=True)]
+
+
 def test_state_survives_its_json_form() -> None:
     state = cluster(NodeJoined("n0", 2), NodeJoined("n1", 2), TaskSubmitted(A), TaskSubmitted(B),
-                    Failure(ErrorEvent(Severity.SEV2, "x", "d", "n0", detected_at=5.0)), TaskFinished("b"))
+                    Failure(ErrorEvent(Severity.SEV2, "x", "d", "n0", task="a", detected_at=5.0)), TaskFinished("b"))
+    assert state.task_failures == {"a": ((5.0, "n0"),)}
     plan = ClusterPlan.from_json(state.plan.to_json())
     assert plan == state.plan
     back, cursor = state_from_json(state_to_json(state, 42, "me"), plan, {"a": A, "b": B}, CONFIG)

@@ -15,8 +15,11 @@ Megatron model), zero outside ``min_workers..max_workers`` or above
 - node lost (SEV1, its lease expired): re-plan without it, its task faulted;
 - a SEV1 error event (e.g. ECC): isolate the node, re-plan, alert;
 - SEV2/SEV3 error events: the node's agent handles them in place; the
-  ``escalate_after``-th within ``window_s`` on one node isolates it (SEV1);
-  the second and later ones raise an alert;
+  ``escalate_after``-th within ``window_s`` on one node isolates it (SEV1),
+  unless the same task also failed on another node within the window: then
+  the task, not the node, is suspect (an alert, no isolation: a crashing
+  task must not take the cluster's nodes out one after another); the second
+  and later ones raise an alert;
 - node joined, task submitted, task finished or cancelled: re-plan.
 
 One-step events (a node lost or joined, a task finished) are answered from a
@@ -141,6 +144,7 @@ class ClusterState:
         isolated: Nodes out of service.
         finished: Tasks finished or cancelled.
         failures: Per node, the times of recent SEV2/SEV3 events.
+        task_failures: Per task, the (time, node) of its recent SEV2/SEV3 events.
         table: Plans for the one-step events from ``plan`` (None: none computed).
         config: The policy's knobs.
         incarnations: Per node, the lease of the daemon that registered it (a
@@ -153,6 +157,7 @@ class ClusterState:
     isolated: frozenset[str] = frozenset()
     finished: frozenset[str] = frozenset()
     failures: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    task_failures: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
     table: OneStepTable | None = field(default=None, compare=False, repr=False)
     config: PolicyConfig = PolicyConfig()
     incarnations: Mapping[str, int] = field(default_factory=dict)
@@ -338,7 +343,8 @@ def _owners(state: ClusterState, node: str) -> frozenset[str]:
 
 def _isolate(state: ClusterState, node: str, why: str, alerts: tuple[Alert, ...]) -> Decision:
     hit = _owners(state, node)
-    after = replace(state, isolated=state.isolated | {node}, failures={k: v for k, v in state.failures.items() if k != node})
+    after = replace(state, isolated=state.isolated | {node}, failures={k: v for k, v in state.failures.items() if k != node},
+                    task_failures={t: tuple(f for f in v if f[1] != node) for t, v in state.task_failures.items()})
     new = replan(after, hit, f"isolated {node}: {why}")
     return _with_plan(state, new, *alerts, Alert(Severity.SEV1, f"node {node} isolated: {why}", node, ",".join(hit)))
 
@@ -350,10 +356,19 @@ def _on_failure(state: ClusterState, e: ErrorEvent) -> Decision:
         return _isolate(state, e.node, f"{e.kind} ({e.message})", ())
     cfg = state.config
     recent = tuple(t for t in state.failures.get(e.node, ()) if e.detected_at - t < cfg.window_s) + (e.detected_at,)
+    by_task = dict(state.task_failures)
+    if e.task:
+        by_task[e.task] = tuple(f for f in by_task.get(e.task, ()) if e.detected_at - f[0] < cfg.window_s) + (
+            (e.detected_at, e.node),)
+    after = replace(state, failures={**state.failures, e.node: recent}, task_failures=by_task)
     if len(recent) >= cfg.escalate_after:
+        elsewhere = sorted({n for _, n in by_task.get(e.task, ()) if n != e.node}) if e.task else []
+        if elsewhere:
+            return Decision(after, (Alert(e.severity, f"task {e.task}: failures on nodes {e.node}, "
+                                          f"{', '.join(elsewhere)} within {cfg.window_s:g} s (last: {e.kind}): "
+                                          "the task is suspect, no node isolated", e.node, e.task),))
         why = f"{len(recent)} failures within {cfg.window_s:g} s (last: {e.kind})"
-        return _isolate(state, e.node, why, ())
-    after = replace(state, failures={**state.failures, e.node: recent})
+        return _isolate(after, e.node, why, ())  # (its failures are explained: forgotten with it)
     if len(recent) >= 2:
         return Decision(after, (Alert(e.severity, f"node {e.node}: {len(recent)} failures within {cfg.window_s:g} s "
                                       f"(last: {e.kind})", e.node, e.task),))
@@ -438,7 +453,7 @@ class Observed:
         nodes: Registered nodes and their slots.
         specs: Stored task specs, oldest first.
         cancelled: Tasks with a cancel request.
-        done: Tasks some node reported completed.
+        done: Per task, the nodes that reported it completed (their launcher exited 0).
         events: Error events after the coordinator's cursor, oldest first, with their etcd revisions.
         incarnations: Per node, the lease its record is attached to.
         cursor: The newest error event's revision read (malformed ones included).
@@ -447,7 +462,7 @@ class Observed:
     nodes: Mapping[str, int] = field(default_factory=dict)
     specs: tuple[TaskSpec, ...] = ()
     cancelled: frozenset[str] = frozenset()
-    done: frozenset[str] = frozenset()
+    done: Mapping[str, frozenset[str]] = field(default_factory=dict)
     events: tuple[tuple[int, ErrorEvent], ...] = ()
     incarnations: Mapping[str, int] = field(default_factory=dict)
     cursor: int = 0
@@ -468,7 +483,7 @@ def changes(state: ClusterState, seen: Observed) -> list[PolicyEvent]:
             if state.nodes.get(n) != k or restarted(n)]
     active = {t.name for t in state.tasks}
     out += [TaskFinished(name, cancelled=name in seen.cancelled) for name in sorted(active)
-            if name in seen.cancelled or name in seen.done]
+            if name in seen.cancelled or _completed(state, name, seen.done.get(name, frozenset()))]
     out += [TaskSubmitted(spec) for spec in seen.specs
             if spec.name not in active and spec.name not in state.finished
             and spec.name not in seen.cancelled and spec.name not in seen.done]
@@ -476,6 +491,18 @@ def changes(state: ClusterState, seen: Observed) -> list[PolicyEvent]:
     if state.plan is None and not any(isinstance(e, (NodeJoined, NodeLost, TaskSubmitted)) for e in out):
         out.append(Replan("first plan"))
     return out
+
+
+def _completed(state: ClusterState, task: str, done: frozenset[str]) -> bool:
+    """Whether every node the plan gives ``task`` reported it completed (any report when it has none).
+
+    One node's report is not enough: its launcher may have ended alone (e.g.
+    its rendezvous closed) while the task trains on elsewhere.
+    """
+    if not done:
+        return False
+    share = state.plan.tasks.get(task) if state.plan is not None else None
+    return share is None or not share.nodes or set(share.nodes) <= done
 
 
 # -- the state's JSON form (``coordinator/state``) ---------------------------------------------------
@@ -492,7 +519,9 @@ def state_to_json(state: ClusterState, cursor: int, leader: str) -> str:
     return json.dumps({"nodes": dict(state.nodes), "incarnations": dict(state.incarnations),
                        "tasks": [t.name for t in state.tasks],
                        "isolated": sorted(state.isolated), "finished": sorted(state.finished),
-                       "failures": {k: list(v) for k, v in state.failures.items()}, "cursor": cursor,
+                       "failures": {k: list(v) for k, v in state.failures.items()},
+                       "task_failures": {k: [list(f) for f in v] for k, v in state.task_failures.items()},
+                       "cursor": cursor,
                        "leader": leader, "generation": state.plan.generation if state.plan else -1}, sort_keys=True)
 
 
@@ -514,6 +543,8 @@ def state_from_json(raw: str | bytes, plan: ClusterPlan | None, specs: Mapping[s
             tasks=tuple(specs[name] for name in doc["tasks"] if name in specs),
             plan=plan, isolated=frozenset(doc["isolated"]), finished=frozenset(doc["finished"]),
             failures={str(k): tuple(float(t) for t in v) for k, v in doc["failures"].items()}, config=config,
+            task_failures={str(k): tuple((float(t), str(n)) for t, n in v)
+                           for k, v in doc.get("task_failures", {}).items()},
             incarnations={str(k): int(v) for k, v in doc.get("incarnations", {}).items()})
         return replace(state, table=_table(state)), int(doc["cursor"])
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:

@@ -120,7 +120,10 @@ def observe(store: StatusStore, cursor: int) -> Observed:
     nodes, incarnations = _nodes(store)
     task_keys = [kv.key[len(keys.tasks()):] for kv in store.get_prefix(keys.tasks())]
     cancelled = frozenset(k.split("/")[0] for k in task_keys if k.endswith("/cancel"))
-    done = frozenset(k.split("/")[0] for k in task_keys if "/done/" in k)
+    done: dict[str, set[str]] = {}
+    for k in task_keys:
+        if "/done/" in k:
+            done.setdefault(k.split("/")[0], set()).add(k.rsplit("/", 1)[-1])
     events, newest = [], cursor
     for kv in sorted(store.get_prefix(keys.events()), key=lambda kv: kv.create_revision):
         if kv.create_revision <= cursor:
@@ -134,7 +137,8 @@ def observe(store: StatusStore, cursor: int) -> Observed:
             log.warning("malformed_event_skipped", key=kv.key)
             continue
         events.append((kv.create_revision, event))
-    return Observed(nodes, tuple(read_specs(store).values()), cancelled, done, tuple(events), incarnations, newest)
+    return Observed(nodes, tuple(read_specs(store).values()), cancelled,
+                    {task: frozenset(names) for task, names in done.items()}, tuple(events), incarnations, newest)
 
 
 def task_status(state: ClusterState, name: str) -> dict:
