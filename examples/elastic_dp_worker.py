@@ -35,6 +35,16 @@ def _hold_for_joiner(ddp: ElasticDataParallel, world: int, worker) -> None:
     worker.set_paused(False)
 
 
+def _hold_until(path: Path, rank: int, worker) -> None:
+    """Touch ``<path>.waiting<RANK>``, then wait (at most 300 s) until ``path`` exists (a declared pause)."""
+    path.with_name(f"{path.name}.waiting{rank}").touch()
+    worker.set_paused(True, pause_for=300.0)
+    deadline = time.monotonic() + 300
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker.set_paused(False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
@@ -52,11 +62,15 @@ def main() -> None:
     parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
                         help="before STEP, wait (at most 120 s) until every rank is a member or asks to join: "
                              "restarted ranks are then admitted before training ends, however slow their start")
+    parser.add_argument("--hold-until", type=Path, default=None, metavar="FILE",
+                        help="before step --hold-step, wait (at most 300 s) until FILE exists: lets a test decide "
+                             "when the run may end instead of racing it")
+    parser.add_argument("--hold-step", type=int, default=0)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = connect_meeting_store()  # etcd under unicron-run (survives any node), else the launcher's TCPStore
     worker = get_worker()
-    worker.hello(resumable=True)
+    worker.hello(resumable=True, leavable=not json.loads(args.schedule))  # a schedule alone decides
     restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
 
     model, optimizer, xs, ys = toy_problem(args.width)
@@ -80,6 +94,8 @@ def main() -> None:
         while step < args.steps:
             if step == args.hold_for_joiner:
                 _hold_for_joiner(ddp, world, worker)
+            if args.hold_until is not None and step == args.hold_step:
+                _hold_until(args.hold_until, rank, worker)
             began = time.monotonic()
             try:
                 reports.append({**vars(ddp.train_step(step)), "finished_at": time.time(), "pid": os.getpid()})

@@ -107,6 +107,8 @@ class Scenario:
         liveness_delay: Rounds between a death and its liveness key vanishing.
         deadline: Polls after its check-in when a rank's deadline passes; None: never.
         joiner_at: Round at which a new rank (``world``) asks to join; None: no one.
+        leaving: ``rank -> round`` at which its agent asks it to leave (the plan
+            takes its node away): it retires at a step boundary.
         partial: Chance that a rank whose neighbour is down fails a bucket that
             completed (the others got it): only some members complete it.
         partial_last: ``partial`` applies to the last bucket too.
@@ -125,6 +127,7 @@ class Scenario:
     liveness_delay: int = 0
     deadline: int | None = None
     joiner_at: int | None = None
+    leaving: Mapping[int, int] = field(default_factory=dict)
     partial: float = 0.0
     partial_last: bool = False
     seed: int = 0
@@ -294,7 +297,8 @@ class _Rank:
             P.ReadCheckIns: lambda e: self.checkins(e.generation, e.ranks), P.ReadAlive: self.alive,
             P.Now: lambda e: self.clock, P.Sleep: self.sleep, P.WriteRecord: self.write_record,
             P.Abandon: self.abandon, P.BuildGroup: self.build, P.Formed: self.formed,
-            P.ReadJoinRequests: lambda e: sim.waiting(), P.ReadWaiting: lambda e: sim.waiting(),
+            P.ReadRequests: lambda e: (sim.waiting(), [r for r in e.members if sim.store.check([K.leave(r)])]),
+            P.ReadWaiting: lambda e: sim.waiting(),
             P.Announce: self.announce, P.TransferState: self.transfer, P.SetGradients: self.set_gradients,
             P.ReadMembers: self.read_members, P.RequestJoin: self.request_join,
             P.ReadFinished: lambda e: int(sim.store.get(K.FINISHED)) if sim.store.check([K.FINISHED]) else None,
@@ -332,6 +336,10 @@ class _Rank:
                 yield from self.run(self.protocol.begin_step(s))
                 yield from self.run(self.protocol.finish_gradients())
                 self.protocol.next_step = s + 1
+            except P.Retired:  # asked to leave: out at a step boundary, exits 0 (the engine withdraws the request)
+                self.sim.store.delete_key(K.leave(self.rank))
+                self.sim.retired.append((s, self.rank))
+                return
             except Excluded as exc:
                 self.sim.excluded.append((exc.record.generation, self.rank,
                                           "behind" if s < exc.record.step else "left out"))
@@ -530,6 +538,7 @@ class Sim:
         self.resize_failures: list[tuple[int, int]] = []  # (step, rank): a resize whose state transfer failed
         self.abandoned: list[tuple[int, int]] = []  # (generation, rank): a group that did not form
         self.fallbacks: list[tuple[int, int]] = []  # (round, rank): no replica left, resumed from step 0
+        self.retired: list[tuple[int, int]] = []  # (step, rank): left the group at that step, as asked
         self.deaths: list[Death] = []
         self.reduced: dict[int, dict[int, tuple]] = {}  # step -> rank -> reduced gradient
         self.assignments: dict[tuple[int, int], dict[int, dict[int, list[int]]]] = {}
@@ -600,6 +609,9 @@ class Sim:
                 if when <= self.round:
                     self.store.delete_key(K.live(rank))
                     del self.vanish[rank]
+            for rank, when in sc.leaving.items():
+                if when == self.round and rank in self.running:
+                    self.store.set(K.leave(rank), "1")  # its node's agent asks it to leave
             if sc.joiner_at is not None and self.round == sc.joiner_at and sc.world not in self.ranks:
                 self.ranks[sc.world] = _Rank(self, sc.world, [], joining=True)
                 self.running[sc.world] = self.ranks[sc.world].main()

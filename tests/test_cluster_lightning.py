@@ -26,6 +26,9 @@ from unicron_elastic.testing import kill_node
 GPT = str(Path(__file__).resolve().parent.parent / "examples" / "lightning_gpt.py")
 STEPS = 8
 HOLD = 6  # task a waits for the returning node's ranks before this step
+#: torchrun sets OMP_NUM_THREADS=1 only for more than one worker per node; with one, the matmuls of a node
+#: would run on every core, in another summation order than the 2-worker baseline (not bit-identical).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def gpt(out: Path, *extra: str) -> list[str]:
@@ -140,7 +143,7 @@ def test_training_carries_on_through_a_leader_kill_and_a_5s_etcd_outage(private_
     ttl, hold = 2, STEPS - 1
     out, release = tmp_path / "out", tmp_path / "release"  # the task waits before its last step until released
     with LocalCluster(nodes=2, slots=1, cluster="carry-on", coordinators=2, coordinator_ttl=ttl, etcd=private_etcd,
-                      log_dir=tmp_path / "logs", launcher_args=["--monitor-interval=0.05"],
+                      log_dir=tmp_path / "logs", launcher_args=["--monitor-interval=0.05"], env=ONE_THREAD,
                       coordinator_args=["--failure-rate=1e-4"]) as cluster, \
             StatusStore(replace(private_etcd.config, cluster="carry-on")) as store:
         wait_for(lambda: len(store.get_prefix(store.keys.nodes())) == 2, why="2 nodes registered")
@@ -185,3 +188,51 @@ def test_training_carries_on_through_a_leader_kill_and_a_5s_etcd_outage(private_
     assert all(not r["recoveries"] for s in summaries.values() for r in s["reports"])  # no regroup either
     for r in range(2):
         assert same(torch.load(out / f"params{r}.pt"), baseline), f"rank {r} diverged"
+
+
+@pytest.mark.timeout(600)
+def test_the_plan_scales_a_task_in_at_a_step_boundary(etcd: EmbeddedEtcd, tmp_path: Path,
+                                                      baseline: list[torch.Tensor]) -> None:
+    """Issue #11 item 5: a task submitted takes a node from a running Lightning task; the node leaves it
+    at a step boundary (no failure, nobody restarted), the task goes on with the same global batch to the
+    failure-free parameters, and the node runs the new task."""
+    out, release = tmp_path / "a", tmp_path / "release"
+    worker = str(Path(__file__).parent / "workers" / "cluster_worker.py")
+    with LocalCluster(nodes=2, slots=1, cluster="scale-in", etcd=etcd, log_dir=tmp_path / "logs",
+                      launcher_args=["--monitor-interval=0.05"], node_args=["--leave-timeout=300"], env=ONE_THREAD,
+                      coordinator_args=["--failure-rate=1e-4"]) as cluster, \
+            StatusStore(replace(etcd.config, cluster="scale-in")) as store:
+        wait_for(lambda: len(store.get_prefix(store.keys.nodes())) == 2, why="2 nodes registered")
+        command = gpt(out, "--record-times", "--hold-until", str(release), "--hold-step", str(STEPS - 2))
+        store.put(store.keys.task_spec("a"), json.dumps(dict(name="a", command=command, weight=1.0, min_workers=1,
+                                                             max_workers=2, global_batch=24,
+                                                             model={"calibration": {"1": 1.0, "2": 1.9}})))
+        wait_for(lambda: (p := read_plan(store)) and "a" in p.tasks and len(p.tasks["a"].nodes) == 2, why="a on 2")
+        wait_for(lambda: last_step(out) >= 0, why="a training")
+        store.put(store.keys.task_spec("b"), json.dumps(dict(name="b", command=[sys.executable, worker, str(tmp_path),
+                                                                                 "b"], weight=2.0, min_workers=1,
+                                                             max_workers=1, global_batch=24,
+                                                             model={"calibration": {"1": 5.0}})))
+        plan = wait_for(lambda: (p := read_plan(store)) and "b" in p.tasks and p, why="a plan with b")
+        assert {n: len(t.nodes) for n, t in plan.tasks.items()} == {"a": 1, "b": 1}
+        moved = plan.tasks["b"].nodes[0]
+        moved_log = tmp_path / "logs" / f"{moved}.log"
+        wait_for(lambda: "leaving_task" in moved_log.read_text(), 120, why="a's ranks on the moved node asked to leave")
+        release.touch()  # a holds before its step 6 until now: the leave is seen before the run can end
+        wait_for(lambda: "launcher_left" in moved_log.read_text(), 120,
+                 why="a's launcher on the moved node left at a step boundary")
+        wait_for(lambda: list((tmp_path / "b").glob("started-*.json")), 120, why="b's worker on the moved node")
+        wait_for(lambda: "a" in read_plan(store).finished, 300, why="a finished")
+        (tmp_path / "b" / "finish").touch()
+        wait_for(lambda: "b" in read_plan(store).finished, 120, why="b finished")
+
+    text = moved_log.read_text()
+    assert "launcher_killed" not in text and "launcher_did_not_leave" not in text
+    summaries = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(summaries) == [0, 1]
+    [gone] = [r for r, s in summaries.items() if s["retired_at"] is not None]
+    [stay] = [r for r in summaries if r != gone]
+    assert 0 < summaries[gone]["retired_at"] <= STEPS - 1
+    assert summaries[stay]["global_step"] == STEPS and summaries[stay]["joined_at"] is None
+    assert not any(r["recoveries"] for r in summaries[stay]["reports"])  # a step boundary, not a failure
+    assert same(torch.load(out / f"params{stay}.pt"), baseline)

@@ -12,6 +12,7 @@ at all, a rank asks to join in the middle. The properties below hold for every r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -177,7 +178,8 @@ def check_all(sim: Sim) -> None:
     assert sim.outcome == "finished" or sim.excluded or sim.outcome == "all_dead" or \
         (sim.outcome == "no_replica" and not sim.scenario.liveness), sim.describe()
     if sim.outcome == "all_dead":
-        assert sim.scenario.deaths.keys() >= set(range(sim.scenario.world)) or sim.scenario.together
+        gone = sim.scenario.deaths.keys() | {rank for _, rank in sim.retired}  # (a rank let go is not a replica)
+        assert gone >= set(range(sim.scenario.world)) or sim.scenario.together
 
 
 @FAST
@@ -440,20 +442,54 @@ def test_malformed_records_are_refused(raw: object) -> None:
 
 
 # -- proposal ----------------------------------------------------------------------------------
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.integers(0, 6), st.lists(st.integers(0, 9), min_size=1, max_size=6, unique=True),
        st.lists(st.integers(0, 12), max_size=6),
        st.dictionaries(st.integers(0, 6), st.lists(st.integers(0, 9), min_size=1, max_size=6, unique=True),
-                       max_size=3))
-def test_proposal_admits_waiting_ranks_once_unless_a_schedule_decides(
-        step: int, members: list[int], waiting: list[int], schedule: dict[int, list[int]]) -> None:
-    wanted = proposal(step, members, schedule, waiting)
-    if schedule:  # the coordinator's plan alone decides: nobody is admitted on their own
+                       max_size=3),
+       st.lists(st.integers(0, 12), max_size=6))
+def test_proposal_admits_waiting_ranks_once_and_lets_leaving_ones_go_unless_a_schedule_decides(
+        step: int, members: list[int], waiting: list[int], schedule: dict[int, list[int]], leaving: list[int]) -> None:
+    wanted = proposal(step, members, schedule, waiting, leaving)
+    if schedule:  # the schedule alone decides: nobody is admitted or let go on their own
         assert wanted == list(schedule.get(step, members))
     else:
-        assert wanted[: len(members)] == members  # order kept: the leader stays first
-        assert wanted[len(members):] == sorted(set(waiting) - set(members))
+        stay = [r for r in members if r not in leaving] or members  # somebody must keep the state
+        assert wanted[: len(stay)] == stay  # order kept
+        assert wanted[len(stay):] == sorted(set(waiting) - set(members) - set(leaving))
     assert len(set(wanted)) == len(wanted)
+
+
+def test_ranks_asked_to_leave_retire_at_a_step_boundary_and_the_others_keep_every_micro_batch() -> None:
+    # the node of ranks 2 and 3 leaves (the plan gave it to another task): the leader lets them go between steps
+    sim = Sim(Scenario(world=4, buckets=2, micro_batches=8, steps=4, leaving={2: 5, 3: 5}, liveness=True)).run()
+    check_all(sim)
+    assert sim.outcome == "finished" and not sim.deaths and not sim.excluded
+    [(step, _), _] = sim.retired
+    assert sorted(rank for _, rank in sim.retired) == [2, 3] and {s for s, _ in sim.retired} == {step}
+    assert 0 < step < 4 and set(sim.reduced[3]) == {0, 1}
+    assert not any(k.startswith("unicron-dp/leave/") for k in sim.store.data)  # requests withdrawn
+
+
+def test_the_leader_asked_to_leave_hands_over_and_a_lone_member_is_never_let_go() -> None:
+    sim = Sim(Scenario(world=3, buckets=1, micro_batches=6, steps=3, leaving={0: 3}, liveness=True)).run()
+    check_all(sim)
+    assert [rank for _, rank in sim.retired] == [0] and set(sim.reduced[2]) == {1, 2}
+    alone = Sim(Scenario(world=2, buckets=1, micro_batches=4, steps=3, leaving={0: 3, 1: 3}, liveness=True)).run()
+    check_all(alone)
+    assert alone.outcome == "finished" and alone.retired == []  # nobody else would hold the state
+
+
+@FAST
+@given(scenarios(), st.data())
+def test_recovery_protocol_properties_with_ranks_asked_to_leave(scenario: Scenario, data: st.DataObject) -> None:
+    """Leave requests at any round, together with deaths, slow and late ranks, joiners."""
+    leaving = data.draw(st.dictionaries(st.integers(0, scenario.world - 1), st.integers(1, 80), max_size=2))
+    sim = run(dataclasses.replace(scenario, leaving=leaving))
+    check_all(sim)
+    retired = {rank for _, rank in sim.retired}
+    assert retired <= set(leaving)
+    assert not {rank for d in sim.deaths for rank in [d.rank]} & retired
 
 
 # -- the two transports ------------------------------------------------------------------------------

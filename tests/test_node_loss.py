@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -291,3 +292,45 @@ def test_lightning_lost_node_started_again_rejoins_without_restarting_anyone(etc
         assert joined["global_step"] == GPT_STEPS
     for r in range(4):
         assert _same_params(out, r, gpt_baseline), f"rank {r} diverged"
+
+
+@pytest.mark.timeout(300)
+def test_a_node_asked_to_leave_retires_its_ranks_at_a_step_boundary_and_nobody_sees_a_failure(
+        etcd: EmbeddedEtcd, tmp_path: Path, baseline) -> None:
+    """SIGUSR2 to one launcher (what the node daemon sends when the plan takes the node away): its ranks
+    leave the group between two steps, it exits 0 without waiting for the others, and the others train on
+    with the same global batch, never regrouping, to the failure-free parameters."""
+    out, release = tmp_path / "out", tmp_path / "release"
+    hold = STEPS - 2  # the run waits there until the leave was seen: it cannot end first
+    cmd = _command(etcd, "leave", 2, out, "--progress", "--hold-until", str(release), "--hold-step", str(hold))
+    launchers = _start(cmd, out, [], 2)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((out / f"progress{r}").exists() for r in range(4)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in launchers), \
+                (out / "node0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        leaving = launchers[1]
+        leaving.send_signal(signal.SIGUSR2)
+        while "leaving_task" not in (out / "node1.log").read_text():
+            assert time.monotonic() < deadline + 60 and leaving.poll() is None, (out / "node1.log").read_text()[-3000:]
+            time.sleep(0.05)
+        release.touch()
+        codes = [leaving.wait(timeout=120), launchers[0].wait(timeout=120)]
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                kill_node(p.pid)
+    logs = [(out / f"node{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], logs[1][-3000:] + logs[0][-3000:]
+    assert "exit_barrier_skipped" in logs[1] and "worker_restarted" not in logs[0] + logs[1]
+    reports = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
+    for r in (2, 3):  # the leaving node's ranks retired together at a step boundary before the end
+        [retired] = [x["retired_at"] for x in reports[r] if "retired_at" in x]
+        assert 0 < retired < STEPS
+    assert reports[2][-1]["retired_at"] == reports[3][-1]["retired_at"]
+    for r in (0, 1):
+        steps = [x for x in reports[r] if "step" in x]
+        assert [x["step"] for x in steps] == list(range(STEPS))
+        assert not any(x.get("recoveries") for x in steps) and not any("excluded_at" in x for x in reports[r])
+        assert _same_params(out, r, baseline), f"rank {r} diverged"

@@ -151,11 +151,13 @@ def _status_text(store, limit: int) -> str:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
-    import time
 
     from unicron_elastic.coordinator.status import cluster_status
     from unicron_elastic.store import StatusStore
 
+    stopped = threading.Event()
+    if args.watch is not None:  # Ctrl-C ends the watch between two reads (inside a gRPC call it could be lost)
+        signal.signal(signal.SIGINT, lambda signum, frame: stopped.set())
     with StatusStore(etcd_config(args)) as store:
         while True:
             if args.json:
@@ -166,7 +168,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 print(_status_text(store, args.limit), flush=True)
             if args.watch is None:
                 return 0
-            time.sleep(args.watch)
+            if stopped.wait(args.watch):
+                return 130
             if not args.json:
                 print(flush=True)
 

@@ -78,7 +78,8 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         store.keys.node(args.name)  # refuses a name with '/'
-        daemon = NodeDaemon(store, args.name, args.slots, ttl=args.ttl, launcher_args=args.launcher_arg)
+        daemon = NodeDaemon(store, args.name, args.slots, ttl=args.ttl, launcher_args=args.launcher_arg,
+                            leave_timeout=args.leave_timeout)
         _stop_on_signals(daemon.stop)
         return daemon.run()
 
@@ -164,7 +165,7 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
 
 def add_cluster_commands(sub) -> None:
     """Add ``task``, ``node`` and ``cluster`` to ``unicron``'s sub-commands."""
-    from unicron_elastic.cli import _positive_int, add_etcd_options
+    from unicron_elastic.cli import _bounded, _positive_int, add_etcd_options
 
     task = sub.add_parser("task", help="submit, list and cancel the tasks of a coordinated cluster")
     verbs = task.add_subparsers(dest="verb", required=True)
@@ -189,6 +190,9 @@ def add_cluster_commands(sub) -> None:
     node.add_argument("--ttl", type=_positive_int, default=2, help="lease TTL of the node, seconds")
     node.add_argument("--launcher-arg", action="append", default=[],
                       help="extra unicron-run flag for every task (repeatable), e.g. --launcher-arg=--node-ttl=1")
+    node.add_argument("--leave-timeout", type=_bounded(86400), default=60.0,
+                      help="seconds a launcher asked to leave its task at a step boundary (the plan moved the node) "
+                           "gets before it is stopped; default 60")
     node.set_defaults(func=_cmd_node)
 
     cluster = sub.add_parser("cluster", help="a whole cluster on this machine, for demos and tests")

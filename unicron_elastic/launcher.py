@@ -38,6 +38,7 @@ from unicron_elastic.agent.agent import (
     AgentConfig,
     NodeGaveUp,
     begin_shutdown,
+    install_leave_signal,
     install_stop_signals,
     make_detectors,
     stop_signals_deferred,
@@ -170,6 +171,8 @@ def launch(
     try:  # from here on the agent's temp dir exists: close() removes it, whatever happens
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = elastic_agent.run()
+        if elastic_agent.left:  # the task goes on without this node: its rendezvous stays open
+            shutdown_rdzv = False
         events.record(elastic_agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
             raise ChildFailedError(name=str(entrypoint), failures=result.failures)
@@ -245,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     configure_logging(args.log_format)
     install_stop_signals()  # before anything is started that would need cleaning up
+    install_leave_signal()
     try:
         unicron = agent_config(args)
         if args.metrics_port is not None:

@@ -66,9 +66,18 @@ class WorkerChannel:
         except OSError:  # agent gone, socket buffer full: never block training
             self.dropped += 1
 
-    def hello(self, resumable: bool = False) -> None:
-        """Introduce this worker; ``resumable`` lets the agent restart it alone."""
-        self._send({"t": "hello", "pid": os.getpid(), "resumable": bool(resumable), "reply": self.reply_path})
+    def hello(self, resumable: bool = False, leavable: bool = False) -> None:
+        """Introduce this worker.
+
+        Args:
+            resumable: The agent may restart it alone (it rejoins from a replica).
+            leavable: It can leave its data-parallel group at a step boundary
+                when asked (an ``ElasticDataParallel`` rank without a
+                ``schedule``): the agent may then take its node out of the task
+                without stopping it.
+        """
+        self._send({"t": "hello", "pid": os.getpid(), "resumable": bool(resumable), "leavable": bool(leavable),
+                    "reply": self.reply_path})
 
     def heartbeat(self, step: int, duration: float) -> None:
         """One iteration finished after ``duration`` seconds."""

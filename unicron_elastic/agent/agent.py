@@ -61,7 +61,11 @@ ROUND_ENV = "UNICRON_ROUND"
 ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
 #: Signals that stop ``unicron-run`` (torch's default set of handled signals).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: The signal that makes ``unicron-run`` leave its task at the next step boundary (a node the plan takes away).
+LEAVE_SIGNAL = signal.SIGUSR2
 _shutting_down = threading.Event()  # set once the process cleans up: later stop signals are ignored
+_leave_requested = threading.Event()  # LEAVE_SIGNAL arrived: the agent acts on it at its next monitor interval
+_leave_ready = threading.Event()  # workers run under the monitor loop: a leave can be acted on (else it is a stop)
 _signals: dict[str, Any] = {"pending": None, "deferring": 0}  # main-thread state of the stop signal
 
 
@@ -136,6 +140,31 @@ def install_stop_signals() -> None:
         return
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop_signal)
+
+
+def _on_leave_signal(signum: int, frame: object) -> None:
+    """Ask the agent to leave (it acts in its monitor loop); outside the loop, stop as on SIGTERM.
+
+    Raises:
+        SignalException: No workers run under the monitor loop (rendezvous,
+            start-up, exit barrier): leaving is stopping.
+    """
+    if _leave_ready.is_set():
+        _leave_requested.set()
+        return
+    log.info("leave_signal_stops", reason="no workers training under the monitor loop")
+    _on_stop_signal(signal.SIGTERM, frame)
+
+
+def install_leave_signal() -> None:
+    """Make :data:`LEAVE_SIGNAL` (SIGUSR2) ask the agent to leave the task (main thread only).
+
+    While workers train, the handler only sets a flag and the agent acts on it
+    in its monitor loop (:meth:`UnicronAgent.leave_at_step_boundary`); at any
+    other moment it stops the node as SIGTERM does.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(LEAVE_SIGNAL, _on_leave_signal)
 
 
 def raise_if_orphaned() -> None:
@@ -241,6 +270,8 @@ class UnicronAgent(LocalElasticAgent):
         self._stopping = False  # torch is stopping the workers: their exits are not failures
         self._closed = False  # stopping for good (signal, error, end of run): never act or respawn again
         self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
+        self.left = False  # asked to leave: the workers leave the data-parallel group at a step boundary
+        self._leavable: dict[int, bool] = {}  # rank -> its worker can leave at a step boundary (hello)
         self._pm = plugin_manager()
         self._detectors = make_detectors(self.config, self._pm)
         self._started = False
@@ -310,10 +341,16 @@ class UnicronAgent(LocalElasticAgent):
                                      host=worker_group.spec.local_addr or socket.getfqdn())
         self._meeting.export()
         for worker in worker_group.workers:
-            self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0")
+            self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0", self.left)
 
     def _exit_barrier(self) -> None:
-        """Wait for the other nodes to finish, not for nodes that were lost (torch's waits for all)."""
+        """Wait for the other nodes to finish, not for nodes that were lost (torch's waits for all).
+
+        A node that left the task (:meth:`leave_at_step_boundary`) does not wait: the others train on.
+        """
+        if self.left:
+            log.info("exit_barrier_skipped", reason="this node left the task")
+            return
         if self._meeting is None:
             super()._exit_barrier()
             return
@@ -328,6 +365,7 @@ class UnicronAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         with self._lock:
             self._stopping = True
+            _leave_ready.clear()
         self._restarting = True
         try:
             super()._stop_workers(worker_group)  # calls self._shutdown()
@@ -357,14 +395,18 @@ class UnicronAgent(LocalElasticAgent):
                 log.info("agent_stopping", pending_give_up=self._give_up is not None)
             self._closed = True
             self._stopping = True
+            _leave_ready.clear()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ[GENERATION_ENV] = str(self.generation)
         with stop_signals_deferred():  # a signal now: after torch recorded every worker, so it stops them all
             ids = super()._start_workers(worker_group)
             install_stop_signals()  # in case torch registered its own handler after all
+            install_leave_signal()  # (TORCHELASTIC_SIGNALS_TO_HANDLE may name SIGUSR2)
         with self._lock:  # only now: exits seen before are the old generation's
             self._stopping = self._closed
+            if not self._closed:
+                _leave_ready.set()
         self._notify_started(list(ids), f"gen{self.generation}")
         return ids
 
@@ -549,7 +591,7 @@ class UnicronAgent(LocalElasticAgent):
         worker = self._worker_group.workers[local_rank]
         restarts = self._history.get(worker.global_rank, RankHistory()).restarts
         if self._meeting is not None:
-            self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.{restarts}")
+            self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.{restarts}", self.left)
         env = {GENERATION_ENV: f"{self.generation}.{restarts}", "UNICRON_WORKER_RESTARTS": str(restarts)}
         started = time.monotonic()
         pid = _torch_compat.respawn(self._pcontext, local_rank, env)  # type: ignore[arg-type]
@@ -566,6 +608,7 @@ class UnicronAgent(LocalElasticAgent):
                 return  # not one of this agent's workers: no table grows with made-up ranks
             with self._lock:
                 self._replies[msg["rank"]] = str(msg["reply"])
+                self._leavable[msg["rank"]] = msg.get("leavable") is True
                 history = self._history.get(msg["rank"], RankHistory())
                 self._history[msg["rank"]] = replace(history, resumable=bool(msg["resumable"]))
         for detector in self._detectors:
@@ -577,6 +620,8 @@ class UnicronAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         raise_pending_stop()  # a signal some library code swallowed
         raise_if_orphaned()
+        if _leave_requested.is_set() and not self.left:
+            self.leave_at_step_boundary()
         with self._lock:
             procs = _torch_compat.worker_processes(self._pcontext)
             for local_rank, proc in procs.items():  # no-op while a give-up is pending
@@ -597,7 +642,42 @@ class UnicronAgent(LocalElasticAgent):
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY, WorkerState.SUCCEEDED):
                 # torch has just closed the whole group (SIGTERM to the rest): those exits are not failures
                 self._stopping = True
+                _leave_ready.clear()  # the workers are done: a leave signal now stops the node
             return result
+
+    def leave_at_step_boundary(self) -> None:
+        """Ask this node's workers to leave the task's data-parallel group at the next step boundary.
+
+        Each worker gets a leave request in the meeting store; the group's
+        leader leaves them out of the next step's members (the global batch
+        is kept by the others), they retire and exit 0, and this launcher then
+        exits 0 without waiting in the exit barrier and without closing the
+        rendezvous (the task goes on; a node may take the place later).
+
+        Raises:
+            SignalException: (as SIGTERM) The workers cannot leave at a step
+                boundary (no meeting store, or a worker that is not a
+                ``unicron_megatron``/``ElasticDataParallel`` rank, or not started
+                yet): they are stopped instead.
+        """
+        with self._lock:
+            ranks = sorted(rank for rank, _ in self.workers().values() if self._process(rank) is not None)
+            meeting = self._meeting
+            able = meeting is not None and bool(ranks) and all(self._leavable.get(r, False) for r in ranks)
+            if able:
+                self.left = True  # from now on a worker started for one of these ranks is asked to leave too
+        if not able:
+            log.warning("leave_by_stopping", ranks=ranks,
+                        reason="no meeting store" if meeting is None else "workers cannot leave at a step boundary")
+            raise SignalException(f"Process {os.getpid()}: asked to leave; the workers cannot leave at a step "
+                                  "boundary", sigval=signal.SIGTERM)
+        try:  # etcd requests outside the lock: exits and detections are handled meanwhile
+            meeting.ask_to_leave(ranks)
+        except StoreError as exc:
+            log.error("leave_by_stopping", ranks=ranks, reason=f"leave requests not written: {exc}"[:300])
+            raise SignalException(f"Process {os.getpid()}: asked to leave; the requests could not be written",
+                                  sigval=signal.SIGTERM) from None
+        log.info("leaving_task", ranks=ranks)
 
     def _healthy_for_now(self) -> bool:
         """Whether torch's monitor must not look at the group this time (caller holds the lock).

@@ -62,6 +62,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mb": (_integer(0), "an integer >= 0"),
     "dur": (_duration, f"a finite number of seconds in [0, {MAX_DURATION:g}]"),
     "resumable": (_boolean, "true or false"),
+    "leavable": (_boolean, "true or false"),
     "fatal": (_boolean, "true or false"),
     "paused": (_boolean, "true or false"),
     "pause_for": (_duration, f"a finite number of seconds in [0, {MAX_DURATION:g}]"),

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from unicron_elastic.api import StoreError
 from unicron_elastic.meeting import MEETING_ENV, PASSWORD_ENV, encode_meeting
+from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.keys import MeetingKeys
 from unicron_elastic.store.lease import KeptLease
@@ -74,21 +75,55 @@ class MeetingPoint:
         if self.store.config.password is not None:
             os.environ.setdefault(PASSWORD_ENV, self.store.config.password)
 
-    def worker_started(self, rank: int, incarnation: str) -> None:
+    def worker_started(self, rank: int, incarnation: str, leaving: bool = False) -> None:
         """Worker ``rank`` runs as ``incarnation`` (its liveness key lives with this node's lease).
 
         Peers compare the value with the one their group was formed with: a
         restarted worker is a new incarnation, a joiner, not the member they
-        wait for.
+        wait for. ``leaving``: this node is leaving the task, so the new worker
+        is asked to leave too (it then does not join); otherwise an old leave
+        request for the rank is dropped.
         """
         self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=self.lease.id)
+        if leaving:
+            self.ask_to_leave([rank])
+        else:
+            self.withdraw_leave(rank)
+
+    def ask_to_leave(self, ranks: list[int]) -> None:
+        """Ask workers ``ranks`` to leave the data-parallel group at the next step boundary.
+
+        The requests are written in one transaction (the leader sees all of
+        them or none, so a node's ranks leave at the same step), then counted
+        once on :attr:`MeetingKeys.JOIN_REQUESTS`, the counter the group's
+        leader reads between steps.
+
+        Raises:
+            StoreError: etcd refused or could not be reached.
+        """
+        keys = [self.prefix + MeetingKeys.leave(r) for r in ranks]
+        fresh = [k for k in keys if self.store.get(k) is None]
+        if not fresh:
+            return
+        self.store.call(lambda c: c.transaction(compare=[], success=[c.transactions.put(k, b"1") for k in fresh],
+                                                failure=[]), "leave requests")
+        EtcdC10dStore(self.store, self.prefix).add(MeetingKeys.JOIN_REQUESTS, len(fresh))
+
+    def withdraw_leave(self, rank: int) -> None:
+        """Drop ``rank``'s leave request, if any (it exited, or a worker not leaving started for it)."""
+        try:
+            if self.store.delete(self.prefix + MeetingKeys.leave(rank)):
+                EtcdC10dStore(self.store, self.prefix).add(MeetingKeys.JOIN_REQUESTS, -1)
+        except StoreError as exc:
+            log.warning("leave_request_not_withdrawn", rank=rank, error=str(exc)[:200])
 
     def worker_exited(self, rank: int) -> None:
-        """Worker ``rank`` exited: peers regrouping stop waiting for it."""
+        """Worker ``rank`` exited: peers regrouping stop waiting for it; its leave request (if any) goes."""
         try:
             self.store.delete(self.prefix + MeetingKeys.live(rank))
         except StoreError as exc:  # the lease removes it within one TTL
             log.warning("liveness_delete_failed", rank=rank, error=str(exc)[:200])
+        self.withdraw_leave(rank)
 
     def exit_barrier(self, nodes: int, timeout: float) -> list[int]:
         """Wait until the agent of every node finished its workers or is gone (its lease lapsed).

@@ -8,7 +8,12 @@ the newest wins): run task T means start ``unicron-run`` - the existing
 agent, detectors and ladder - for T with ``--nproc-per-node`` = the node's
 slots, joining T's rendezvous (run id = task name) with ``--nnodes
 1:ceil(max_workers / slots)``; a command for another task or for none stops
-the running launcher first (SIGTERM, then SIGKILL after ``stop_timeout``).
+the running launcher first. When the plan keeps the old task on other nodes,
+the launcher is asked to leave at a step boundary first (SIGUSR2: its workers
+retire from the data-parallel group, the others keep the global batch and
+never see a failure); if it has not exited after ``leave_timeout``, or the
+task does not go on, it is stopped (SIGTERM, then SIGKILL of its whole tree
+after ``stop_timeout``).
 
 Reports: the launcher exiting 0 writes ``tasks/<T>/done/<name>`` (the task
 finished); exiting otherwise while the command still stands publishes a SEV2
@@ -56,16 +61,19 @@ class NodeDaemon:
         ttl: Lease TTL in seconds (the node counts as lost within about this).
         launcher_args: Extra ``unicron-run`` flags for every task (e.g. ``--node-ttl=1``).
         stop_timeout: Seconds a stopped launcher gets before SIGKILL.
+        leave_timeout: Seconds a launcher asked to leave its task at a step
+            boundary gets before it is stopped.
     """
 
     def __init__(self, store: StatusStore, name: str, slots: int, ttl: int = 2,
-                 launcher_args: Sequence[str] = (), stop_timeout: float = 30.0) -> None:
+                 launcher_args: Sequence[str] = (), stop_timeout: float = 30.0, leave_timeout: float = 60.0) -> None:
         self.store = store
         self.name = name
         self.record = NodeRecord(name, slots, socket.gethostname(), os.getpid())
         self.ttl = ttl
         self.launcher_args = list(launcher_args)
         self.stop_timeout = stop_timeout
+        self.leave_timeout = leave_timeout
         self.stopped = threading.Event()
         self._wake = threading.Event()
         self.applied: Command | None = None
@@ -139,6 +147,8 @@ class NodeDaemon:
         self.applied = command
         if command.task == self.task and self.launcher is not None:
             return
+        if self.task is not None and self._goes_on_elsewhere(self.task):
+            self._leave_launcher()
         self._stop_launcher()
         self.task = command.task
         self._next_start = 0.0
@@ -227,6 +237,41 @@ class NodeDaemon:
         argv = self.launcher_argv(spec, per_node)
         log.info("launcher_starting", node=self.name, task=task, argv=argv)
         self.launcher = subprocess.Popen(argv, env=env)
+
+    def _goes_on_elsewhere(self, task: str) -> bool:
+        """Whether the stored plan keeps ``task`` running on other nodes."""
+        from unicron_elastic.coordinator.service import read_plan
+
+        try:
+            plan = read_plan(self.store)
+        except StoreError as exc:
+            log.warning("plan_unreadable", error=str(exc)[:200])
+            return False
+        share = plan.tasks.get(task) if plan is not None else None
+        return share is not None and bool(set(share.nodes) - {self.name})
+
+    def _leave_launcher(self) -> None:
+        """Ask the launcher to leave its task at a step boundary; wait up to ``leave_timeout`` for it to exit.
+
+        Its exit is not the task's completion (no ``done`` marker): the task goes on elsewhere.
+        """
+        from unicron_elastic.agent.agent import LEAVE_SIGNAL
+
+        proc = self.launcher
+        if proc is None or proc.poll() is not None:
+            return
+        log.info("launcher_leaving", node=self.name, task=self.task, pid=proc.pid)
+        proc.send_signal(LEAVE_SIGNAL)
+        deadline = time.monotonic() + self.leave_timeout
+        while proc.poll() is None and time.monotonic() < deadline and not self.stopped.is_set():
+            time.sleep(0.05)
+        code = proc.poll()
+        if code is None:
+            log.warning("launcher_did_not_leave", node=self.name, task=self.task, seconds=self.leave_timeout)
+            return
+        log.info("launcher_left" if code == 0 else "launcher_stopped_instead_of_leaving", node=self.name,
+                 task=self.task, exitcode=code)
+        self.launcher = None
 
     def _stop_launcher(self) -> None:
         """SIGTERM the launcher (it stops its workers); after ``stop_timeout`` SIGKILL its whole process tree.

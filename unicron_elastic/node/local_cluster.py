@@ -39,12 +39,14 @@ class LocalCluster:
         env: Extra environment of every process.
         etcd: An etcd to use (started if it is not; never stopped); default: a private one.
         log_dir: Folder for each part's output (``coordinator-<i>.log``, ``<node>.log``); default: inherited.
+        node_args: Extra ``unicron node`` flags (e.g. ``--leave-timeout=300``).
     """
 
     def __init__(self, nodes: int = 3, slots: int = 2, cluster: str = "local", coordinators: int = 1,
                  node_ttl: int = 2, coordinator_ttl: int = 2, launcher_args: Sequence[str] = (),
                  coordinator_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 etcd: EmbeddedEtcd | None = None, log_dir: str | os.PathLike[str] | None = None) -> None:
+                 etcd: EmbeddedEtcd | None = None, log_dir: str | os.PathLike[str] | None = None,
+                 node_args: Sequence[str] = ()) -> None:
         self._own_etcd = etcd is None
         self.etcd = etcd or EmbeddedEtcd(cluster=cluster)
         self.log_dir = None if log_dir is None else Path(log_dir)
@@ -55,6 +57,7 @@ class LocalCluster:
         self.coordinator_ttl = coordinator_ttl
         self.launcher_args = list(launcher_args)
         self.coordinator_args = list(coordinator_args)
+        self.node_args = list(node_args)
         self.env = {**os.environ, **(env or {})}
         self.daemons: dict[str, subprocess.Popen] = {}
         self.coordinators: list[subprocess.Popen] = []
@@ -73,7 +76,7 @@ class LocalCluster:
         """Start (or start again) the daemon of node ``name``."""
         argv = [sys.executable, "-m", "unicron_elastic.cli", "node", *self._etcd_flags(), f"--name={name}",
                 f"--slots={self.slots}", f"--ttl={self.node_ttl}",
-                *[f"--launcher-arg={a}" for a in self.launcher_args]]
+                *[f"--launcher-arg={a}" for a in self.launcher_args], *self.node_args]
         self.daemons[name] = self._spawn(argv, name)
         return self.daemons[name]
 

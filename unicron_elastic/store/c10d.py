@@ -62,6 +62,15 @@ class EtcdC10dStore(dist.Store):
             if result.succeeded:
                 return current + num
 
+    def read_int(self, key: str, patience: float | None = None) -> int:
+        """The integer at ``key`` (0 if absent), giving up after ``patience`` s of an unreachable etcd.
+
+        Raises:
+            StoreUnavailableError: etcd was unreachable for ``patience`` seconds.
+        """
+        kv = self._store.get(self._key(key), patience)
+        return int(kv.value) if kv is not None else 0
+
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """c10d compare-and-set: returns the value now stored."""
         full = self._key(key)

@@ -212,23 +212,26 @@ class StatusStore:
         """Return a new client of the caller's own (for long-lived watches)."""
         return _etcd3_compat.new_client(self.config)
 
-    def call(self, op: Callable[[etcd3.Etcd3Client], T], what: str = "request") -> T:
+    def call(self, op: Callable[[etcd3.Etcd3Client], T], what: str = "request", patience: float | None = None) -> T:
         """Run ``op(client)``, reconnecting on connection errors.
 
         Args:
             op: The request, given a client.
             what: Short description for logs and errors.
+            patience: Seconds to keep reconnecting (default ``reconnect_timeout``):
+                a caller that can do without the answer gives up sooner.
 
         Returns:
             What ``op`` returned.
 
         Raises:
             StoreUnavailableError: etcd was unreachable for longer than
-                ``reconnect_timeout``.
+                ``patience`` (``reconnect_timeout``).
             StoreError: etcd answered with an error that is not a connection
                 problem.
         """
-        deadline = time.monotonic() + self.config.reconnect_timeout
+        patience = self.config.reconnect_timeout if patience is None else patience
+        deadline = time.monotonic() + patience
         delay = 0.05
         attempt = 0
         while True:
@@ -250,7 +253,7 @@ class StatusStore:
                 if now >= deadline:
                     raise StoreUnavailableError(
                         f"etcd at {self.config.endpoint} unreachable for "
-                        f"{self.config.reconnect_timeout:.1f}s during {what} "
+                        f"{patience:.1f}s during {what} "
                         f"({attempt} attempts, last error: {type(exc).__name__})"
                     ) from exc
                 if not connection:
@@ -279,9 +282,9 @@ class StatusStore:
         self.close()
 
     # -- raw bytes -------------------------------------------------------------
-    def get(self, key: str) -> KeyValue | None:
-        """Read one key; None if absent."""
-        value, meta = self.call(lambda c: c.get(key), f"get {key}")
+    def get(self, key: str, patience: float | None = None) -> KeyValue | None:
+        """Read one key; None if absent (``patience``: see :meth:`call`)."""
+        value, meta = self.call(lambda c: c.get(key), f"get {key}", patience)
         if meta is None:
             return None
         return _kv(value, meta)

@@ -137,7 +137,7 @@ class MeetingKeys:
 
     MEMBERS = "unicron-dp/members"  # {"generation", "members"} of the current group (the leader writes it)
     LATEST = "unicron-dp/latest"  # the newest admission or resize (joiners wait for it)
-    JOIN_REQUESTS = "unicron-dp/join-requests"  # counter of ranks waiting to join
+    JOIN_REQUESTS = "unicron-dp/join-requests"  # counter of ranks waiting to join or asked to leave
     FINISHED = "unicron-dp/finished"  # the step training ended at
     LIVENESS = "unicron-dp/liveness"  # present when live/<rank> keys are kept
     SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot (safe_state bytes; in an agent's TCPStore)
@@ -173,6 +173,11 @@ class MeetingKeys:
     def join(rank: int) -> str:
         """Present while ``rank`` waits to join."""
         return f"unicron-dp/join/{int(rank)}"
+
+    @staticmethod
+    def leave(rank: int) -> str:
+        """Present while ``rank`` is asked to leave the group at the next step boundary (its node's agent sets it)."""
+        return f"unicron-dp/leave/{int(rank)}"
 
     @staticmethod
     def group(generation: int) -> str:

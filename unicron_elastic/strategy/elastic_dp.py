@@ -65,6 +65,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from unicron_elastic.api import StoreUnavailableError
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy import protocol as P
 from unicron_elastic.strategy.membership import CheckIn, MembershipError, MembershipRecord
@@ -75,6 +76,8 @@ from unicron_elastic.strategy.state_transfer import broadcast_state
 __all__ = ["ElasticDataParallel", "Excluded", "Retired", "StepReport"]
 
 log = structlog.get_logger(__name__)
+#: Seconds the leader's per-step read of the join/leave requests waits for an unreachable etcd.
+REQUESTS_PATIENCE_S = 1.0
 
 Hook = Callable[..., None]
 #: compare_set(key, _ABSENT, _ABSENT) returns the value, or _ABSENT when the key does not exist: a get that never waits.
@@ -244,7 +247,7 @@ class ElasticDataParallel:
             P.ReadCheckIns: lambda e: self._checkins(e.generation, e.ranks),
             P.ReadAlive: self._read_alive, P.Now: lambda e: time.monotonic(), P.Sleep: lambda e: time.sleep(e.seconds),
             P.WriteRecord: self._write_record, P.Abandon: lambda e: None, P.BuildGroup: self._build,
-            P.Formed: self._formed, P.ReadJoinRequests: self._join_requests, P.ReadWaiting: lambda e: self.waiting(),
+            P.Formed: self._formed, P.ReadRequests: self._requests, P.ReadWaiting: lambda e: self.waiting(),
             P.Announce: self._announce, P.TransferState: self._transfer, P.SetGradients: self._set_gradients,
             P.ReadMembers: self._read_members, P.RequestJoin: self._request_join,
             P.ReadFinished: lambda e: int(self.store.get(K.FINISHED)) if self.store.check([K.FINISHED]) else None,
@@ -350,8 +353,30 @@ class ElasticDataParallel:
         return generation
 
     # -- membership ----------------------------------------------------------------
-    def _join_requests(self, effect: P.ReadJoinRequests) -> list[int]:
-        return self.waiting() if self.store.add(K.JOIN_REQUESTS, 0) > 0 else []
+    def _requests(self, effect: P.ReadRequests) -> tuple[list[int], list[int]]:
+        """Joiners and members asked to leave: one counter read when there are none.
+
+        The leader reads this every step: with etcd unreachable (an outage) it
+        gives up after :data:`REQUESTS_PATIENCE_S` and reports none, so training
+        goes on and the requests are seen at a later step.
+        """
+        try:
+            count = (self.store.read_int(K.JOIN_REQUESTS, REQUESTS_PATIENCE_S) if hasattr(self.store, "read_int")
+                     else self.store.add(K.JOIN_REQUESTS, 0))
+        except StoreUnavailableError as exc:
+            log.warning("requests_unreadable", error=str(exc)[:200])
+            return [], []
+        if count <= 0:
+            return [], []
+        return self.waiting(), [r for r in effect.members if self.store.check([K.leave(r)])]
+
+    def withdraw_leave_request(self) -> None:
+        """Forget this rank's leave request (it retired); a failure is logged, not raised (its agent withdraws too)."""
+        try:
+            if self.store.check([K.leave(self.rank)]) and self.store.delete_key(K.leave(self.rank)):
+                self.store.add(K.JOIN_REQUESTS, -1)
+        except Exception as exc:  # noqa: BLE001 - retiring must not turn into a crash
+            log.warning("leave_request_not_withdrawn", rank=self.rank, error=str(exc)[:200])
 
     def _encode(self, members: Sequence[int] | None, dtype: torch.dtype) -> torch.Tensor:
         slots = torch.zeros(self.world_size + 1, dtype=dtype)
@@ -541,9 +566,14 @@ class ElasticDataParallel:
             The report, completed by :meth:`finish_gradients`.
 
         Raises:
-            Retired: The plan removed this rank from the group at ``step``.
+            Retired: This rank leaves the group at ``step`` (the schedule, or its
+                leave request, which is then withdrawn).
         """
-        return self._run(self.protocol.begin_step(step))
+        try:
+            return self._run(self.protocol.begin_step(step))
+        except Retired:
+            self.withdraw_leave_request()
+            raise
 
     def finish_gradients(self) -> StepReport:
         """All-reduce the gradients of the step begun, surviving failures; set ``p.grad`` to sum / B.

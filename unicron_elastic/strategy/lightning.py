@@ -273,7 +273,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         """
         check_sizes(self.env.launch_world_size, self.tp, self.pp)
         self._store = self._connect_store()
-        self._worker.hello(resumable=True)  # get_worker() installed the exception hook already
+        self._worker.hello(resumable=True, leavable=not self.schedule)  # (the exception hook is installed already)
         if self.joining:
             self._local_only = True
             self.set_world_ranks()

@@ -240,21 +240,26 @@ def role(record: MembershipRecord, rank: int, step: int | None = None) -> str:
 
 
 def proposal(step: int, members: Sequence[int], schedule: Mapping[int, Sequence[int]],
-             waiting: Collection[int]) -> list[int]:
+             waiting: Collection[int], leaving: Collection[int] = ()) -> list[int]:
     """The leader's members for ``step``.
 
     Args:
         step: The step the members are for.
         members: The current members.
-        schedule: ``step -> members`` from that step on (the coordinator's plan);
+        schedule: ``step -> members`` from that step on (given by hand);
             when given, it alone decides.
         waiting: Ranks asking to join.
+        leaving: Ranks asked to leave (their node leaves the task by the
+            coordinator's plan). Ignored when none of the members would stay:
+            a replica must hold the state.
 
     Returns:
-        The schedule's members for ``step`` (else the current ones) plus, when
-        there is no schedule, the waiting ranks not yet members (sorted).
+        The schedule's members for ``step``; without a schedule the current
+        members less the leaving ones (order kept), then the waiting ranks
+        not yet members and not leaving (sorted).
     """
-    wanted = list(schedule.get(step, members))
-    if not schedule:
-        wanted += [r for r in sorted(set(waiting)) if r not in wanted]
-    return wanted
+    if schedule:
+        return list(schedule.get(step, members))
+    gone = set(leaving)
+    wanted = [r for r in members if r not in gone] or list(members)
+    return wanted + [r for r in sorted(set(waiting) - gone) if r not in wanted]

@@ -188,8 +188,10 @@ class Formed:
 
 
 @dataclass(frozen=True)
-class ReadJoinRequests:
-    """Ranks waiting to join (cheap when nobody waits); returns a list."""
+class ReadRequests:
+    """Ranks waiting to join and ``members`` asked to leave (cheap when there are none); returns ``(joining, leaving)``."""
+
+    members: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -552,9 +554,11 @@ class Protocol:
 
     # -- membership between steps -------------------------------------------------------------------------
     def _proposal(self, step: int) -> Effects:
-        """The leader's members for ``step``: the schedule's, else the current ones plus waiting joiners."""
-        waiting = [] if self.schedule else (yield ReadJoinRequests())
-        return proposal(step, self.members, self.schedule, waiting)
+        """The leader's members for ``step``: the schedule's, else the current ones less those asked to leave plus joiners."""
+        if self.schedule:
+            return proposal(step, self.members, self.schedule, ())
+        waiting, leaving = yield ReadRequests(tuple(self.members))
+        return proposal(step, self.members, self.schedule, waiting, leaving)
 
     def _sync_membership(self, step: int) -> Effects:
         """Agree on this step's members; resize if they changed.
@@ -620,8 +624,8 @@ class Protocol:
                 base, dead = outcome.base, []
             dead += outcome.dead
             self.deal_base = (step, base, dead)
-            if outcome.base is None:  # a failure's record: no newcomer to send the state to
-                break
+            if outcome.base is None or set(self.members) <= set(previous):
+                break  # a failure's record, or ranks only left: no newcomer to send the state to
             root = min(set(previous) & set(self.members))
             try:  # the resize's group formed: a replica sends the state to the newcomers
                 yield TransferState(self.members.index(root), apply=False)
@@ -676,12 +680,19 @@ class Protocol:
         is itself waiting to join), the lowest waiting rank resumes from
         :class:`Fallback` and hands that state to the others.
 
+        A rank whose node is leaving the task (its agent asked it to leave)
+        does not ask to join: it ends like a rank that came too late.
+
         Returns:
-            The step to continue from; None if training finished first.
+            The step to continue from; None if training finished first, or this rank is asked to leave.
 
         Raises:
             TimeoutError: Not admitted within ``timeout``.
         """
+        _, leaving = yield ReadRequests((self.rank,))
+        if leaving:
+            self.log.info("dp_join_skipped", reason="asked to leave")
+            return None
         last = yield ReadMembers()
         floor = last[0] if last is not None else -1  # only a newer generation can admit us (not a stale one)
         yield RequestJoin()
