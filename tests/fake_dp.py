@@ -109,6 +109,9 @@ class Scenario:
         joiner_at: Round at which a new rank (``world``) asks to join; None: no one.
         leaving: ``rank -> round`` at which its agent asks it to leave (the plan
             takes its node away): it retires at a step boundary.
+        unformed: Ranks lost before the first group formed (their node died at
+            start-up): the others start as joiners (they were restarted after
+            building the first group failed), no group and no members record exist.
         partial: Chance that a rank whose neighbour is down fails a bucket that
             completed (the others got it): only some members complete it.
         partial_last: ``partial`` applies to the last bucket too.
@@ -128,6 +131,7 @@ class Scenario:
     deadline: int | None = None
     joiner_at: int | None = None
     leaving: Mapping[int, int] = field(default_factory=dict)
+    unformed: frozenset[int] = frozenset()
     partial: float = 0.0
     partial_last: bool = False
     seed: int = 0
@@ -498,7 +502,7 @@ class _Rank:
     def fallback(self, e: P.Fallback) -> tuple[int, str]:
         """No replica is left: resume from step 0 (the engine: snapshot, checkpoint, else step 0)."""
         sim = self.sim
-        last = json.loads(sim.store.get(K.MEMBERS))["members"]
+        last = json.loads(sim.store.get(K.MEMBERS))["members"] if sim.store.check([K.MEMBERS]) else self.members
         if any(not sim.ranks[r].joining for r in set(last) & set(sim.running)):  # (others train in a stale group)
             raise ProtocolViolation(f"rank {self.rank} found no replica while a member trains: {sim.describe()}")
         sim.fallbacks.append((sim.round, self.rank))
@@ -546,11 +550,16 @@ class Sim:
         members = list(range(scenario.world))
         if scenario.liveness:
             self.store.set(K.LIVENESS, "1")
-        self.ranks = {r: _Rank(self, r, members, joining=False) for r in members}
+        if scenario.unformed:  # the first group never formed: survivors restarted as joiners, the others gone
+            self.dead |= set(scenario.unformed)
+            self.ranks = {r: _Rank(self, r, members, joining=True) for r in members if r not in scenario.unformed}
+        else:
+            self.ranks = {r: _Rank(self, r, members, joining=False) for r in members}
         self.running = {r: rank.main() for r, rank in self.ranks.items()}
-        for r in members:
+        for r in self.ranks:
             self._set_live(r)
-        self.store.set(K.MEMBERS, json.dumps({"generation": 0, "members": members}))
+        if not scenario.unformed:
+            self.store.set(K.MEMBERS, json.dumps({"generation": 0, "members": members}))
 
     # -- what ranks read ---------------------------------------------------------------
     def group(self, generation: int, members: list[int]) -> FakeGroup:

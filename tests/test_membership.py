@@ -528,3 +528,30 @@ def test_every_replica_lost_while_a_rank_waits_to_rejoin_it_resumes_alone() -> N
     assert [rank for _, rank in sim.fallbacks] == [2]
     assert sim.records()[2] == MembershipRecord(2, (2,), 0, (0, 1), step=0, resize=True)
     assert sim.outcome == "finished" and {s: sorted(by) for s, by in sim.reduced.items()} == {0: [2], 1: [2], 2: [2]}
+
+
+def test_a_node_lost_before_the_first_group_formed_the_survivors_start_from_step_0() -> None:
+    """Ranks 2 and 3 died while the first group was built (no group, no members record); ranks 0 and 1
+    were restarted and wait to join: with liveness keys they know 2 and 3 are gone, and the lowest starts
+    the group from the fallback (snapshot, checkpoint, else step 0). Without liveness keys nobody can know."""
+    sim = Sim(Scenario(world=4, buckets=2, micro_batches=6, steps=3, unformed=frozenset({2, 3}),
+                       liveness=True)).run()
+    check_all(sim)
+    assert sim.outcome == "finished" and [rank for _, rank in sim.fallbacks] == [0]
+    assert set(sim.reduced[2]) == {0, 1}
+    blind = Sim(Scenario(world=4, buckets=2, micro_batches=6, steps=3, unformed=frozenset({2, 3}),
+                         liveness=False)).run()
+    assert blind.outcome == "no_replica" and blind.fallbacks == []
+
+
+@FAST
+@given(scenarios(), st.data())
+def test_recovery_protocol_properties_after_a_loss_before_the_first_group(scenario: Scenario,
+                                                                          data: st.DataObject) -> None:
+    lost = data.draw(st.sets(st.integers(0, scenario.world - 1), min_size=1, max_size=scenario.world - 1))
+    survivors = [r for r in range(scenario.world) if r not in lost]
+    sim = run(dataclasses.replace(scenario, unformed=frozenset(lost), deaths={}, together=frozenset(),
+                                  joiner_at=None, liveness=True))
+    check_all(sim)
+    # (a group that did not form - a slow or late rank past the deadline - is started again: same rank)
+    assert sim.outcome == "finished" and {rank for _, rank in sim.fallbacks} == {min(survivors)}

@@ -334,3 +334,28 @@ def test_a_node_asked_to_leave_retires_its_ranks_at_a_step_boundary_and_nobody_s
         assert [x["step"] for x in steps] == list(range(STEPS))
         assert not any(x.get("recoveries") for x in steps) and not any("excluded_at" in x for x in reports[r])
         assert _same_params(out, r, baseline), f"rank {r} diverged"
+
+
+@pytest.mark.timeout(300)
+def test_a_node_lost_before_the_first_group_formed_the_others_start_without_it(
+        etcd: EmbeddedEtcd, tmp_path: Path, baseline) -> None:
+    """Node 1 is lost while the run's first data-parallel group is built: ranks 0 and 1 fail to build it,
+    are restarted, know ranks 2 and 3 are gone (their liveness keys left with the node's lease) and the
+    lowest starts the group from step 0 (nothing persisted yet): the run ends on the failure-free
+    trajectory instead of waiting for members that never come."""
+    fault = fail_at(rank=2, step=-1, at="before_first_group", kind="hang")
+    out = tmp_path / "out"
+    launchers = _launch(etcd, "lose-before-group", 2, out, fault)
+    try:
+        victim = _lose_node_of(_wait_for_fault(out, launchers), launchers)
+        survivor = launchers[1 - victim]
+        code = survivor.wait(timeout=240)
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                kill_node(p.pid)
+    log = (out / f"node{1 - victim}.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "dp_restart_from_step_0" in log or "dp_no_replica_left" in log
+    for r in (0, 1):
+        assert _same_params(out, r, baseline), f"rank {r} diverged"

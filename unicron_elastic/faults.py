@@ -19,7 +19,7 @@ from pathlib import Path
 FAULTS_ENV = "UNICRON_FAULTS"
 FAULT_LOG_ENV = "UNICRON_FAULT_LOG"
 FAULT_KINDS = ("kill", "exit", "raise", "hang")
-FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step")
+FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step", "before_first_group")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class Fault:
         micro_batch: Micro-batch within the step (None: at the start of the step).
         bucket: Gradient bucket during the all-reduce (None: not in the reduction).
         at: A named point of the step instead: ``before_optimizer_step`` (all
-            buckets reduced) or ``after_optimizer_step``.
+            buckets reduced) or ``after_optimizer_step``; or ``before_first_group``
+            (step -1: the engine is about to build the run's first group).
         kind: ``kill`` (SIGKILL itself), ``exit`` (exit code 3), ``raise``
             (raise ``RuntimeError(message)``) or ``hang`` (sleep forever).
         message: Exception message for ``raise`` (chooses the severity).

@@ -103,7 +103,8 @@ class ElasticDataParallel:
             not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
         hook: Called as ``hook(rank, step, micro_batch=j)`` before each
             micro-batch and ``hook(rank, step, bucket=k)`` before each bucket's
-            reduction (fault injection: ``unicron_elastic.faults.maybe_fail``).
+            reduction, ``hook(rank, -1, at="before_first_group")`` before the
+            first group is built (fault injection: ``unicron_elastic.faults.maybe_fail``).
         members: Initial members (default ``0..world_size-1``).
         joining: This rank is not a member yet: :meth:`join` waits to be added.
         schedule: ``step -> members`` from that step on (the leader applies it).
@@ -181,6 +182,7 @@ class ElasticDataParallel:
         self._incarnations: dict[int, bytes] = {}
         self._handlers: dict[type, Callable[[Any], Any]] = self._effect_handlers()
         if not joining:
+            self.hook(rank, -1, at="before_first_group")
             self.pg = self._group(self.generation, self.members)
             self._note_incarnations()
             if self.rank == self.members[0]:

@@ -745,13 +745,20 @@ class Protocol:
         """If every member waits to join, the lowest waiting rank restarts the group from :class:`Fallback`.
 
         With no group ever formed in this meeting space (a fresh round after
-        torch's restart-all), that is when every initial member waits.
+        torch's restart-all, or a node lost while the first group was being
+        built), that is when every initial member waits or is known dead
+        (liveness keys: without them only all waiting will do).
         """
         last = yield ReadMembers()
         waiting = yield ReadWaiting()
         if last is None:
-            if not self.members or not set(self.members) <= set(waiting):
+            if not self.members:
                 return
+            alive = yield ReadAlive(tuple(self.members), exclude_waiting=False)
+            if alive is None and not set(self.members) <= set(waiting):
+                return
+            if any(r not in waiting and (alive is None or r in alive) for r in self.members):
+                return  # an initial member still starts: it builds the first group with the others
             last = (-1, list(self.members))
         last_generation, last_members = last
         alive = yield ReadAlive(tuple(last_members), exclude_waiting=False)
