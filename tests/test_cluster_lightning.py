@@ -29,6 +29,10 @@ HOLD = 6  # task a waits for the returning node's ranks before this step
 #: torchrun sets OMP_NUM_THREADS=1 only for more than one worker per node; with one, the matmuls of a node
 #: would run on every core, in another summation order than the 2-worker baseline (not bit-identical).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+#: Node and agent lease TTL here. Under the CPU hog every lease of a run once expired at the same instant
+#: (etcd, or the whole VM, stalled for more than the 2 s default), which takes every node out at once; 5 s
+#: rides out such a stall (the node-loss timing figures are measured with the 2 s default elsewhere).
+NODE_TTL = 5
 
 
 def gpt(out: Path, *extra: str) -> list[str]:
@@ -72,8 +76,8 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
 def test_two_lightning_tasks_survive_a_lost_node_and_take_it_back(etcd: EmbeddedEtcd, tmp_path: Path,
                                                                   baseline: list[torch.Tensor]) -> None:
     out_a, out_b = tmp_path / "a", tmp_path / "b"
-    with LocalCluster(nodes=3, slots=2, cluster="gpt", etcd=etcd, log_dir=tmp_path / "logs",
-                      launcher_args=["--monitor-interval=0.05"],
+    with LocalCluster(nodes=3, slots=2, cluster="gpt", etcd=etcd, log_dir=tmp_path / "logs", node_ttl=NODE_TTL,
+                      launcher_args=["--monitor-interval=0.05", f"--node-ttl={NODE_TTL}"],
                       coordinator_args=["--failure-rate=1e-4"]) as cluster, \
             StatusStore(replace(etcd.config, cluster="gpt")) as store:
         wait_for(lambda: len(store.get_prefix(store.keys.nodes())) == 3, why="3 nodes registered")
@@ -143,7 +147,8 @@ def test_training_carries_on_through_a_leader_kill_and_a_5s_etcd_outage(private_
     ttl, hold = 2, STEPS - 1
     out, release = tmp_path / "out", tmp_path / "release"  # the task waits before its last step until released
     with LocalCluster(nodes=2, slots=1, cluster="carry-on", coordinators=2, coordinator_ttl=ttl, etcd=private_etcd,
-                      log_dir=tmp_path / "logs", launcher_args=["--monitor-interval=0.05"], env=ONE_THREAD,
+                      log_dir=tmp_path / "logs", node_ttl=NODE_TTL, env=ONE_THREAD,
+                      launcher_args=["--monitor-interval=0.05", f"--node-ttl={NODE_TTL}"],
                       coordinator_args=["--failure-rate=1e-4"]) as cluster, \
             StatusStore(replace(private_etcd.config, cluster="carry-on")) as store:
         wait_for(lambda: len(store.get_prefix(store.keys.nodes())) == 2, why="2 nodes registered")
@@ -198,8 +203,9 @@ def test_the_plan_scales_a_task_in_at_a_step_boundary(etcd: EmbeddedEtcd, tmp_pa
     failure-free parameters, and the node runs the new task."""
     out, release = tmp_path / "a", tmp_path / "release"
     worker = str(Path(__file__).parent / "workers" / "cluster_worker.py")
-    with LocalCluster(nodes=2, slots=1, cluster="scale-in", etcd=etcd, log_dir=tmp_path / "logs",
-                      launcher_args=["--monitor-interval=0.05"], node_args=["--leave-timeout=300"], env=ONE_THREAD,
+    with LocalCluster(nodes=2, slots=1, cluster="scale-in", etcd=etcd, log_dir=tmp_path / "logs", node_ttl=NODE_TTL,
+                      launcher_args=["--monitor-interval=0.05", f"--node-ttl={NODE_TTL}"],
+                      node_args=["--leave-timeout=300"], env=ONE_THREAD,
                       coordinator_args=["--failure-rate=1e-4"]) as cluster, \
             StatusStore(replace(etcd.config, cluster="scale-in")) as store:
         wait_for(lambda: len(store.get_prefix(store.keys.nodes())) == 2, why="2 nodes registered")
