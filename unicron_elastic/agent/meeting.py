@@ -93,10 +93,10 @@ class MeetingPoint:
     def ask_to_leave(self, ranks: list[int]) -> None:
         """Ask workers ``ranks`` to leave the data-parallel group at the next step boundary.
 
-        The requests are written in one transaction (the leader sees all of
-        them or none, so a node's ranks leave at the same step), then counted
-        once on :attr:`MeetingKeys.JOIN_REQUESTS`, the counter the group's
-        leader reads between steps.
+        The requests are counted on :attr:`MeetingKeys.JOIN_REQUESTS` (the
+        counter the group's leader reads between steps), then written in one
+        transaction (the leader sees all of them or none, so a node's ranks
+        leave at the same step).
 
         Raises:
             StoreError: etcd refused or could not be reached.
@@ -105,9 +105,9 @@ class MeetingPoint:
         fresh = [k for k in keys if self.store.get(k) is None]
         if not fresh:
             return
+        EtcdC10dStore(self.store, self.prefix).add(MeetingKeys.JOIN_REQUESTS, len(fresh))  # first: see _request_join
         self.store.call(lambda c: c.transaction(compare=[], success=[c.transactions.put(k, b"1") for k in fresh],
                                                 failure=[]), "leave requests")
-        EtcdC10dStore(self.store, self.prefix).add(MeetingKeys.JOIN_REQUESTS, len(fresh))
 
     def withdraw_leave(self, rank: int) -> None:
         """Drop ``rank``'s leave request, if any (it exited, or a worker not leaving started for it)."""

@@ -446,8 +446,11 @@ class ElasticDataParallel:
         return int(last["generation"]), list(last["members"])
 
     def _request_join(self, effect: P.RequestJoin) -> None:
-        self.store.set(K.join(self.rank), "1")
+        # The counter first: whoever sees the key (``waiting()``, e.g. a hold for joiners) must find the
+        # counter raised, or the leader's next read misses the request for a step (seen under the CPU hog:
+        # the joiner came one step too late, after the last step).
         self.store.add(K.JOIN_REQUESTS, 1)
+        self.store.set(K.join(self.rank), "1")
 
     def _admitted(self, effect: P.Admitted) -> None:
         self.state_source = effect.source
