@@ -81,6 +81,21 @@ def _lose_node_of(fired: dict, launchers: list[subprocess.Popen]) -> int:
     return victim
 
 
+def _lose_a_node_and_wait(out: Path, launchers: list[subprocess.Popen], timeout: float,
+                          deadline_s: float = 120) -> tuple[int, int]:
+    """Lose the node whose rank fired the fault; wait for the other launcher. Returns (victim, its exit code).
+
+    Whatever happens, no launcher is left running.
+    """
+    try:
+        victim = _lose_node_of(_wait_for_fault(out, launchers, deadline_s=deadline_s), launchers)
+        return victim, launchers[1 - victim].wait(timeout=timeout)
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                kill_node(p.pid)
+
+
 POINTS = {  # where the victim's rank is parked when its node is lost; the step that fails
     "micro-batch": (lambda r: fail_at(rank=r, step=2, micro_batch=r, kind="hang"), 2),  # its first of step 2
     "bucket": (lambda r: fail_at(rank=r, step=2, bucket=1, kind="hang"), 2),  # during the gradient all-reduce
@@ -206,14 +221,7 @@ def test_lightning_task_survives_a_lost_node_with_default_detectors(etcd: Embedd
     out = tmp_path / "out"
     fault = fail_at(rank=victim, step=3, micro_batch=victim, kind="hang")  # its first micro-batch of step 3
     launchers = _gpt(etcd, f"gpt-lose-{victim}", out, 2, [fault])
-    try:
-        lost = _lose_node_of(_wait_for_fault(out, launchers, deadline_s=200), launchers)
-        survivor = launchers[1 - lost]
-        code = survivor.wait(timeout=200)
-    finally:
-        for p in launchers:
-            if p.poll() is None:
-                kill_node(p.pid)
+    lost, code = _lose_a_node_and_wait(out, launchers, timeout=200, deadline_s=200)
     assert code == 0, (out / f"node{1 - lost}.log").read_text()[-4000:]
     assert "worker_restarted" not in (out / f"node{1 - lost}.log").read_text()  # default detectors: no false hang
     done = sorted(int(p.stem[4:]) for p in out.glob("rank*.json"))
@@ -346,14 +354,7 @@ def test_a_node_lost_before_the_first_group_formed_the_others_start_without_it(
     fault = fail_at(rank=2, step=-1, at="before_first_group", kind="hang")
     out = tmp_path / "out"
     launchers = _launch(etcd, "lose-before-group", 2, out, fault)
-    try:
-        victim = _lose_node_of(_wait_for_fault(out, launchers), launchers)
-        survivor = launchers[1 - victim]
-        code = survivor.wait(timeout=240)
-    finally:
-        for p in launchers:
-            if p.poll() is None:
-                kill_node(p.pid)
+    victim, code = _lose_a_node_and_wait(out, launchers, timeout=240)
     log = (out / f"node{1 - victim}.log").read_text()
     assert code == 0, log[-3000:]
     assert "dp_restart_from_step_0" in log or "dp_no_replica_left" in log
