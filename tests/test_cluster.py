@@ -129,6 +129,27 @@ def test_the_cluster_rides_out_a_5s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_
 
 
 @pytest.mark.timeout(300)
+def test_a_daemon_whose_lease_lapsed_registers_again_and_is_planned_back(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    """A lease can lapse on an overloaded host while the daemon is alive: the daemon does not stop; it
+    registers the node on a new lease, and the coordinator plans it back in (a node lost, then joined)."""
+    with LocalCluster(nodes=2, slots=1, cluster="lapse", etcd=etcd, log_dir=tmp_path / "logs",
+                      coordinator_args=["--failure-rate=1e-4"]) as cluster, \
+            StatusStore(replace(etcd.config, cluster="lapse")) as store:
+        before = wait_for(lambda: (p := read_plan(store)) and len(p.nodes) == 2 and p, why="a plan with both nodes")
+        victim = sorted(cluster.daemons)[0]
+        record = store.get(store.keys.node(victim))
+        assert record is not None and record.lease
+        store.call(lambda c: c.revoke_lease(record.lease), "revoke")  # what etcd does to a lease not refreshed
+        again = wait_for(lambda: (r := store.get(store.keys.node(victim))) and r.lease != record.lease and r,
+                         why="the node registered on a new lease")
+        assert again.lease
+        wait_for(lambda: (p := read_plan(store)) and victim in p.nodes and p.generation >= before.generation + 2,
+                 why="planned out (lost), then back in (joined)")
+        assert cluster.dead() is None and cluster.dead_nodes() == []
+        assert "lease_renewed" in (tmp_path / "logs" / f"{victim}.log").read_text()
+
+
+@pytest.mark.timeout(300)
 def test_cluster_up_starts_everything_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
     import signal
     import subprocess

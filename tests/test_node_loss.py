@@ -17,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import etcd3
 import pytest
 import torch
 
@@ -359,4 +360,44 @@ def test_a_node_lost_before_the_first_group_formed_the_others_start_without_it(
     assert code == 0, log[-3000:]
     assert "dp_restart_from_step_0" in log or "dp_no_replica_left" in log
     for r in (0, 1):
+        assert _same_params(out, r, baseline), f"rank {r} diverged"
+
+
+@pytest.mark.timeout(300)
+def test_every_lease_lapsing_at_once_is_renewed_and_training_goes_on(private_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                     baseline) -> None:
+    """What an overloaded host did under the CPU hog: every etcd lease of the run lapsed at once while
+    all nodes were alive. Each holder grants a new lease and puts its keys back (node records, agent
+    keys, workers' liveness keys, snapshot servers): no node gives up, nobody is restarted, and the run
+    ends on the failure-free trajectory."""
+    out, release = tmp_path / "out", tmp_path / "release"
+    cmd = _command(private_etcd, "lapse", 2, out, "--progress", "--hold-until", str(release),
+                   "--hold-step", str(STEPS - 2))
+    launchers = _start(cmd, out, [], 2)
+    client = etcd3.client(host="127.0.0.1", port=private_etcd.client_port)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((out / f"progress{r}").exists() for r in range(4)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in launchers), \
+                (out / "node0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        leases = {meta.lease_id for _value, meta in client.get_all() if meta.lease_id}
+        assert len(leases) >= 4  # per node: its record's lease and its meeting keys' lease
+        for lease in leases:
+            client.revoke_lease(lease)
+        while sum((out / f"node{i}.log").read_text().count('"lease_renewed"') for i in range(2)) < len(leases):
+            assert time.monotonic() < deadline + 60 and all(p.poll() is None for p in launchers), \
+                (out / "node0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        release.touch()
+        codes = [p.wait(timeout=120) for p in launchers]
+    finally:
+        client.close()
+        for p in launchers:
+            if p.poll() is None:
+                kill_node(p.pid)
+    logs = "".join((out / f"node{i}.log").read_text() for i in range(2))
+    assert codes == [0, 0], logs[-4000:]
+    assert "meeting_keys_renewed" in logs and "worker_restarted" not in logs and '"give_up"' not in logs
+    for r in range(4):
         assert _same_params(out, r, baseline), f"rank {r} diverged"

@@ -112,6 +112,43 @@ def test_lease_revoke_deletes_keys_at_once(store: StatusStore) -> None:
     assert store.get(store.keys.node("n2")) is None
 
 
+def test_a_lapsed_lease_is_renewed_and_the_holder_puts_its_keys_back(store: StatusStore) -> None:
+    key = store.keys.node("renewed")
+    renewed: list[int] = []
+    lost = threading.Event()
+
+    def put_back(lease_id: int) -> None:
+        store.put(key, "back", lease=lease_id)
+        renewed.append(lease_id)
+
+    lease = KeptLease(store, ttl=2, on_lost=lost.set, on_renewed=put_back)
+    first = lease.id
+    store.put(key, "first", lease=first)
+    store.call(lambda c: c.revoke_lease(first), "revoke")  # what etcd does to a lease not refreshed for a TTL
+    assert store.get(key) is None
+    assert wait_for(lambda: renewed, timeout=10)
+    assert renewed == [lease.id] and lease.id != first and lease.renewals == 1
+    assert store.get(key).value == b"back"
+    time.sleep(2.5)  # the new lease is refreshed like the first
+    assert store.get(key).value == b"back" and not lost.is_set()
+    lease.close(revoke=True)
+    assert store.get(key) is None
+
+
+def test_a_lapsed_lease_without_renewal_or_with_a_failed_one_is_lost(store: StatusStore) -> None:
+    for renew in (None, _failing_renewal):
+        lost = threading.Event()
+        lease = KeptLease(store, ttl=2, on_lost=lost.set, on_renewed=renew)
+        store.call(lambda c, lid=lease.id: c.revoke_lease(lid), "revoke")
+        assert lost.wait(10), renew
+        assert lease.lost.is_set() and lease.renewals == 0
+        lease.close(revoke=True)
+
+
+def _failing_renewal(lease_id: int) -> None:
+    raise StoreError(f"cannot put keys on {lease_id}")
+
+
 def test_lease_ttl_must_be_positive(store: StatusStore) -> None:
     with pytest.raises(ConfigError, match="ttl"):
         KeptLease(store, ttl=0)

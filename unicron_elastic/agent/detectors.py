@@ -241,12 +241,22 @@ class NodeHealthDetector(Detector):
         if store is None:
             log.info("detector_disabled", detector=self.name, reason="no etcd status store (not the unicron backend)")
             return
-        self.lease = KeptLease(store, self.ttl, on_lost=ctx.lost_own_lease)
+        self.lease = KeptLease(store, self.ttl, on_lost=ctx.lost_own_lease, on_renewed=self._register)
         self._watch = PrefixWatch(store, store.keys.nodes(), self._on_change)
+        self._register(self.lease.id)
+
+    def _register(self, lease: int) -> None:
+        """Put this node's record on ``lease`` (again after a lapsed lease was renewed).
+
+        Raises:
+            StoreError: etcd refused or could not be reached.
+        """
         if os.environ.get(NODE_DAEMON_ENV):
             return  # the node daemon holds this node's record (with its slots) on its own lease
-        store.put_json(store.keys.node(ctx.node), {"state": "running", "lease": self.lease.id, "ts": time.time()},
-                       lease=self.lease.id)
+        store = self.ctx.store
+        assert store is not None
+        store.put_json(store.keys.node(self.ctx.node), {"state": "running", "lease": lease, "ts": time.time()},
+                       lease=lease)
 
     def _on_change(self, change: WatchEvent) -> None:
         store = self.ctx.store

@@ -15,6 +15,7 @@ so losing a node loses its replicas, not the snapshot.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import structlog
@@ -50,12 +51,35 @@ class MeetingPoint:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
         self.group_rank = group_rank
-        self.lease = KeptLease(store, ttl)
+        self._lock = threading.Lock()
+        self._live: dict[int, str] = {}  # rank -> incarnation, the keys on this node's lease
+        self._snapshot_address: str | None = None
+        self.lease = KeptLease(store, ttl, on_renewed=self._rekey)
         store.put(self.prefix + MeetingKeys.LIVENESS, b"1")
         store.put(self.prefix + MeetingKeys.AGENTS_WORLD, str(int(nodes)).encode())
         store.put(self.prefix + MeetingKeys.agent(group_rank), b"1", lease=self.lease.id)
         store.put(self.prefix + MeetingKeys.agent_seen(group_rank), b"1")
         self.snapshots = self._serve_snapshots(host)
+
+    def _rekey(self, lease: int) -> None:
+        """Put this node's keys back on ``lease``: its lease lapsed while the node was alive (an overloaded host).
+
+        Peers regrouping while the keys were gone counted these workers dead
+        and left them out; they come back as joiners (see
+        :func:`unicron_elastic.strategy.membership.role`).
+
+        Raises:
+            StoreError: etcd refused or could not be reached.
+        """
+        with self._lock:
+            live = dict(self._live)
+            address = self._snapshot_address
+        self.store.put(self.prefix + MeetingKeys.agent(self.group_rank), b"1", lease=lease)
+        if address is not None:
+            self.store.put(self.prefix + MeetingKeys.snapshot_host(self.group_rank), address.encode(), lease=lease)
+        for rank, incarnation in live.items():
+            self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=lease)
+        log.warning("meeting_keys_renewed", group_rank=self.group_rank, ranks=sorted(live))
 
     def _serve_snapshots(self, host: str) -> dist.TCPStore | None:
         """Start this node's snapshot server and publish ``host:port`` on the node's lease (None: it failed)."""
@@ -65,6 +89,7 @@ class MeetingPoint:
             log.warning("snapshot_server_failed", host=host, error=str(exc)[:200])
             return None
         address = f"{host}:{server.port}"
+        self._snapshot_address = address
         self.store.put(self.prefix + MeetingKeys.snapshot_host(self.group_rank), address.encode(), lease=self.lease.id)
         log.info("snapshot_server_started", address=address)
         return server
@@ -84,6 +109,8 @@ class MeetingPoint:
         is asked to leave too (it then does not join); otherwise an old leave
         request for the rank is dropped.
         """
+        with self._lock:
+            self._live[rank] = incarnation
         self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=self.lease.id)
         if leaving:
             self.ask_to_leave([rank])
@@ -119,6 +146,8 @@ class MeetingPoint:
 
     def worker_exited(self, rank: int) -> None:
         """Worker ``rank`` exited: peers regrouping stop waiting for it; its leave request (if any) goes."""
+        with self._lock:
+            self._live.pop(rank, None)
         try:
             self.store.delete(self.prefix + MeetingKeys.live(rank))
         except StoreError as exc:  # the lease removes it within one TTL

@@ -90,9 +90,8 @@ class NodeDaemon:
             0 after a requested stop, 1 if the node's lease was lost.
         """
         keys = self.store.keys
-        self.lease = KeptLease(self.store, self.ttl, on_lost=self.stop)
-        self.store.put(keys.node(self.name), self.record.to_json(), lease=self.lease.id)
-        log.info("node_registered", node=self.name, slots=self.record.slots, lease=self.lease.id)
+        self.lease = KeptLease(self.store, self.ttl, on_lost=self.stop, on_renewed=self._register)
+        self._register(self.lease.id)
         watch = PrefixWatch(self.store, keys.commands(self.name), lambda _e: self._wake.set())
         try:
             while not self.stopped.is_set():
@@ -110,6 +109,19 @@ class NodeDaemon:
                     pass
             self.lease.close(revoke=not lost)
         return 1 if lost else 0
+
+    def _register(self, lease: int) -> None:
+        """Put this node's record on ``lease``; again after a lapsed lease was renewed.
+
+        The coordinator saw the record go (the node lost: it was planned out)
+        and sees it come back (a node joined: planned in again), as if the
+        daemon had been restarted.
+
+        Raises:
+            StoreError: etcd refused or could not be reached.
+        """
+        self.store.put(self.store.keys.node(self.name), self.record.to_json(), lease=lease)
+        log.info("node_registered", node=self.name, slots=self.record.slots, lease=lease)
 
     def stop(self) -> None:
         """Ask :meth:`run` to stop (thread- and signal-safe)."""
