@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 
 from unicron_elastic.coordinator.service import read_plan
 from unicron_elastic.node.local_cluster import LocalCluster
-from unicron_elastic.store import EmbeddedEtcd, StatusStore
+from unicron_elastic.store import EmbeddedEtcd, StatusStore, free_port
 from unicron_elastic.testing import kill_node
 
 WORKER = str(Path(__file__).parent / "workers" / "cluster_worker.py")
@@ -147,6 +149,42 @@ def test_a_daemon_whose_lease_lapsed_registers_again_and_is_planned_back(etcd: E
                  why="planned out (lost), then back in (joined)")
         assert cluster.dead() is None and cluster.dead_nodes() == []
         assert "lease_renewed" in (tmp_path / "logs" / f"{victim}.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_a_daemon_stopped_with_sigterm_drains_its_node_without_an_alert(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    """SIGTERM (what a scheduler sends to take a machine out): the daemon marks its record ``leaving``, the
+    coordinator plans the node out as *left* (no SEV1, no alert), the daemon asks its launcher to leave the
+    task that goes on elsewhere, and exits 0; the other node's worker is not restarted."""
+    out, logs, port = tmp_path / "out", tmp_path / "logs", free_port()
+    with LocalCluster(nodes=2, slots=1, cluster="drain", etcd=etcd, log_dir=logs, launcher_args=["--monitor-interval=0.1"],
+                      coordinator_args=["--failure-rate=1e-4", f"--metrics-port={port}"]) as cluster, \
+            StatusStore(replace(etcd.config, cluster="drain")) as store:
+        store.put(store.keys.task_spec("a"), spec("a", out, 1.0, {"1": 1.0, "2": 1.9}, hi=2, lo=1))
+        wait_for(lambda: (p := read_plan(store)) and sizes(p) == {"a": 2}, why="a on both nodes")
+        before = wait_for(lambda: len(r := running(out, "a")) == 2 and r, why="a's workers")
+        victim = sorted(cluster.daemons)[0]
+        cluster.daemons[victim].send_signal(signal.SIGTERM)
+        assert cluster.daemons[victim].wait(timeout=120) == 0
+        plan = wait_for(lambda: (p := read_plan(store)) and victim not in p.nodes and p, why="the plan without it")
+        assert plan.reason == f"node {victim} left" and sizes(plan) == {"a": 1}
+        assert all(alive(d["pid"]) for d in before if d["node"] != victim)  # never restarted
+        assert not any(alive(d["pid"]) for d in before if d["node"] == victim)
+        metrics = _metrics(port)  # the coordinator's Prometheus endpoint, over HTTP
+        assert metrics["unicron_plan_generation"] >= plan.generation and metrics['unicron_tasks{state="running"}'] == 1
+        assert metrics.get('unicron_coordinator_events_total{severity="SEV1"}', 0) == 0
+        (out / "a" / "finish").touch()
+    daemon_log = (logs / f"{victim}.log").read_text()
+    assert "node_draining" in daemon_log and "node_drained" in daemon_log and "launcher_leaving" in daemon_log
+    coordinator_log = "".join(p.read_text() for p in logs.glob("coordinator-*.log"))
+    assert f"node {victim} left" in coordinator_log and f"node {victim} lost" not in coordinator_log
+
+
+def _metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
 
 
 @pytest.mark.timeout(300)

@@ -15,6 +15,7 @@ from unicron_elastic.coordinator.policy import (
     ClusterState,
     Failure,
     NodeJoined,
+    NodeLeft,
     NodeLost,
     Observed,
     PolicyConfig,
@@ -31,6 +32,7 @@ from unicron_elastic.coordinator.policy import (
     state_to_json,
     task_throughput,
 )
+from unicron_elastic.coordinator.service import task_status
 from unicron_elastic.events import ErrorEvent, Severity
 from unicron_elastic.planner import CostModel, PlanTask, Problem, solve
 from unicron_elastic.planner.throughput import GptModel, TabulatedThroughput
@@ -95,6 +97,17 @@ def test_node_lost_replans_with_the_task_faulted_and_alerts() -> None:
     assert write.forget == ("n1",)  # a lost node's commands are deleted, none are sent to it
 
 
+def test_a_node_that_left_is_planned_out_like_a_lost_one_without_an_alert() -> None:
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A), TaskSubmitted(B))
+    left, lost = decide(state, NodeLeft("n1")), decide(state, NodeLost("n1"))
+    assert left.state.plan.tasks == lost.state.plan.tasks and "n1" not in left.state.plan.nodes
+    assert not [a for a in left.actions if isinstance(a, Alert)]
+    assert "left" in left.state.plan.reason and "SEV1" not in left.state.plan.reason
+    (write,) = [a for a in left.actions if isinstance(a, WritePlan)]
+    assert write.forget == ("n1",)
+    assert decide(left.state, NodeLost("n1")).actions == ()  # its record lapsing later changes nothing
+
+
 def test_a_returning_node_is_used_again_and_the_survivors_keep_their_nodes() -> None:
     state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A), TaskSubmitted(B), NodeLost("n0"))
     before = {n: set(t.nodes) for n, t in state.plan.tasks.items()}
@@ -131,8 +144,9 @@ def test_repeated_failures_on_one_node_alert_then_isolate_it() -> None:
     assert late.actions == ()  # outside the window the count starts again
 
 
-def test_a_task_failing_on_several_nodes_is_suspect_and_no_node_is_isolated() -> None:
-    """A crashing task must not take the cluster's nodes out one after another."""
+def test_a_task_failing_on_several_nodes_fails_and_no_node_is_isolated() -> None:
+    """A crashing task must not take the cluster's nodes out one after another, nor be restarted forever:
+    it fails (never planned again) and its nodes go to the other tasks."""
     state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(3)), TaskSubmitted(A))
     assert len(state.plan.tasks["a"].nodes) == 3
     e = lambda node, t, task="a": Failure(ErrorEvent(Severity.SEV2, "exited_abnormally", "process", node, 0, task,
@@ -140,9 +154,15 @@ def test_a_task_failing_on_several_nodes_is_suspect_and_no_node_is_isolated() ->
     for event in (e("n0", 100.0), e("n1", 100.5), e("n0", 101.0), e("n1", 101.5)):
         state = decide(state, event).state
     third = decide(state, e("n0", 102.0))  # n0's third failure; a failed on n1 too
-    assert third.state.isolated == frozenset() and third.state.plan is state.plan
-    [alert] = third.actions
-    assert alert.task == "a" and "task is suspect" in alert.message and "n1" in alert.message
+    assert third.state.isolated == frozenset()
+    assert "a" not in third.state.plan.tasks and third.state.plan.failed == ("a",) and "a" in third.state.finished
+    assert third.state.plan.reason == "task a failed" and task_status(third.state, "a")["state"] == "failed"
+    [alert, _write] = third.actions
+    assert alert.severity == Severity.SEV1 and alert.task == "a" and "not a node, is suspect" in alert.message
+    assert "n1" in alert.message
+    assert decide(third.state, TaskSubmitted(A)).actions == ()  # a failed task is never planned again
+    restored, _ = state_from_json(state_to_json(third.state, 7, "me"), third.state.plan, {"a": A}, CONFIG)
+    assert restored.failed == {"a"} and ClusterPlan.from_json(third.state.plan.to_json()).failed == ("a",)
     # failures of the same node under another task (or none) still isolate it
     other = decide(third.state, e("n2", 103.0, "b"))
     other = decide(decide(other.state, e("n2", 104.0, "b")).state, e("n2", 105.0, "b"))
@@ -200,6 +220,7 @@ def test_changes_derives_events_worst_first() -> None:
                                     Failure(err)]
     assert changes(ClusterState(config=CONFIG), Observed()) == [Replan("first plan")]
     assert changes(state, Observed({"n0": 2, "n1": 2}, (A,))) == []
+    assert changes(state, Observed({"n0": 2}, (A,), leaving=frozenset({"n1"}))) == [NodeLeft("n1")]
 
 
 def test_a_task_is_finished_when_every_node_of_its_share_reported_done() -> None:
@@ -252,13 +273,14 @@ def test_one_step_events_come_from_the_table_and_equal_a_fresh_solve(w, f, nodes
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["join", "lose", "submit", "finish", "fail"]), st.integers(0, 4)),
+@given(ops=st.lists(st.tuples(st.sampled_from(["join", "lose", "leave", "submit", "finish", "fail"]), st.integers(0, 4)),
                     max_size=25))
 def test_any_sequence_of_events_gives_consistent_plans(ops) -> None:
     state = ClusterState(config=CONFIG)
     pool = [spec(f"t{i}", 0.5 + i * 0.5) for i in range(4)]
     for op, i in ops:
-        event = {"join": NodeJoined(f"n{i}", 2), "lose": NodeLost(f"n{i}"), "submit": TaskSubmitted(pool[i % 4]),
+        event = {"join": NodeJoined(f"n{i}", 2), "lose": NodeLost(f"n{i}"), "leave": NodeLeft(f"n{i}"),
+                 "submit": TaskSubmitted(pool[i % 4]),
                  "finish": TaskFinished(f"t{i % 4}"),
                  "fail": Failure(ErrorEvent(Severity.SEV2, "x", "d", f"n{i}", detected_at=float(len(ops))))}[op]
         before = state

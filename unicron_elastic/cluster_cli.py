@@ -60,17 +60,18 @@ def _cmd_task_cancel(args: argparse.Namespace) -> int:
         if store.get(keys.task_spec(args.name)) is None:
             raise ConfigError(f"no task named {args.name!r} in cluster {store.config.cluster!r}")
         status = store.get_json(keys.task_status(args.name)) or {}
-        if status.get("state") == "finished":
-            raise ConfigError(f"task {args.name!r} has finished already")
+        if status.get("state") in ("finished", "failed"):
+            raise ConfigError(f"task {args.name!r} has {status['state']} already")
         store.put(keys.task_cancel(args.name), "cancel")
     print(f"cancelling task {args.name}")
     return 0
 
 
 # -- unicron node -----------------------------------------------------------------------------------
-def _stop_on_signals(stop) -> None:
+def _stop_on_signals(stop, on_sigterm=None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop())
+        action = on_sigterm if sig == signal.SIGTERM and on_sigterm is not None else stop
+        signal.signal(sig, lambda *_, act=action: act())
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
@@ -80,7 +81,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
         store.keys.node(args.name)  # refuses a name with '/'
         daemon = NodeDaemon(store, args.name, args.slots, ttl=args.ttl, launcher_args=args.launcher_arg,
                             leave_timeout=args.leave_timeout)
-        _stop_on_signals(daemon.stop)
+        _stop_on_signals(daemon.stop, on_sigterm=daemon.drain)  # SIGTERM drains; Ctrl-C, SIGHUP stop now
         return daemon.run()
 
 

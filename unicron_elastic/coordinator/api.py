@@ -255,8 +255,9 @@ class ClusterPlan:
         tasks: Each active task's share (a task with no nodes is waiting).
         nodes: The usable nodes the plan was made for, with their slots.
         isolated: Nodes taken out of service (SEV1 or repeated failures).
-        finished: Tasks that finished or were cancelled (never planned again).
+        finished: Tasks that finished, were cancelled or failed (never planned again).
         reason: The event that led to this plan, for people.
+        failed: The tasks of ``finished`` that failed (taken out after failing on several nodes).
     """
 
     generation: int
@@ -265,6 +266,7 @@ class ClusterPlan:
     isolated: tuple[str, ...] = ()
     finished: tuple[str, ...] = ()
     reason: str = ""
+    failed: tuple[str, ...] = ()
 
     @property
     def waf(self) -> float:
@@ -285,7 +287,7 @@ class ClusterPlan:
             "tasks": {n: {"nodes": list(t.nodes), "workers": t.workers, "waf": t.waf, "parallel": t.parallel}
                       for n, t in self.tasks.items()},
             "nodes": self.nodes, "isolated": list(self.isolated), "finished": list(self.finished),
-            "reason": self.reason,
+            "reason": self.reason, "failed": list(self.failed),
         }, sort_keys=True)
 
     @classmethod
@@ -300,7 +302,8 @@ class ClusterPlan:
             tasks = {str(n): TaskPlan(tuple(str(x) for x in t["nodes"]), int(t["workers"]), float(t["waf"]),
                               str(t.get("parallel", ""))) for n, t in doc["tasks"].items()}
             return cls(int(doc["generation"]), tasks, {str(k): int(v) for k, v in doc["nodes"].items()},
-                       tuple(doc.get("isolated", ())), tuple(doc.get("finished", ())), str(doc.get("reason", "")))
+                       tuple(doc.get("isolated", ())), tuple(doc.get("finished", ())), str(doc.get("reason", "")),
+                       tuple(str(x) for x in doc.get("failed", ())))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise MalformedValueError(f"not a plan document: {exc}") from None
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from unicron_elastic.coordinator.api import ClusterPlan
 
 #: Task states counted by ``unicron_tasks``.
-TASK_STATES = ("running", "waiting", "finished")
+TASK_STATES = ("running", "waiting", "finished", "failed")
 
 
 @dataclass
@@ -56,8 +56,8 @@ class CoordinatorMetrics:
         start_http_server(port, registry=metrics.registry)
         return metrics
 
-    def planned(self, plan: ClusterPlan, seconds: float, finished: int) -> None:
-        """Record a plan written ``seconds`` after the store was read."""
+    def planned(self, plan: ClusterPlan, seconds: float, finished: int, failed: int = 0) -> None:
+        """Record a plan written ``seconds`` after the store was read (``finished``: finished or cancelled)."""
         self.generation.set(plan.generation)
         self.replan.observe(seconds)
         self.waf.set(plan.waf)
@@ -65,6 +65,7 @@ class CoordinatorMetrics:
         self.tasks.labels("running").set(running)
         self.tasks.labels("waiting").set(len(plan.tasks) - running)
         self.tasks.labels("finished").set(finished)
+        self.tasks.labels("failed").set(failed)
 
     def decided(self, severity: str) -> None:
         """Count one decided event of ``severity`` (``SEV1``..``SEV3``, or ``none`` for joins and tasks)."""

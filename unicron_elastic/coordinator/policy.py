@@ -13,6 +13,8 @@ Megatron model), zero outside ``min_workers..max_workers`` or above
 ``global_batch``. Handling (paper section 4.2):
 
 - node lost (SEV1, its lease expired): re-plan without it, its task faulted;
+- node left (its daemon stopped cleanly and marked its record ``leaving``):
+  re-plan without it, no alert;
 - a SEV1 error event (e.g. ECC): isolate the node, re-plan, alert;
 - SEV2/SEV3 error events: the node's agent handles them in place; the
   ``escalate_after``-th within ``window_s`` on one node isolates it (SEV1),
@@ -78,6 +80,13 @@ class NodeLost:
 
 
 @dataclass(frozen=True)
+class NodeLeft:
+    """A node daemon that stops cleanly marked its record ``leaving`` (drained: no failure, no alert)."""
+
+    node: str
+
+
+@dataclass(frozen=True)
 class TaskSubmitted:
     """A task spec was stored."""
 
@@ -106,7 +115,7 @@ class Replan:
     reason: str = "replan"
 
 
-PolicyEvent = Union[NodeJoined, NodeLost, TaskSubmitted, TaskFinished, Failure, Replan]
+PolicyEvent = Union[NodeJoined, NodeLost, NodeLeft, TaskSubmitted, TaskFinished, Failure, Replan]
 
 
 # -- actions -----------------------------------------------------------------------------------------
@@ -142,7 +151,8 @@ class ClusterState:
         tasks: Active tasks in submission order.
         plan: The current plan (None before the first).
         isolated: Nodes out of service.
-        finished: Tasks finished or cancelled.
+        finished: Tasks finished, cancelled or failed.
+        failed: The tasks of ``finished`` that failed (a task failing on several nodes within the window).
         failures: Per node, the times of recent SEV2/SEV3 events.
         task_failures: Per task, the (time, node) of its recent SEV2/SEV3 events.
         table: Plans for the one-step events from ``plan`` (None: none computed).
@@ -161,6 +171,7 @@ class ClusterState:
     table: OneStepTable | None = field(default=None, compare=False, repr=False)
     config: PolicyConfig = PolicyConfig()
     incarnations: Mapping[str, int] = field(default_factory=dict)
+    failed: frozenset[str] = frozenset()
 
     def usable(self) -> list[str]:
         """Registered nodes not isolated, sorted."""
@@ -300,7 +311,7 @@ def replan(state: ClusterState, faulted: frozenset[str] = frozenset(), reason: s
                                      configs.get(k, "") if k else "")
     generation = 0 if state.plan is None else state.plan.generation + 1
     plan = ClusterPlan(generation, shares, {u: state.nodes[u] for u in usable}, tuple(sorted(state.isolated)),
-                       tuple(sorted(state.finished)), reason)
+                       tuple(sorted(state.finished)), reason, tuple(sorted(state.failed)))
     planned = replace(state, plan=plan, table=None)
     return replace(planned, table=_table(planned))
 
@@ -349,6 +360,18 @@ def _isolate(state: ClusterState, node: str, why: str, alerts: tuple[Alert, ...]
     return _with_plan(state, new, *alerts, Alert(Severity.SEV1, f"node {node} isolated: {why}", node, ",".join(hit)))
 
 
+def _fail_task(state: ClusterState, task: str, why: str) -> Decision:
+    """Take ``task`` out: failed (never planned again, like a finished one), its nodes to the others, an alert.
+
+    No node is isolated: a script that crashes must not take the cluster's nodes out one after another.
+    """
+    rest = tuple(t for t in state.tasks if t.name != task)
+    after = replace(state, tasks=rest, finished=state.finished | {task}, failed=state.failed | {task},
+                    task_failures={k: v for k, v in state.task_failures.items() if k != task})
+    new = replan(after, reason=f"task {task} failed", lookup=TableEvent("task_finished", frozenset({task})))
+    return _with_plan(state, new, Alert(Severity.SEV1, f"task {task} failed: {why}", "", task))
+
+
 def _on_failure(state: ClusterState, e: ErrorEvent) -> Decision:
     if e.node not in state.nodes or e.node in state.isolated or e.kind == "lost_connection":
         return Decision(state)  # node loss comes from the node registry itself (NodeLost)
@@ -364,9 +387,8 @@ def _on_failure(state: ClusterState, e: ErrorEvent) -> Decision:
     if len(recent) >= cfg.escalate_after:
         elsewhere = sorted({n for _, n in by_task.get(e.task, ()) if n != e.node}) if e.task else []
         if elsewhere:
-            return Decision(after, (Alert(e.severity, f"task {e.task}: failures on nodes {e.node}, "
-                                          f"{', '.join(elsewhere)} within {cfg.window_s:g} s (last: {e.kind}): "
-                                          "the task is suspect, no node isolated", e.node, e.task),))
+            return _fail_task(after, e.task, f"failures on nodes {e.node}, {', '.join(elsewhere)} within "
+                                             f"{cfg.window_s:g} s (last: {e.kind}): the task, not a node, is suspect")
         why = f"{len(recent)} failures within {cfg.window_s:g} s (last: {e.kind})"
         return _isolate(after, e.node, why, ())  # (its failures are explained: forgotten with it)
     if len(recent) >= 2:
@@ -396,16 +418,8 @@ def decide(state: ClusterState, event: PolicyEvent) -> Decision:
         one_step = event.node not in state.nodes and after.slots() == state.slots()  # the table is in these units
         new = replan(after, reason=f"node {event.node} joined", lookup=TableEvent("node_joined") if one_step else None)
         return _with_plan(state, new)
-    if isinstance(event, NodeLost):
-        if event.node not in state.nodes:
-            return Decision(state)
-        hit = _owners(state, event.node)
-        lost = {k: v for k, v in state.nodes.items() if k != event.node}
-        after = replace(state, nodes=lost, isolated=state.isolated - {event.node},
-                        incarnations={k: v for k, v in state.incarnations.items() if k != event.node})
-        one_step = event.node not in state.isolated and after.slots() == state.slots()
-        new = replan(after, hit, f"node {event.node} lost (SEV1)", TableEvent("node_lost", hit) if one_step else None)
-        return _with_plan(state, new, Alert(Severity.SEV1, f"node {event.node} lost", event.node, ",".join(hit)))
+    if isinstance(event, (NodeLost, NodeLeft)):
+        return _without_node(state, event.node, lost=isinstance(event, NodeLost))
     if isinstance(event, TaskSubmitted):
         if any(t.name == event.spec.name for t in state.tasks) or event.spec.name in state.finished:
             return Decision(state)
@@ -424,6 +438,22 @@ def decide(state: ClusterState, event: PolicyEvent) -> Decision:
     if isinstance(event, Replan):
         return _with_plan(state, replan(state, reason=event.reason))
     raise TypeError(f"not a policy event: {event!r}")
+
+
+def _without_node(state: ClusterState, node: str, lost: bool) -> Decision:
+    """Re-plan without ``node``: lost (SEV1, an alert) or left (drained by its daemon, no alert)."""
+    if node not in state.nodes:
+        return Decision(state)
+    hit = _owners(state, node)
+    rest = {k: v for k, v in state.nodes.items() if k != node}
+    after = replace(state, nodes=rest, isolated=state.isolated - {node},
+                    incarnations={k: v for k, v in state.incarnations.items() if k != node})
+    one_step = node not in state.isolated and after.slots() == state.slots()
+    reason = f"node {node} lost (SEV1)" if lost else f"node {node} left"
+    new = replan(after, hit, reason, TableEvent("node_lost", hit) if one_step else None)
+    if not lost:
+        return _with_plan(state, new)
+    return _with_plan(state, new, Alert(Severity.SEV1, f"node {node} lost", node, ",".join(hit)))
 
 
 def fold(state: ClusterState, events: list[PolicyEvent]) -> Decision:
@@ -457,6 +487,7 @@ class Observed:
         events: Error events after the coordinator's cursor, oldest first, with their etcd revisions.
         incarnations: Per node, the lease its record is attached to.
         cursor: The newest error event's revision read (malformed ones included).
+        leaving: Nodes whose daemon marked its record ``leaving`` (not in ``nodes``).
     """
 
     nodes: Mapping[str, int] = field(default_factory=dict)
@@ -466,19 +497,21 @@ class Observed:
     events: tuple[tuple[int, ErrorEvent], ...] = ()
     incarnations: Mapping[str, int] = field(default_factory=dict)
     cursor: int = 0
+    leaving: frozenset[str] = frozenset()
 
 
 def changes(state: ClusterState, seen: Observed) -> list[PolicyEvent]:
     """The events that turn ``state`` into what the store shows, worst first.
 
-    Nodes lost, then nodes joined, tasks finished or cancelled, tasks
+    Nodes lost or left, then nodes joined, tasks finished or cancelled, tasks
     submitted, error events; :class:`Replan` if there is no plan yet.
     """
     def restarted(n: str) -> bool:  # the same name, another daemon (a new lease): lost, then joined again
         known, now = state.incarnations.get(n), seen.incarnations.get(n)
         return n in seen.nodes and known is not None and now is not None and known != now
 
-    out: list[PolicyEvent] = [NodeLost(n) for n in sorted(state.nodes) if n not in seen.nodes or restarted(n)]
+    out: list[PolicyEvent] = [NodeLeft(n) if n in seen.leaving and n not in seen.nodes else NodeLost(n)
+                              for n in sorted(state.nodes) if n not in seen.nodes or restarted(n)]
     out += [NodeJoined(n, k, seen.incarnations.get(n, 0)) for n, k in sorted(seen.nodes.items())
             if state.nodes.get(n) != k or restarted(n)]
     active = {t.name for t in state.tasks}
@@ -519,6 +552,7 @@ def state_to_json(state: ClusterState, cursor: int, leader: str) -> str:
     return json.dumps({"nodes": dict(state.nodes), "incarnations": dict(state.incarnations),
                        "tasks": [t.name for t in state.tasks],
                        "isolated": sorted(state.isolated), "finished": sorted(state.finished),
+                       "failed": sorted(state.failed),
                        "failures": {k: list(v) for k, v in state.failures.items()},
                        "task_failures": {k: [list(f) for f in v] for k, v in state.task_failures.items()},
                        "cursor": cursor,
@@ -545,7 +579,8 @@ def state_from_json(raw: str | bytes, plan: ClusterPlan | None, specs: Mapping[s
             failures={str(k): tuple(float(t) for t in v) for k, v in doc["failures"].items()}, config=config,
             task_failures={str(k): tuple((float(t), str(n)) for t, n in v)
                            for k, v in doc.get("task_failures", {}).items()},
-            incarnations={str(k): int(v) for k, v in doc.get("incarnations", {}).items()})
+            incarnations={str(k): int(v) for k, v in doc.get("incarnations", {}).items()},
+            failed=frozenset(str(t) for t in doc.get("failed", ())))
         return replace(state, table=_table(state)), int(doc["cursor"])
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
         raise MalformedValueError(f"not a coordinator state document: {exc}") from None
@@ -557,5 +592,6 @@ def state_from_plan(plan: ClusterPlan, specs: Mapping[str, TaskSpec], config: Po
     The plan's generation goes on from there, so daemons keep following it.
     """
     state = ClusterState(nodes=dict(plan.nodes), tasks=tuple(specs[n] for n in plan.tasks if n in specs), plan=plan,
-                         isolated=frozenset(plan.isolated), finished=frozenset(plan.finished), config=config)
+                         isolated=frozenset(plan.isolated), finished=frozenset(plan.finished), config=config,
+                         failed=frozenset(plan.failed))
     return replace(state, table=_table(state))

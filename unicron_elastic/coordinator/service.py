@@ -93,9 +93,9 @@ def _event_ok(e: ErrorEvent) -> bool:
     return all(isinstance(getattr(e, f), str) for f in ("kind", "node", "task", "detector")) and number(e.detected_at)
 
 
-def _nodes(store: StatusStore) -> tuple[dict[str, int], dict[str, int]]:
-    """Daemon node records that are up: slots and incarnation (the record's lease) by node name."""
-    slots, incarnations = {}, {}
+def _nodes(store: StatusStore) -> tuple[dict[str, int], dict[str, int], frozenset[str]]:
+    """Daemon node records: slots and incarnation (the record's lease) of those up, and those leaving."""
+    slots, incarnations, leaving = {}, {}, set()
     for kv in store.get_prefix(store.keys.nodes()):
         try:
             record = NodeRecord.from_json(kv.value)
@@ -103,10 +103,12 @@ def _nodes(store: StatusStore) -> tuple[dict[str, int], dict[str, int]]:
         except (MalformedValueError, ValueError, AttributeError):
             log.debug("not_a_daemon_node_record", key=kv.key)  # e.g. a unicron-run agent's record
             continue
+        name = kv.key.rsplit("/", 1)[-1]
         if state == "up":
-            name = kv.key.rsplit("/", 1)[-1]
             slots[name], incarnations[name] = record.slots, kv.lease
-    return slots, incarnations
+        elif state == "leaving":
+            leaving.add(name)
+    return slots, incarnations, frozenset(leaving)
 
 
 def observe(store: StatusStore, cursor: int) -> Observed:
@@ -117,7 +119,7 @@ def observe(store: StatusStore, cursor: int) -> Observed:
     A malformed event is logged and passed over.
     """
     keys = store.keys
-    nodes, incarnations = _nodes(store)
+    nodes, incarnations, leaving = _nodes(store)
     task_keys = [kv.key[len(keys.tasks()):] for kv in store.get_prefix(keys.tasks())]
     cancelled = frozenset(k.split("/")[0] for k in task_keys if k.endswith("/cancel"))
     done: dict[str, set[str]] = {}
@@ -138,14 +140,16 @@ def observe(store: StatusStore, cursor: int) -> Observed:
             continue
         events.append((kv.create_revision, event))
     return Observed(nodes, tuple(read_specs(store).values()), cancelled,
-                    {task: frozenset(names) for task, names in done.items()}, tuple(events), incarnations, newest)
+                    {task: frozenset(names) for task, names in done.items()}, tuple(events), incarnations, newest,
+                    leaving)
 
 
 def task_status(state: ClusterState, name: str) -> dict:
     """The status document of one task under ``state``'s plan."""
     share = state.plan.tasks.get(name) if state.plan else None
     if name in state.finished:
-        return {"state": "finished", "generation": state.plan.generation if state.plan else -1}
+        return {"state": "failed" if name in state.failed else "finished",
+                "generation": state.plan.generation if state.plan else -1}
     if share is None or not share.nodes:
         return {"state": "waiting", "nodes": [], "workers": 0, "generation": state.plan.generation if state.plan else -1}
     return {"state": "running", "nodes": list(share.nodes), "workers": share.workers, "waf": share.waf,
@@ -276,7 +280,8 @@ class Coordinator:
             if self.on_plan is not None:
                 self.on_plan(action.plan, elapsed)
             if self.metrics is not None:
-                self.metrics.planned(action.plan, elapsed, len(decision.state.finished))
+                self.metrics.planned(action.plan, elapsed, len(decision.state.finished - decision.state.failed),
+                                     len(decision.state.failed))
         if self.metrics is not None:
             for event in events:
                 self.metrics.decided(_severity(event))

@@ -65,7 +65,7 @@ def read_tasks(store) -> list[dict[str, Any]]:
             status = _json(kv.value)
             if isinstance(status, dict) and entry["state"] != "malformed":
                 entry.update(_checked_status(status))
-        elif rest == "cancel" and entry["state"] not in ("finished", "malformed"):
+        elif rest == "cancel" and entry["state"] not in ("finished", "failed", "malformed"):
             entry["state"] = "cancelling"
     return list(by_task.values())
 

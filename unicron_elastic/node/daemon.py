@@ -75,6 +75,8 @@ class NodeDaemon:
         self.stop_timeout = stop_timeout
         self.leave_timeout = leave_timeout
         self.stopped = threading.Event()
+        self._hurry = threading.Event()  # stop now: no drain, no waiting for a launcher to leave
+        self._draining = False
         self._wake = threading.Event()
         self.applied: Command | None = None
         self.launcher: subprocess.Popen | None = None
@@ -100,8 +102,10 @@ class NodeDaemon:
                 self._wake.wait(0.2)
         finally:
             watch.cancel()
-            self._stop_launcher()
             lost = self.lease.lost.is_set()
+            if self._draining and not lost:
+                self._drain()
+            self._stop_launcher()
             if not lost:
                 try:
                     self.store.put(keys.node(self.name), self.record.to_json("leaving"), lease=self.lease.id)
@@ -124,9 +128,58 @@ class NodeDaemon:
         log.info("node_registered", node=self.name, slots=self.record.slots, lease=lease)
 
     def stop(self) -> None:
-        """Ask :meth:`run` to stop (thread- and signal-safe)."""
+        """Ask :meth:`run` to stop now (thread- and signal-safe): the launcher is stopped, not drained.
+
+        The coordinator sees the node's record go (a node lost, SEV1) unless a drain marked it ``leaving``.
+        """
+        self._hurry.set()
         self.stopped.set()
         self._wake.set()
+
+    def drain(self) -> None:
+        """Ask :meth:`run` to take the node out of the cluster, then stop (thread- and signal-safe).
+
+        The record is marked ``leaving`` (the coordinator re-plans without the
+        node: no failure, no alert) and the daemon follows the plan that drops
+        it for up to ``leave_timeout``: a task that goes on elsewhere is left at
+        a step boundary. A second call stops now (:meth:`stop`).
+        """
+        if self.stopped.is_set():
+            self.stop()
+            return
+        self._draining = True
+        self.stopped.set()
+        self._wake.set()
+
+    def _drain(self) -> None:
+        """Mark the record ``leaving``; once the plan drops this node, leave a task that goes on elsewhere."""
+        from unicron_elastic.coordinator.service import read_plan
+
+        assert self.lease is not None
+        try:
+            self.store.put(self.store.keys.node(self.name), self.record.to_json("leaving"), lease=self.lease.id)
+        except StoreError as exc:
+            log.warning("node_not_drained", node=self.name, error=str(exc)[:200])
+            return
+        log.info("node_draining", node=self.name, task=self.task, timeout=self.leave_timeout)
+        deadline = time.monotonic() + self.leave_timeout
+        while not self._hurry.is_set() and time.monotonic() < deadline:
+            code = self.launcher.poll() if self.launcher is not None else None
+            if code is not None:  # it ended meanwhile: report a completion, do not restart a failure
+                self.launcher = None
+                if code == 0 and self.task is not None:
+                    self._ended(self.task, code)
+            try:
+                plan = read_plan(self.store)
+            except StoreError as exc:
+                log.warning("node_not_drained", node=self.name, error=str(exc)[:200])
+                return
+            if plan is None or self.name not in plan.nodes:  # re-planned without this node (or never planned)
+                if self.launcher is not None and self.task is not None and self._goes_on_elsewhere(self.task):
+                    self._leave_launcher()
+                break
+            time.sleep(0.1)
+        log.info("node_drained" if self.launcher is None else "node_not_drained", node=self.name, task=self.task)
 
     def tick(self) -> None:
         """Apply the newest command, then look after the launcher."""
@@ -275,7 +328,7 @@ class NodeDaemon:
         log.info("launcher_leaving", node=self.name, task=self.task, pid=proc.pid)
         proc.send_signal(LEAVE_SIGNAL)
         deadline = time.monotonic() + self.leave_timeout
-        while proc.poll() is None and time.monotonic() < deadline and not self.stopped.is_set():
+        while proc.poll() is None and time.monotonic() < deadline and not self._hurry.is_set():
             time.sleep(0.05)
         code = proc.poll()
         if code is None:

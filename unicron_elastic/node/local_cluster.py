@@ -125,8 +125,8 @@ class LocalCluster:
         """Stop the daemons (they stop their workers), the coordinators, then etcd."""
         procs = list(self.daemons.values()) + self.coordinators
         for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            if proc.poll() is None:  # (daemons: SIGINT stops at once; SIGTERM would drain each node)
+                proc.send_signal(signal.SIGINT if proc in self.daemons.values() else signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for proc in procs:
             try:
