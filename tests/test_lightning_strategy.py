@@ -188,6 +188,29 @@ def test_scale_out_2_to_4_new_ranks_get_the_state_from_a_replica(tmp_path: Path,
 # -- in-process: registry, Lightning features, bad input ------------------------------
 
 
+@pytest.mark.parametrize("first, then", [
+    ("import unicron_elastic", "import lightning.pytorch as pl"),  # unicron first: registered when Lightning comes
+    ("import unicron_elastic", "from lightning import Trainer"),
+    ("import unicron_elastic", "import lightning.pytorch.strategies"),
+    ("import lightning.pytorch", "import unicron_elastic"),  # Lightning first: registered at once
+], ids=["unicron-then-lightning.pytorch", "unicron-then-lightning", "unicron-then-strategies", "lightning-first"])
+def test_trainer_finds_the_strategy_whatever_the_import_order(first: str, then: str) -> None:
+    """Issue 12 item 7: ``Trainer(strategy="unicron_megatron")`` works in any import order, and
+    ``import unicron_elastic`` alone imports no Lightning (agents and CLIs do not pay for it)."""
+    code = (f"import sys; {first}; lightning_loaded = 'lightning.pytorch' in sys.modules; {then};"
+            "import lightning.pytorch as pl;"
+            "from lightning.pytorch.strategies import StrategyRegistry; assert 'unicron_megatron' in StrategyRegistry;"
+            "t = pl.Trainer(strategy='unicron_megatron', accelerator='cpu', devices=1, logger=False,"
+            " enable_progress_bar=False, enable_model_summary=False);"
+            "assert type(t.strategy).__name__ == 'UnicronMegatronStrategy';"
+            "assert type(sys.modules['lightning.pytorch'].__loader__).__name__ == 'SourceFileLoader';"
+            "print('eager' if lightning_loaded else 'lazy')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = "eager" if first.startswith("import lightning") else "lazy"
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+
 def test_import_registers_the_strategy_without_importing_lightning_eagerly() -> None:
     code = ("import sys, unicron_elastic; assert 'lightning.pytorch' not in sys.modules;"
             "import lightning.pytorch as pl, unicron_elastic.strategy;"

@@ -8,11 +8,10 @@ __version__ = "0.1.0"
 
 
 def _register_lightning_strategy() -> None:
-    """Register ``unicron_megatron`` if Lightning is already imported (it costs ~2 s to import it here)."""
-    import sys
+    """Register ``unicron_megatron`` with Lightning, now or when it is imported (never importing it here: ~2 s)."""
+    from unicron_elastic._lightning_hook import install
 
-    if "lightning.pytorch" in sys.modules:
-        import unicron_elastic.strategy  # noqa: F401  (registers on import)
+    install()
 
 
 _register_lightning_strategy()
