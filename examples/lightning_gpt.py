@@ -24,7 +24,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from unicron_elastic.strategy import UnicronMegatronStrategy  # also registers "unicron_megatron"
 from unicron_elastic.testing import FAULTS_ENV, faults_env, fail_at
@@ -34,7 +34,9 @@ from unicron_elastic.worker import get_worker
 class Tokens(Dataset):
     """Deterministic sequences with structure to learn: x[t+1] = (a * x[t] + b) mod V."""
 
-    def __init__(self, samples: int = 192, length: int = 16, vocab: int = 32) -> None:
+    def __init__(self, samples: int = 192, length: int = 16, vocab: int = 32, delay: float = 0.0,
+                 record: Path | None = None) -> None:
+        self.delay, self.record = delay, record
         generator = torch.Generator().manual_seed(7)
         starts = torch.randint(0, vocab, (samples,), generator=generator)
         steps = torch.randint(1, 4, (samples,), generator=generator)
@@ -47,6 +49,12 @@ class Tokens(Dataset):
         return len(self.data)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay:
+            time.sleep(self.delay)  # a slow sample (decoding, augmentation...)
+        if self.record is not None:  # who loaded it: "pid worker-id index" (worker id -1: the rank itself)
+            info = get_worker_info()
+            with open(self.record, "a") as f:
+                f.write(f"{os.getpid()} {-1 if info is None else info.id} {i}\n")
         return self.data[i, :-1], self.data[i, 1:]
 
 
@@ -172,6 +180,9 @@ def main() -> None:
     parser.add_argument("--hold-step", type=int, default=0)
     parser.add_argument("--members", default=None, help="initial data-parallel ranks, e.g. 0,1 (default: all)")
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [ranks]}: scale in/out at that step')
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    parser.add_argument("--load-delay", type=float, default=0.0, help="seconds each sample takes to load")
+    parser.add_argument("--record-loads", action="store_true", help="append who loaded each sample to OUT/loads<R>.txt")
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
@@ -202,10 +213,13 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
         callbacks=callbacks,
     )
-    trainer.fit(model, DataLoader(Tokens(), batch_size=args.micro_batch))
+    data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None)
+    trainer.fit(model, DataLoader(data, batch_size=args.micro_batch, num_workers=args.num_workers,
+                                  persistent_workers=args.num_workers > 0))
     trainer.save_checkpoint(args.out / "final.ckpt")
     summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
-               "retired_at": strategy.retired_at,
+               "retired_at": strategy.retired_at, "fed": strategy.feed.fed if strategy.feed else 0,
+               "on_demand": strategy.feed.on_demand if strategy.feed else 0,
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")

@@ -111,6 +111,26 @@ def test_kill_before_and_after_the_optimizer_step(tmp_path: Path, baseline, at: 
 
 
 @pytest.mark.timeout(300)
+def test_the_dataloaders_workers_load_the_micro_batches_and_a_kill_keeps_the_trajectory(tmp_path: Path,
+                                                                                        baseline) -> None:
+    """Issue 12 item 6: ``DataLoader(num_workers=2, persistent_workers=True)`` is honoured: each rank's own
+    micro-batches are loaded by its worker processes; the killed rank's micro-batches are materialised on
+    demand by the survivors; the parameters equal the failure-free run without workers."""
+    proc = launch(tmp_path, [fail_at(rank=2, step=2, micro_batch=2)], "--num-workers", "2", "--record-loads")
+    reports = check_survivors(tmp_path, proc, 2, baseline)
+    assert covered_once(reports)
+    for r in (0, 1):
+        done = summary(tmp_path, r)
+        loads = [line.split() for line in (tmp_path / f"loads{r}.txt").read_text().splitlines()]
+        by_workers = {int(pid) for pid, worker, _ in loads if int(worker) >= 0}
+        assert len(by_workers) == 2 and done["pid"] not in by_workers  # the DataLoader's two worker processes
+        assert done["fed"] >= STEPS  # its own micro-batches of every step came from the workers
+        assert done["on_demand"] >= 1  # the killed rank's micro-batch moved here
+        here = [int(i) for pid, worker, i in loads if int(worker) < 0]
+        assert len(here) == done["on_demand"] * 4  # 4 samples per micro-batch, loaded by the rank itself
+
+
+@pytest.mark.timeout(300)
 def test_restarted_rank_rejoins_with_state_from_a_replica(tmp_path: Path, baseline) -> None:
     proc = launch(tmp_path, [fail_at(rank=2, step=1, micro_batch=5)], step_time=1.5)
     check_survivors(tmp_path, proc, 2, baseline)

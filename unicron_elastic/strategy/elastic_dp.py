@@ -529,7 +529,7 @@ class ElasticDataParallel:
         return self._compute(effect.step, list(effect.micro_batches))
 
     def _compute(self, step: int, micro_batches: list[int]) -> torch.Tensor:
-        total = torch.zeros(sum(p.numel() for p in self.params), dtype=self.grad_dtype)
+        total = torch.zeros(sum(p.numel() for p in self.params), dtype=self.grad_dtype, device=self.params[0].device)
         views, offset = [], 0
         for p in self.params:
             views.append(total[offset : offset + p.numel()].view_as(p))
@@ -553,7 +553,7 @@ class ElasticDataParallel:
             self.pg.allreduce([buf]).wait()
             return buf, None
         # the next step's members ride along (the leader's proposal, zeros elsewhere)
-        buf = torch.cat([local[start:end], self._encode(effect.offer, local.dtype)])
+        buf = torch.cat([local[start:end], self._encode(effect.offer, local.dtype).to(local.device)])
         self.pg.allreduce([buf]).wait()
         return buf[: end - start], self._decode(buf[end - start :])
 

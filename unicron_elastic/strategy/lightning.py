@@ -6,10 +6,13 @@ not wrap the model in DDP: one optimizer step is driven by
 section 6), with the LightningModule's ``training_step`` as the loss of one
 micro-batch:
 
-* the train dataloader's dataset and collate function are kept; the loop
-  iterates one item per optimizer step, and micro-batch ``j`` of step ``s`` is
-  materialised from the dataset by :class:`GlobalBatchPlan` (any rank can
-  compute any micro-batch, so work moves when a rank dies);
+* the train dataloader's dataset and settings are kept; the loop iterates one
+  item per optimizer step, and micro-batch ``j`` of step ``s`` holds the samples
+  :class:`GlobalBatchPlan` names (any rank can compute any micro-batch, so work
+  moves when a rank dies). This rank's own micro-batches are loaded ahead by a
+  ``DataLoader`` with the user's ``num_workers``, ``pin_memory``,
+  ``persistent_workers``, ``prefetch_factor``...; moved ones are materialised on
+  demand (:mod:`~unicron_elastic.strategy.feed`);
 * ``training_step`` (Lightning's closure) computes this rank's micro-batches;
   ``backward`` is the resilient bucketed all-reduce (scenario 1 and 2
   recovery happen there); Lightning then clips, calls its hooks and steps;
@@ -44,6 +47,7 @@ import structlog
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -53,6 +57,7 @@ from unicron_elastic.faults import maybe_fail
 from unicron_elastic.meeting import MEETING_ENV, connect_meeting_store
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, StepReport
 from unicron_elastic.strategy.environment import UnicronEnvironment
+from unicron_elastic.strategy.feed import MicroBatchFeed
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world
 from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot, PeerServers
@@ -175,12 +180,16 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._last_beat: float | None = None
         self._current = (0, 0)
         self._losses: list[torch.Tensor] = []
-        self._dataset: Any = None
-        self._collate: Any = None
+        self._feed: MicroBatchFeed | None = None
         self._rng: dict[str, Any] | None = None
         self._memory: MemorySnapshot | None = None
         self._disk: DiskCheckpoints | None = None
         self._worker = get_worker()
+
+    @property
+    def feed(self) -> MicroBatchFeed | None:
+        """Where micro-batches come from (its ``fed``/``on_demand`` counters); None before the dataloader."""
+        return self._feed
 
     # -- environment ------------------------------------------------------------
     @property
@@ -190,6 +199,15 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     @property
     def root_device(self) -> torch.device:
+        """``cuda:LOCAL_RANK`` when Lightning's accelerator is CUDA, else the CPU.
+
+        (Not Lightning's ``parallel_devices[local_rank]``: under ``unicron-run`` the
+        launcher, not ``devices=``, decides how many ranks a node runs.) On CUDA
+        the gradients still go through gloo (it reduces CUDA tensors); an NCCL
+        transport is not built, and the CUDA path is untested here (no GPU).
+        """
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", self.env.local_rank())
         return torch.device("cpu")
 
     @property
@@ -386,13 +404,21 @@ class UnicronMegatronStrategy(DDPStrategy):
             raise ConfigError("unicron_megatron needs a DataLoader over a map-style dataset (len and [])")
         micro = self.micro_batch or dataloader.batch_size or 1
         plan = GlobalBatchPlan(len(dataset), self.global_batch or micro * self.env.launch_world_size, micro, self.seed)
-        self._dataset, self._collate, self.engine.plan = dataset, dataloader.collate_fn, plan
+        self.engine.plan = plan
+        if self._feed is not None:
+            self._feed.close()
+        engine = self.engine
+        self._feed = MicroBatchFeed(dataloader, plan, self.env.launch_rank, lambda: engine.members)
         if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
             return _Steps(0)
         return _Steps(plan.steps_per_epoch)
 
     def _materialise(self, indices: list[int]) -> Any:
-        return self._collate([self._dataset[i] for i in indices])
+        assert self._feed is not None, "no train dataloader was processed"
+        step, j = self._current  # (set by the engine's hook just before it asks)
+        batch = self._feed.get(step, j, indices)
+        device = self.root_device
+        return batch if device.type == "cpu" else self.batch_to_device(batch, device)
 
     # -- one step ------------------------------------------------------------------
     def _hook(self, rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
@@ -404,8 +430,13 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
         step, j = self._current
-        with torch.random.fork_rng(devices=[]):  # dropout etc. do not depend on who computes micro-batch j
-            torch.default_generator.manual_seed((self.seed * 1_000_003 + step) * 65_537 + j)  # CPU only: cheap
+        device = self.root_device
+        cuda = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # dropout etc. do not depend on who computes micro-batch j
+            seed = (self.seed * 1_000_003 + step) * 65_537 + j
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.manual_seed(seed)  # this rank's GPU only
             loss = _loss_of(module.training_step(batch, j))
         self._losses.append(loss.detach())
         return loss
@@ -500,6 +531,8 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     # -- the end -------------------------------------------------------------------
     def teardown(self) -> None:
+        if self._feed is not None:
+            self._feed.close()  # the DataLoader's worker processes
         if self.engine is not None and self.engine.pg is not None and self.retired_at is None:
             self.engine.finish()
         for saver in (self._memory, self._disk):
