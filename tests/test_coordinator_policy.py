@@ -161,6 +161,9 @@ def test_a_task_failing_on_several_nodes_fails_and_no_node_is_isolated() -> None
     assert alert.severity == Severity.SEV1 and alert.task == "a" and "not a node, is suspect" in alert.message
     assert "n1" in alert.message
     assert decide(third.state, TaskSubmitted(A)).actions == ()  # a failed task is never planned again
+    assert third.state.failures == {} and third.state.task_failures == {}  # its failures are explained by it
+    assert decide(third.state, e("n0", 102.5)).actions == ()  # a late event of the failed task: nothing
+    assert "n0" not in decide(third.state, e("n0", 103.0, "b")).state.isolated  # one more failure: no isolation
     restored, _ = state_from_json(state_to_json(third.state, 7, "me"), third.state.plan, {"a": A}, CONFIG)
     assert restored.failed == {"a"} and ClusterPlan.from_json(third.state.plan.to_json()).failed == ("a",)
     # failures of the same node under another task (or none) still isolate it

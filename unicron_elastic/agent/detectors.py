@@ -234,6 +234,7 @@ class NodeHealthDetector(Detector):
         self.lease: KeptLease | None = None
         self._watch: PrefixWatch | None = None
         self._leaving: set[str] = set()
+        self._stopping = False  # a renewal must not turn the ``leaving`` record back to ``running``
 
     def start(self, ctx: DetectorContext) -> None:
         super().start(ctx)
@@ -251,8 +252,8 @@ class NodeHealthDetector(Detector):
         Raises:
             StoreError: etcd refused or could not be reached.
         """
-        if os.environ.get(NODE_DAEMON_ENV):
-            return  # the node daemon holds this node's record (with its slots) on its own lease
+        if os.environ.get(NODE_DAEMON_ENV) or self._stopping:
+            return  # the node daemon holds this node's record (with its slots) on its own lease; or leaving
         store = self.ctx.store
         assert store is not None
         store.put_json(store.keys.node(self.ctx.node), {"state": "running", "lease": lease, "ts": time.time()},
@@ -282,6 +283,7 @@ class NodeHealthDetector(Detector):
         store = self.ctx.store if hasattr(self, "ctx") else None
         if self._watch is not None:
             self._watch.cancel()
+        self._stopping = True
         if self.lease is not None and store is not None:
             if not os.environ.get(NODE_DAEMON_ENV):
                 try:

@@ -71,15 +71,15 @@ class MeetingPoint:
         Raises:
             StoreError: etcd refused or could not be reached.
         """
-        with self._lock:
-            live = dict(self._live)
-            address = self._snapshot_address
-        self.store.put(self.prefix + MeetingKeys.agent(self.group_rank), b"1", lease=lease)
-        if address is not None:
-            self.store.put(self.prefix + MeetingKeys.snapshot_host(self.group_rank), address.encode(), lease=lease)
-        for rank, incarnation in live.items():
-            self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=lease)
-        log.warning("meeting_keys_renewed", group_rank=self.group_rank, ranks=sorted(live))
+        with self._lock:  # (held across the writes: a worker exiting meanwhile must not be put back)
+            self.store.put(self.prefix + MeetingKeys.agent(self.group_rank), b"1", lease=lease)
+            if self._snapshot_address is not None:
+                self.store.put(self.prefix + MeetingKeys.snapshot_host(self.group_rank),
+                               self._snapshot_address.encode(), lease=lease)
+            for rank, incarnation in self._live.items():
+                self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=lease)
+            ranks = sorted(self._live)
+        log.warning("meeting_keys_renewed", group_rank=self.group_rank, ranks=ranks)
 
     def _serve_snapshots(self, host: str) -> dist.TCPStore | None:
         """Start this node's snapshot server and publish ``host:port`` on the node's lease (None: it failed)."""
@@ -111,7 +111,12 @@ class MeetingPoint:
         """
         with self._lock:
             self._live[rank] = incarnation
-        self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=self.lease.id)
+            try:
+                self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=self.lease.id)
+            except StoreError as exc:
+                if "lease not found" not in str(exc):
+                    raise
+                log.warning("liveness_put_deferred", rank=rank, reason="the node's lease lapsed: its renewal puts it")
         if leaving:
             self.ask_to_leave([rank])
         else:
@@ -148,10 +153,10 @@ class MeetingPoint:
         """Worker ``rank`` exited: peers regrouping stop waiting for it; its leave request (if any) goes."""
         with self._lock:
             self._live.pop(rank, None)
-        try:
-            self.store.delete(self.prefix + MeetingKeys.live(rank))
-        except StoreError as exc:  # the lease removes it within one TTL
-            log.warning("liveness_delete_failed", rank=rank, error=str(exc)[:200])
+            try:
+                self.store.delete(self.prefix + MeetingKeys.live(rank))
+            except StoreError as exc:  # the lease removes it within one TTL
+                log.warning("liveness_delete_failed", rank=rank, error=str(exc)[:200])
         self.withdraw_leave(rank)
 
     def exit_barrier(self, nodes: int, timeout: float) -> list[int]:

@@ -366,7 +366,10 @@ def _fail_task(state: ClusterState, task: str, why: str) -> Decision:
     No node is isolated: a script that crashes must not take the cluster's nodes out one after another.
     """
     rest = tuple(t for t in state.tasks if t.name != task)
+    explained = {(t, n) for t, n in state.task_failures.get(task, ())}  # the task's failures, not the nodes'
+    failures = {n: tuple(t for t in times if (t, n) not in explained) for n, times in state.failures.items()}
     after = replace(state, tasks=rest, finished=state.finished | {task}, failed=state.failed | {task},
+                    failures={n: times for n, times in failures.items() if times},
                     task_failures={k: v for k, v in state.task_failures.items() if k != task})
     new = replan(after, reason=f"task {task} failed", lookup=TableEvent("task_finished", frozenset({task})))
     return _with_plan(state, new, Alert(Severity.SEV1, f"task {task} failed: {why}", "", task))
@@ -375,6 +378,8 @@ def _fail_task(state: ClusterState, task: str, why: str) -> Decision:
 def _on_failure(state: ClusterState, e: ErrorEvent) -> Decision:
     if e.node not in state.nodes or e.node in state.isolated or e.kind == "lost_connection":
         return Decision(state)  # node loss comes from the node registry itself (NodeLost)
+    if e.task and e.task in state.finished:
+        return Decision(state)  # a late event of a task that finished or failed: explained by it
     if e.severity == Severity.SEV1:
         return _isolate(state, e.node, f"{e.kind} ({e.message})", ())
     cfg = state.config

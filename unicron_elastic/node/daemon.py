@@ -77,6 +77,7 @@ class NodeDaemon:
         self.stopped = threading.Event()
         self._hurry = threading.Event()  # stop now: no drain, no waiting for a launcher to leave
         self._draining = False
+        self._leaving = False  # the record says ``leaving`` (a drain is under way)
         self._wake = threading.Event()
         self.applied: Command | None = None
         self.launcher: subprocess.Popen | None = None
@@ -102,16 +103,11 @@ class NodeDaemon:
                 self._wake.wait(0.2)
         finally:
             watch.cancel()
-            lost = self.lease.lost.is_set()
-            if self._draining and not lost:
-                self._drain()
+            if self._draining and not self.lease.lost.is_set():
+                self._drain()  # (marks the record ``leaving``: the coordinator plans the node out, no SEV1)
             self._stop_launcher()
-            if not lost:
-                try:
-                    self.store.put(keys.node(self.name), self.record.to_json("leaving"), lease=self.lease.id)
-                except StoreError:
-                    pass
-            self.lease.close(revoke=not lost)
+            lost = self.lease.lost.is_set()
+            self.lease.close(revoke=not lost)  # a stop without a drain: the record vanishes, a node lost
         return 1 if lost else 0
 
     def _register(self, lease: int) -> None:
@@ -124,8 +120,9 @@ class NodeDaemon:
         Raises:
             StoreError: etcd refused or could not be reached.
         """
-        self.store.put(self.store.keys.node(self.name), self.record.to_json(), lease=lease)
-        log.info("node_registered", node=self.name, slots=self.record.slots, lease=lease)
+        state = "leaving" if self._leaving else "up"  # (a renewal during a drain must not undo it)
+        self.store.put(self.store.keys.node(self.name), self.record.to_json(state), lease=lease)
+        log.info("node_registered", node=self.name, slots=self.record.slots, lease=lease, state=state)
 
     def stop(self) -> None:
         """Ask :meth:`run` to stop now (thread- and signal-safe): the launcher is stopped, not drained.
@@ -156,6 +153,7 @@ class NodeDaemon:
         from unicron_elastic.coordinator.service import read_plan
 
         assert self.lease is not None
+        self._leaving = True
         try:
             self.store.put(self.store.keys.node(self.name), self.record.to_json("leaving"), lease=self.lease.id)
         except StoreError as exc:
@@ -165,11 +163,11 @@ class NodeDaemon:
         deadline = time.monotonic() + self.leave_timeout
         while not self._hurry.is_set() and time.monotonic() < deadline:
             code = self.launcher.poll() if self.launcher is not None else None
-            if code is not None:  # it ended meanwhile: report a completion, do not restart a failure
-                self.launcher = None
-                if code == 0 and self.task is not None:
-                    self._ended(self.task, code)
             try:
+                if code is not None:  # it ended meanwhile: report a completion, do not restart a failure
+                    self.launcher = None
+                    if code == 0 and self.task is not None:
+                        self._ended(self.task, code)
                 plan = read_plan(self.store)
             except StoreError as exc:
                 log.warning("node_not_drained", node=self.name, error=str(exc)[:200])

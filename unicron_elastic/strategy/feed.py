@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
+import torch
 from torch.utils.data import DataLoader
 
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal
@@ -55,13 +56,14 @@ class _Order:
 
     def __iter__(self) -> Iterator[list[int]]:
         step, first, members = self.start
+        begin = (step, first)
         self.issued.clear()
         mine = deal(self.plan.num_micro_batches, list(members)).get(self.rank, [])
         if not mine:
             return
         while True:
             for j in mine:
-                if (step, j) >= (self.start[0], first):
+                if (step, j) >= begin:
                     self.issued.append((step, j))
                     yield self.plan.indices(step, j)
             step += 1
@@ -94,6 +96,8 @@ class MicroBatchFeed:
             settings = {name: getattr(loader, name) for name in _SETTINGS if hasattr(loader, name)}
             settings["prefetch_factor"] = loader.prefetch_factor
             settings["in_order"] = True  # batches come back in the sampler's order (the keys in ``issued``)
+            if settings.get("generator") is None:  # each new iterator draws the workers' base seed from it:
+                settings["generator"] = torch.Generator().manual_seed(plan.seed)  # not from the global RNG
             self._loader = DataLoader(self.dataset, batch_sampler=self._order, **settings)
 
     def get(self, step: int, j: int, indices: list[int]) -> Any:

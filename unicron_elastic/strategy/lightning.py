@@ -416,9 +416,8 @@ class UnicronMegatronStrategy(DDPStrategy):
     def _materialise(self, indices: list[int]) -> Any:
         assert self._feed is not None, "no train dataloader was processed"
         step, j = self._current  # (set by the engine's hook just before it asks)
-        batch = self._feed.get(step, j, indices)
-        device = self.root_device
-        return batch if device.type == "cpu" else self.batch_to_device(batch, device)
+        # Lightning's transfer (the module's on_before/after_batch_transfer hooks), on every device alike
+        return self.batch_to_device(self._feed.get(step, j, indices), self.root_device)
 
     # -- one step ------------------------------------------------------------------
     def _hook(self, rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
@@ -436,7 +435,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             seed = (self.seed * 1_000_003 + step) * 65_537 + j
             torch.default_generator.manual_seed(seed)
             if cuda:
-                torch.cuda.manual_seed(seed)  # this rank's GPU only
+                torch.cuda.default_generators[device.index].manual_seed(seed)  # this rank's GPU only
             loss = _loss_of(module.training_step(batch, j))
         self._losses.append(loss.detach())
         return loss
