@@ -184,7 +184,8 @@ def add_cluster_commands(sub) -> None:
     add_etcd_options(cancel)
     cancel.set_defaults(func=_cmd_task_cancel)
 
-    node = sub.add_parser("node", help="the node daemon: registers the node and runs the workers the plan gives it")
+    node = sub.add_parser("node", help="the node daemon: registers the node and runs the workers the plan gives it "
+                          "(SIGTERM drains the node first; Ctrl-C, SIGHUP or a second SIGTERM stop at once)")
     add_etcd_options(node, timeout=DAEMON_TIMEOUT_S)
     node.add_argument("--slots", type=_positive_int, required=True, help="workers this node runs (its GPUs)")
     node.add_argument("--name", default=socket.gethostname(), help="node name (default: the host name)")
@@ -193,7 +194,7 @@ def add_cluster_commands(sub) -> None:
                       help="extra unicron-run flag for every task (repeatable), e.g. --launcher-arg=--node-ttl=1")
     node.add_argument("--leave-timeout", type=_bounded(86400), default=60.0,
                       help="seconds a launcher asked to leave its task at a step boundary (the plan moved the node) "
-                           "gets before it is stopped; default 60")
+                           "gets before it is stopped, and a drain waits for the plan without the node; default 60")
     node.set_defaults(func=_cmd_node)
 
     cluster = sub.add_parser("cluster", help="a whole cluster on this machine, for demos and tests")
