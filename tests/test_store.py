@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import pytest
 from unicron_elastic.api import (
     ConfigError,
     EtcdConfig,
+    EtcdStartError,
     MalformedValueError,
     NotLeaderError,
     StoreError,
@@ -147,6 +149,32 @@ def test_a_lapsed_lease_without_renewal_or_with_a_failed_one_is_lost(store: Stat
 
 def _failing_renewal(lease_id: int) -> None:
     raise StoreError(f"cannot put keys on {lease_id}")
+
+
+def test_a_private_etcd_whose_port_was_taken_meanwhile_starts_on_fresh_ports() -> None:
+    """free_port() only says a port *was* free; another process can bind it before etcd does (seen under
+    load: ``unicron-run --standalone`` failed with "bind: address already in use")."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = EmbeddedEtcd()
+        server.client_port = taken.getsockname()[1]  # the race, made certain
+        try:
+            server.start()
+            assert server.client_port != taken.getsockname()[1]
+            with StatusStore(server.config) as store:
+                store.put("/k", "v")
+                assert store.get("/k").value == b"v"
+        finally:
+            server.stop()
+        restarted = EmbeddedEtcd().start()  # a restart keeps its ports: no second chance on another one
+        try:
+            restarted.kill()
+            restarted.client_port = taken.getsockname()[1]
+            with pytest.raises(EtcdStartError, match="address already in use"):
+                restarted.start()
+        finally:
+            restarted.stop()
 
 
 def test_lease_ttl_must_be_positive(store: StatusStore) -> None:

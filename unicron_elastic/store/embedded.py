@@ -99,6 +99,14 @@ except OSError:
 """
 
 
+#: First starts of a private etcd whose ports were taken before it bound them.
+PORT_ATTEMPTS = 5
+
+
+class _PortTaken(EtcdStartError):
+    """etcd could not bind a port :func:`free_port` gave (another process took it meanwhile)."""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -179,6 +187,30 @@ class EmbeddedEtcd:
             raise
 
     def _start(self) -> EmbeddedEtcd:
+        """Start; a first start whose free ports were taken meanwhile tries fresh ones.
+
+        :func:`free_port` can only say a port *was* free: another process may
+        bind it before etcd does (seen under load: ``bind: address already in
+        use``). A restart keeps its ports (clients and the member's data name
+        them), so it does not retry.
+
+        Raises:
+            EtcdStartError: The server exited or did not answer in time.
+        """
+        fresh = self.data_dir is None
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except _PortTaken as exc:
+                if not fresh or attempt == PORT_ATTEMPTS:
+                    raise EtcdStartError(str(exc)) from None
+                log.warning("embedded_etcd_port_taken", client_port=self.client_port, peer_port=self.peer_port,
+                            attempt=attempt)
+                self.stop()  # its process, guard, log and (empty) data dir
+                self.client_port, self.peer_port = free_port(), free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> EmbeddedEtcd:
         if self.data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="unicron-etcd-")
         atexit.register(self.stop)
@@ -193,7 +225,8 @@ class EmbeddedEtcd:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 tail = log_path.read_bytes()[-2000:].decode(errors="replace")
-                raise EtcdStartError(f"etcd exited with code {self.proc.returncode}: {tail}")
+                error = _PortTaken if "address already in use" in tail else EtcdStartError
+                raise error(f"etcd exited with code {self.proc.returncode}: {tail}")
             if probe.healthy():
                 log.info("embedded_etcd_started", endpoint=self.endpoint, pid=self.proc.pid)
                 return self
