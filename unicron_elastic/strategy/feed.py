@@ -7,7 +7,7 @@ data-parallel members (:func:`~unicron_elastic.strategy.microbatch.deal`). A
 :class:`MicroBatchFeed` runs a ``torch.utils.data.DataLoader`` with the user's
 ``num_workers``, ``collate_fn``, ``pin_memory``, ``prefetch_factor``,
 ``persistent_workers``, ``worker_init_fn``, ``multiprocessing_context``,
-``timeout`` and ``in_order`` over a batch sampler that yields exactly those
+``timeout`` and ``generator`` (``in_order`` forced on) over a batch sampler that yields exactly those
 micro-batches, step after step, so the workers load the next ones while this
 rank computes.
 
