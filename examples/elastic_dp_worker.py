@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from unicron_elastic.meeting import connect_meeting_store
+from unicron_elastic.meeting import MAX_WORLD_ENV, connect_meeting_store
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Excluded, Retired
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import maybe_fail, toy_problem
@@ -70,7 +70,8 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = connect_meeting_store()  # etcd under unicron-run (survives any node), else the launcher's TCPStore
     worker = get_worker()
-    worker.hello(resumable=True, leavable=not json.loads(args.schedule))  # a schedule alone decides
+    schedule = bool(json.loads(args.schedule))  # a schedule alone decides the members
+    worker.hello(resumable=True, leavable=not schedule, growable=not schedule)
     restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
 
     model, optimizer, xs, ys = toy_problem(args.width)
@@ -85,6 +86,7 @@ def main() -> None:
         timeout=timedelta(seconds=20), hook=maybe_fail, members=members, joining=restarted or rank not in members,
         schedule={int(k): v for k, v in json.loads(args.schedule).items()},
         grad_dtype=getattr(torch, args.grad_dtype), pause=worker.set_paused,
+        max_world=int(os.environ.get(MAX_WORLD_ENV, world)),  # a node that grows the run joins past WORLD_SIZE
     )
     start = ddp.join() if restarted or rank not in members else 0
     reports = []

@@ -98,21 +98,21 @@ class SlowDown(pl.Callback):
 
 
 class HoldForJoiner(pl.Callback):
-    """Before step ``step``, wait (at most ``bound`` s) until every rank is a member or waits to join.
+    """Before step ``step``, wait (at most ``bound`` s) until ``ranks`` ranks are members or wait to join.
 
-    A restarted rank (or a node started again) on a slow machine is then
-    admitted before training ends. The wait is a declared, bounded pause for
-    the hang detector.
+    A restarted rank (or a node started again, or one that grows the run) on a
+    slow machine is then admitted before training ends. The wait is a
+    declared, bounded pause for the hang detector. ``ranks``: default ``WORLD_SIZE``.
     """
 
-    def __init__(self, step: int, bound: float = 120.0) -> None:
-        self.step, self.bound = step, bound
+    def __init__(self, step: int, bound: float = 120.0, ranks: int | None = None) -> None:
+        self.step, self.bound, self.ranks = step, bound, ranks
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         if trainer.global_step != self.step or engine is None or engine.pg is None:
             return
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = self.ranks or int(os.environ.get("WORLD_SIZE", "1"))
         worker = get_worker()
         worker.set_paused(True, pause_for=self.bound)
         deadline = time.monotonic() + self.bound
@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--record-times", action="store_true", help="write OUT/times<R>.jsonl")
     parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
                         help="before STEP, wait (at most 120 s) until every rank is a member or asks to join")
+    parser.add_argument("--hold-ranks", type=int, default=None, metavar="N",
+                        help="--hold-for-joiner waits for N ranks (default: WORLD_SIZE; more when nodes grow the run)")
     parser.add_argument("--hold-until", type=Path, default=None, metavar="FILE",
                         help="before step --hold-step, wait (at most 300 s) until FILE exists")
     parser.add_argument("--hold-step", type=int, default=0)
@@ -199,7 +201,7 @@ def main() -> None:
     if args.record_times:
         callbacks.append(StepTimes(args.out / f"times{rank}.jsonl"))
     if args.hold_for_joiner is not None:
-        callbacks.append(HoldForJoiner(args.hold_for_joiner))
+        callbacks.append(HoldForJoiner(args.hold_for_joiner, ranks=args.hold_ranks))
     if args.hold_until is not None:
         callbacks.append(HoldUntil(args.hold_step, args.hold_until))
     strategy = UnicronMegatronStrategy(

@@ -276,3 +276,25 @@ def test_bad_unicron_faults_names_the_variable(monkeypatch, raw: str) -> None:
     monkeypatch.setenv(FAULTS_ENV, raw)
     with pytest.raises(ValueError, match=f"^{FAULTS_ENV}: "):
         maybe_fail(0, 1)
+
+
+@pytest.mark.parametrize(("raw", "match"), [("many", "UNICRON_MAX_WORLD='many' is not an integer"),
+                                            ("3", "UNICRON_MAX_WORLD=3 is below WORLD_SIZE=4")])
+def test_bad_unicron_max_world_names_the_variable(monkeypatch, raw: str, match: str) -> None:
+    from unicron_elastic.strategy.environment import UnicronEnvironment
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("UNICRON_MAX_WORLD", raw)
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        UnicronEnvironment().max_world_size
+
+
+def test_ranks_past_a_round_follow_its_own_and_stay_below_max_world() -> None:
+    from unicron_elastic.agent.agent import max_world, ranks_past_round
+
+    for nodes, world, most, nproc in [(1, 2, 2, 2), (2, 5, 4, 3), (3, 3, 3, 1)]:
+        grown = [r for place in range(nodes, most) for r in ranks_past_round(nodes, world, place, nproc)]
+        assert grown == list(range(world, max_world(nodes, world, most, nproc)))  # disjoint, in order, bounded
+    with pytest.raises(ValueError, match="one of the round's"):
+        ranks_past_round(2, 4, 1, 2)

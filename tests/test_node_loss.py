@@ -197,9 +197,9 @@ GPT_STEPS = 8
 
 
 def _gpt(etcd: EmbeddedEtcd, run_id: str, out: Path, nodes: int, faults: list[Fault], *extra: str,
-         first: int = 0) -> list[subprocess.Popen]:
+         first: int = 0, nnodes: str | None = None) -> list[subprocess.Popen]:
     cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
-           f"--nnodes={nodes}", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05",
+           f"--nnodes={nnodes or nodes}", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05",
            f"--rdzv-conf=cluster={run_id},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
            GPT, "--steps", str(GPT_STEPS), "--out", str(out), "--step-time", "0.2", *extra]
     return _start(cmd, out, faults, nodes, first)
@@ -300,6 +300,46 @@ def test_lightning_lost_node_started_again_rejoins_without_restarting_anyone(etc
         assert joined["state_from"] == "replica" and fault.step < joined["joined_at"] < GPT_STEPS, joined
         assert joined["global_step"] == GPT_STEPS
     for r in range(4):
+        assert _same_params(out, r, gpt_baseline), f"rank {r} diverged"
+
+
+@pytest.mark.timeout(400)
+def test_a_new_node_grows_a_running_lightning_task_without_restarting_anyone(etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                            gpt_baseline) -> None:
+    # one launcher forms the round alone (--nnodes=1:2); a second one, same flags, arrives while it trains: it
+    # adds a place to the running round (no torch restart-all), its ranks 2 and 3 join at a step boundary
+    out = tmp_path / "out"
+    hold = ["--hold-for-joiner", str(GPT_STEPS - 2), "--hold-ranks", "4", "--record-times"]
+    launchers = _gpt(etcd, "gpt-grow", out, 1, [], *hold, nnodes="1:2")
+    grown: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 200
+        while not ((out / "times0.jsonl").exists() and (out / "times0.jsonl").read_text().strip()):
+            assert time.monotonic() < deadline and launchers[0].poll() is None, (out / "node0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        grown = _gpt(etcd, "gpt-grow", out, 1, [], *hold, first=1, nnodes="1:2")
+        codes = [launchers[0].wait(timeout=250), grown[0].wait(timeout=100)]
+    finally:
+        for p in [*launchers, *grown]:
+            if p.poll() is None:
+                kill_node(p.pid)
+    logs = (out / "node0.log").read_text()[-3000:] + (out / "node1.log").read_text()[-3000:]
+    assert codes == [0, 0], logs
+    assert "rendezvous_grown" in (out / "node1.log").read_text(), logs
+    assert "worker_restarted" not in (out / "node0.log").read_text()  # the running workers ran on
+    summaries = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
+    for r in (2, 3):  # the new node's ranks joined from a replica and trained to the end
+        joined = summaries[r]
+        assert joined["state_from"] == "replica" and 0 < joined["joined_at"] < GPT_STEPS, joined
+        assert joined["global_step"] == GPT_STEPS
+    first = min(summaries[r]["joined_at"] for r in (2, 3))
+    for r in (0, 1):  # never restarted: trained every step, on 2 ranks (3 micro-batches each), then on 3 or 4 (2)
+        reports = summaries[r]["reports"]
+        assert summaries[r]["joined_at"] is None and summaries[r]["global_step"] == GPT_STEPS
+        assert [len(x["micro_batches"]) for x in reports] == [3] * first + [2] * (GPT_STEPS - first), reports
+    last = sorted(j for r in range(4) for j in summaries[r]["reports"][-1]["micro_batches"])
+    assert last == list(range(6))  # the last step: the 6 micro-batches over all 4 ranks, each once
+    for r in range(4):  # the same global batch all along: the failure-free trajectory
         assert _same_params(out, r, gpt_baseline), f"rank {r} diverged"
 
 

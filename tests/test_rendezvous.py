@@ -7,7 +7,7 @@ from datetime import timedelta
 from importlib.metadata import entry_points
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
@@ -21,6 +21,7 @@ from unicron_elastic.rendezvous import (
 )
 from unicron_elastic.store import StatusStore
 from unicron_elastic.store.c10d import EtcdC10dStore
+from unicron_elastic.store.keys import MeetingKeys
 
 
 @pytest.fixture()
@@ -152,11 +153,11 @@ def test_every_known_key_is_documented_in_the_readme() -> None:
 # -- handler and registration ----------------------------------------------------
 
 
-def _params(etcd_config: EtcdConfig, **conf) -> RendezvousParameters:
+def _params(etcd_config: EtcdConfig, run_id: str = "job", **conf) -> RendezvousParameters:
     return RendezvousParameters(
         backend="unicron",
         endpoint=f"{etcd_config.host}:{etcd_config.port}",
-        run_id="job",
+        run_id=run_id,
         min_nodes=1,
         max_nodes=2,
         cluster=etcd_config.cluster,
@@ -243,3 +244,72 @@ def test_c10d_store_works_through_torch_apis(store: StatusStore) -> None:
     prefixed.multi_set(["x", "y"], [b"1", b"2"])
     assert prefixed.multi_get(["x", "y"]) == [b"1", b"2"]
     assert s.get("round0/x") == b"1"
+
+
+# -- a node arriving at a running round: a lost place, or a new one (growth in place) --------------
+
+
+def _running(etcd_config: EtcdConfig, run_id: str, nproc: int = 2):
+    """A one-node round of ``run_id`` formed through torch's rendezvous, its agent's meeting point open."""
+    from unicron_elastic.agent.meeting import MeetingPoint
+
+    handler = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout="20"))
+    handler.rejoin = True
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size, handler.rejoined) == (0, 1, False)  # no round ran: torch's rendezvous
+    point = MeetingPoint(handler.status_store, run_id, handler.current_round(), 5, 0, 1, host="127.0.0.1",
+                         world=nproc)
+    return handler, point
+
+
+def _arriving(etcd_config: EtcdConfig, run_id: str, join_timeout: str = "20") -> UnicronRendezvousHandler:
+    handler = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout=join_timeout))
+    handler.rejoin = True
+    return handler
+
+
+def test_a_node_arriving_at_a_growable_round_adds_a_place_up_to_the_max(etcd_config: EtcdConfig,
+                                                                        store: StatusStore) -> None:
+    from unicron_elastic.agent.agent import max_world, ranks_past_round
+
+    first, point = _running(etcd_config, "grow")
+    try:
+        point.mark_growable()  # a worker's hello(growable=True)
+        second = _arriving(etcd_config, "grow")
+        info = second.next_rendezvous()
+        assert (info.rank, info.world_size) == (1, 2) and second.rejoined and second.past_round == (1, 2)
+        assert list(ranks_past_round(1, 2, info.rank, 2)) == [2, 3] and max_world(1, 2, second.max_nodes, 2) == 4
+        places = store.get(f"{store.keys.meeting('grow')}{first.current_round()}/{MeetingKeys.AGENTS_WORLD}")
+        assert places is not None and int(places.value) == 2
+        third = _arriving(etcd_config, "grow", join_timeout="1")  # --nnodes=1:2: the round is full
+        with pytest.raises(RendezvousTimeoutError, match="every place taken"):
+            third.next_rendezvous()
+    finally:
+        point.close()
+
+
+def test_a_round_whose_workers_never_said_growable_is_not_grown(etcd_config: EtcdConfig, monkeypatch) -> None:
+    import unicron_elastic.rendezvous.handler as handler_module
+    from unicron_elastic.rendezvous.gate import JoinGate
+
+    class Planned(JoinGate):  # what PlanGate does when the plan gives the task one more node
+        restarts_to_grow = True
+
+        def admit(self, request) -> None:
+            return None
+
+        def grow(self, request, nodes: int) -> bool:
+            return True
+
+    _, point = _running(etcd_config, "plain")
+    try:
+        monkeypatch.setattr(handler_module, "GROWABLE_WAIT_S", 0.0)  # the round's workers had their time
+        waiting = _arriving(etcd_config, "plain", join_timeout="1")
+        with pytest.raises(RendezvousTimeoutError):  # without a coordinator: wait for a lost place, restart nobody
+            waiting.next_rendezvous()
+        planned = _arriving(etcd_config, "plain")
+        planned.gate = Planned()
+        assert planned._rejoin_running_round() is None  # under a plan: torch's restart-all at the new size
+        assert not planned.rejoined and planned.past_round is None
+    finally:
+        point.close()

@@ -25,6 +25,9 @@ from unicron_elastic.api import ConfigError, EtcdConfig
 MEETING_ENV = "UNICRON_MEETING"
 #: The etcd password, when there is one, travels in this variable (never in :data:`MEETING_ENV`).
 PASSWORD_ENV = "UNICRON_ETCD_PASSWORD"
+#: The highest rank + 1 a worker of this run may have: ``WORLD_SIZE`` plus the workers of the nodes
+#: that may still grow the run (``--nnodes``' max); set by ``unicron-run``'s agent.
+MAX_WORLD_ENV = "UNICRON_MAX_WORLD"
 
 
 def encode_meeting(config: EtcdConfig, prefix: str) -> str:

@@ -66,7 +66,7 @@ class WorkerChannel:
         except OSError:  # agent gone, socket buffer full: never block training
             self.dropped += 1
 
-    def hello(self, resumable: bool = False, leavable: bool = False) -> None:
+    def hello(self, resumable: bool = False, leavable: bool = False, growable: bool = False) -> None:
         """Introduce this worker.
 
         Args:
@@ -75,9 +75,13 @@ class WorkerChannel:
                 when asked (an ``ElasticDataParallel`` rank without a
                 ``schedule``): the agent may then take its node out of the task
                 without stopping it.
+            growable: Its group admits joiners with ranks up to
+                ``$UNICRON_MAX_WORLD`` (past ``WORLD_SIZE``): a node arriving
+                later may grow the run in place instead of waiting for a lost
+                node's place.
         """
         self._send({"t": "hello", "pid": os.getpid(), "resumable": bool(resumable), "leavable": bool(leavable),
-                    "reply": self.reply_path})
+                    "growable": bool(growable), "reply": self.reply_path})
 
     def heartbeat(self, step: int, duration: float) -> None:
         """One iteration finished after ``duration`` seconds."""

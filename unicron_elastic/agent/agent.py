@@ -32,7 +32,7 @@ from typing import Any
 
 import structlog
 from prometheus_client import Counter, Histogram
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 
@@ -44,6 +44,7 @@ from unicron_elastic.agent.meeting import MeetingPoint
 from unicron_elastic.api import ConfigError, StoreError, UnicronError
 from unicron_elastic.detection.hang import Finding, HangThresholds
 from unicron_elastic.events import Classification, ErrorEvent, Severity
+from unicron_elastic.meeting import MAX_WORLD_ENV
 from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.worker import SOCKET_ENV
@@ -58,6 +59,27 @@ DETECTION = Histogram("unicron_detection_latency_seconds", "From failure to dete
 GENERATION_ENV = "UNICRON_GENERATION"
 #: The rendezvous round the workers were started in (set by the unicron rendezvous; 0: the run's first).
 ROUND_ENV = "UNICRON_ROUND"
+
+
+def ranks_past_round(nodes: int, world: int, place: int, nproc: int) -> range:
+    """Ranks of the workers on ``place`` >= ``nodes`` of a round torch formed with ``nodes`` nodes and ``world`` workers.
+
+    They follow the round's ranks, ``nproc`` per place (every node that grows a
+    run is started with the same flags), whatever the round's own nodes ran;
+    their ``WORLD_SIZE`` stays the round's.
+
+    Raises:
+        ValueError: ``place`` is one of the round's own.
+    """
+    if place < nodes:
+        raise ValueError(f"place {place} is one of the round's {nodes}: torch assigned its ranks")
+    base = world + (place - nodes) * nproc
+    return range(base, base + nproc)
+
+
+def max_world(nodes: int, world: int, max_nodes: int, nproc: int) -> int:
+    """The highest rank + 1 of a run that may grow from ``nodes`` to ``max_nodes`` nodes (``$UNICRON_MAX_WORLD``)."""
+    return world + max(0, max_nodes - nodes) * nproc
 ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
 #: Signals that stop ``unicron-run`` (torch's default set of handled signals).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -315,6 +337,7 @@ class UnicronAgent(LocalElasticAgent):
         current_round = getattr(worker_group.spec.rdzv_handler, "current_round", None)
         if current_round is not None:  # > 0: this run's workers were restarted all together (torch's restart-all)
             os.environ[ROUND_ENV] = str(current_round())
+            os.environ[MAX_WORLD_ENV] = str(self._max_world(worker_group))
         self._open_meeting(worker_group)
         if not self._started:
             self._started = True
@@ -323,6 +346,27 @@ class UnicronAgent(LocalElasticAgent):
                     detector.start(self)
                 except Exception:  # noqa: BLE001 - a broken detector must not stop the agent
                     log.exception("detector_start_failed", detector=detector.name)
+
+    @staticmethod
+    def _max_world(worker_group: WorkerGroup) -> int:
+        """The round's workers plus those of the nodes that may still grow it (``--nnodes``' max)."""
+        handler, spec = worker_group.spec.rdzv_handler, worker_group.spec
+        nodes, world = handler.round_shape or (worker_group.group_world_size, worker_group.workers[0].world_size)
+        return max_world(nodes, world, handler.max_nodes, spec.local_world_size)
+
+    def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
+                             spec: WorkerSpec) -> list[Worker]:
+        """torch's ranks, except on a place past the round torch formed (a node that grew the run).
+
+        torch's rank assignment would wait for the round's first agent, which
+        assigned ranks only when the round formed: see :func:`ranks_past_round`.
+        """
+        past = getattr(spec.rdzv_handler, "past_round", None)
+        if past is None or not getattr(spec.rdzv_handler, "rejoined", False):
+            return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+        nodes, world = past
+        return [Worker(local_rank=i, global_rank=rank, role_rank=rank, world_size=world, role_world_size=world)
+                for i, rank in enumerate(ranks_past_round(nodes, world, group_rank, spec.local_world_size))]
 
     def _open_meeting(self, worker_group: WorkerGroup) -> None:
         """With the etcd rendezvous: the workers of this round meet in etcd, with liveness keys (nothing on one node).
@@ -338,7 +382,8 @@ class UnicronAgent(LocalElasticAgent):
             self._meeting.close()
         self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
                                      worker_group.group_rank, worker_group.group_world_size,
-                                     host=worker_group.spec.local_addr or socket.getfqdn())
+                                     host=worker_group.spec.local_addr or socket.getfqdn(),
+                                     world=worker_group.workers[0].world_size if worker_group.workers else None)
         self._meeting.export()
         for worker in worker_group.workers:
             self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0", self.left)
@@ -611,6 +656,12 @@ class UnicronAgent(LocalElasticAgent):
                 self._leavable[msg["rank"]] = msg.get("leavable") is True
                 history = self._history.get(msg["rank"], RankHistory())
                 self._history[msg["rank"]] = replace(history, resumable=bool(msg["resumable"]))
+                meeting = self._meeting
+            if msg.get("growable") is True and meeting is not None:
+                try:
+                    meeting.mark_growable()
+                except StoreError as exc:  # a node arriving later then waits for a lost place
+                    log.warning("growable_not_recorded", rank=msg["rank"], error=str(exc)[:200])
         for detector in self._detectors:
             try:
                 detector.on_message(msg, received)

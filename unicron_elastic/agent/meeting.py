@@ -14,9 +14,11 @@ so losing a node loses its replicas, not the snapshot.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import structlog
 import torch.distributed as dist
@@ -31,6 +33,49 @@ from unicron_elastic.store.lease import KeptLease
 log = structlog.get_logger(__name__)
 
 
+def raise_places(store: StatusStore, prefix: str, places: int) -> None:
+    """Make the round at ``prefix`` have at least ``places`` places (:attr:`MeetingKeys.AGENTS_WORLD` never shrinks).
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+    """
+    key = prefix + MeetingKeys.AGENTS_WORLD
+    while True:
+        kv = store.get(key)
+        if kv is not None and int(kv.value) >= places:
+            return
+        if store.cas(key, str(int(places)).encode(), None if kv is None else kv.mod_revision).succeeded:
+            return
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """A round as torch formed it (recorded by its first agent in the meeting space).
+
+    Attributes:
+        nodes: Nodes (places) torch gave the round.
+        world: Workers in it (``WORLD_SIZE``).
+        started: When it was recorded (``time.time()`` of that agent's host).
+    """
+
+    nodes: int
+    world: int
+    started: float
+
+
+def initial_round(store: StatusStore, prefix: str) -> RoundStart | None:
+    """The round at ``prefix`` as torch formed it; None when no agent recorded it.
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+    """
+    kv = store.get(prefix + MeetingKeys.AGENTS_INITIAL)
+    if kv is None:
+        return None
+    value = json.loads(kv.value)
+    return RoundStart(int(value["nodes"]), int(value["world"]), float(value["started"]))
+
+
 class MeetingPoint:
     """One run's meeting store as the agent of one node keeps it.
 
@@ -41,13 +86,18 @@ class MeetingPoint:
             of a restart-all meets in a fresh space).
         ttl: Lease TTL of this node (seconds).
         group_rank: This node's rank in the round.
-        nodes: Nodes in the round.
+        nodes: Nodes in the round (places: a node that grew the run counts itself).
         host: The address this node's snapshot server is reached at (the
             node's rendezvous address: ``--local-addr``, else its FQDN).
+        world: Workers in the round as torch formed it (recorded by the
+            round's first agent, read by a node that grows the run).
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
     """
 
     def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int, nodes: int,
-                 *, host: str) -> None:
+                 *, host: str, world: int | None = None) -> None:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
         self.group_rank = group_rank
@@ -56,7 +106,10 @@ class MeetingPoint:
         self._snapshot_address: str | None = None
         self.lease = KeptLease(store, ttl, on_renewed=self._rekey)
         store.put(self.prefix + MeetingKeys.LIVENESS, b"1")
-        store.put(self.prefix + MeetingKeys.AGENTS_WORLD, str(int(nodes)).encode())
+        if world is not None:  # create-only: the round's first agent records it (before anyone can rejoin)
+            store.cas(self.prefix + MeetingKeys.AGENTS_INITIAL,
+                      json.dumps({"nodes": int(nodes), "world": int(world), "started": time.time()}).encode(), None)
+        raise_places(store, self.prefix, nodes)
         store.put(self.prefix + MeetingKeys.agent(group_rank), b"1", lease=self.lease.id)
         store.put(self.prefix + MeetingKeys.agent_seen(group_rank), b"1")
         self.snapshots = self._serve_snapshots(host)
@@ -122,6 +175,14 @@ class MeetingPoint:
         else:
             self.withdraw_leave(rank)
 
+    def mark_growable(self) -> None:
+        """A worker said it can join a running group with a rank past the round's world: a node may grow the run.
+
+        Raises:
+            StoreError: etcd refused or could not be reached.
+        """
+        self.store.put(self.prefix + MeetingKeys.GROWABLE, b"1")
+
     def ask_to_leave(self, ranks: list[int]) -> None:
         """Ask workers ``ranks`` to leave the data-parallel group at the next step boundary.
 
@@ -166,7 +227,8 @@ class MeetingPoint:
         was lost would hold the survivors for the whole timeout.
 
         Args:
-            nodes: Nodes in the round.
+            nodes: Nodes in the round when this node joined it (places added
+                since, by nodes that grew the run, are waited for too).
             timeout: Seconds to wait at most.
 
         Returns:
@@ -175,7 +237,8 @@ class MeetingPoint:
         self.store.put(self.prefix + MeetingKeys.agent_done(self.group_rank), b"1")
         deadline = time.monotonic() + timeout
         while True:
-            running = [g for g in range(nodes)
+            places = self.store.get(self.prefix + MeetingKeys.AGENTS_WORLD)
+            running = [g for g in range(max(nodes, int(places.value) if places is not None else 0))
                        if self.store.get(self.prefix + MeetingKeys.agent_done(g)) is None
                        and self.store.get(self.prefix + MeetingKeys.agent(g)) is not None]
             if not running or time.monotonic() >= deadline:

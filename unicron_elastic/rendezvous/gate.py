@@ -45,21 +45,30 @@ class JoinGate(ABC):
         """
 
 
-    def grow(self, request: JoinRequest, nodes: int) -> bool:
-        """Whether the run should have more nodes than the ``nodes`` of its running round.
+    #: When the run should grow but its workers cannot admit joiners past their world: join the next
+    #: round (torch's restart-all at the new size) instead of waiting for a lost node's place.
+    restarts_to_grow: bool = False
 
-        The handler then joins the next round (torch's restart-all with the
-        new size) instead of waiting for a lost node's place. Default: False.
+    def grow(self, request: JoinRequest, nodes: int) -> bool:
+        """Whether the run should have more nodes than the ``nodes`` alive in its running round.
+
+        The handler then adds a place to the running round (its workers join
+        at a step boundary; nobody restarts), up to ``--nnodes``' max.
+        Default: False (wait for a lost node's place).
         """
         return False
 
 
 class OpenGate(JoinGate):
-    """Admits everyone: the behaviour of torchrun without a coordinator."""
+    """Admits everyone: the behaviour of torchrun without a coordinator; an arriving node grows the run."""
 
     def admit(self, request: JoinRequest) -> None:
         """See base class."""
         return None
+
+    def grow(self, request: JoinRequest, nodes: int) -> bool:
+        """See base class: always (the handler stops at ``--nnodes``' max)."""
+        return True
 
 
 class PlanGate(JoinGate):
@@ -71,6 +80,8 @@ class PlanGate(JoinGate):
         timeout: Seconds between ``plan_gate_waiting`` warnings while :meth:`admit` waits.
         poll: Seconds between reads of the plan.
     """
+
+    restarts_to_grow = True
 
     def __init__(self, store, node: str, timeout: float = 600.0, poll: float = 0.2) -> None:
         self.store = store

@@ -13,6 +13,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from unicron_elastic.agent.meeting import initial_round, raise_places
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
 from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate, PlanGate
 from unicron_elastic.rendezvous.options import BackendOptions, parse_options
@@ -22,6 +23,10 @@ from unicron_elastic.store.keys import MeetingKeys
 
 log = structlog.get_logger(__name__)
 _CLAIM_TTL_S = 30  # a claimed place is freed again if the claiming agent dies before taking it over
+#: How long after a round started its workers have to say they admit joiners past its world (their
+#: ``hello``, once Lightning is imported). A node that would grow the run waits for that; after it, a plan
+#: grows the run by torch's restart-all and a node without a coordinator waits for a lost node's place.
+GROWABLE_WAIT_S = 30.0
 
 
 class UnicronRendezvousHandler(DynamicRendezvousHandler):
@@ -36,14 +41,21 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     #: Set by ``unicron-run``'s agent: a node that arrives while the round runs takes the
     #: place of a lost node instead of making every node restart (torch's ``num_nodes_waiting``).
     rejoin: bool = False
-    #: This node took a lost node's place in a running round (its workers join as joiners).
+    #: This node took a lost node's place in a running round, or added one (its workers join as joiners).
     rejoined: bool = False
+    #: ``(nodes, world)`` of the running round as torch formed it, when this node joined it (None: torch formed
+    #: the round with this node).
+    round_shape: tuple[int, int] | None = None
+    #: :attr:`round_shape` when this node's place is past that round (it grew the run, or took the place of a
+    #: node that had): its workers' ranks follow the round's (the agent assigns them).
+    past_round: tuple[int, int] | None = None
     _rejoined_round: int = -1
     _joined_before: bool = False
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Wait for the plan to admit this node, then join the running round (rejoin) or the next one."""
         self.rejoined = False
+        self.round_shape = self.past_round = None
         if self.rejoin and not self._joined_before:  # a restart-all of this node is no rejoin
             info = self._rejoin_running_round()
             self._joined_before = True
@@ -69,18 +81,22 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         return info
 
     def _rejoin_running_round(self) -> RendezvousInfo | None:
-        """Take a lost node's place in the running round, waiting (up to the join timeout) for one to be free.
+        """Join the running round: take a lost node's place, or grow the round by one place.
 
         A round runs while the agent of one of its nodes is alive in the
         round's meeting space (torch's own rendezvous state is not asked: its
         heartbeat bookkeeping may already have dropped every participant). A
         place is free when its node started workers and its agent key vanished
         (lease lapsed) before it finished. Claimed create-only, so two arriving
-        nodes never take the same place.
+        nodes never take the same place. When no place is free and the gate
+        wants the run larger (without a coordinator: up to ``--nnodes``' max),
+        the node adds a place past the round's, if the round's workers said
+        they admit such joiners (``hello(growable=True)``): nobody restarts.
 
         Returns:
-            The rendezvous of the running round as the lost node's rank, or None
-            when no round runs (then the normal rendezvous follows).
+            The rendezvous of the running round as that place's rank, or None
+            when no round runs or the run must grow by torch's restart-all
+            (workers that cannot admit joiners past their world, under a plan).
 
         Raises:
             RendezvousTimeoutError: A round runs, but no place was free within the join timeout.
@@ -93,15 +109,45 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             round_, prefix, nodes, alive = running
             for g in range(nodes):
                 if g not in alive and self._place_free(prefix, g) and self._claim(prefix, g):
-                    return self._running_round_info(round_, g, nodes)
+                    return self._running_round_info(round_, prefix, g, nodes)
             request = JoinRequest(self.get_run_id(), self.task, str(self._this_node), round_)
-            if self.gate.grow(request, nodes):
-                log.warning("rendezvous_grows", run_id=self.get_run_id(), round=round_, nodes=nodes)
-                return None  # the plan wants the run larger: join the next round (torch's restart-all)
+            if nodes < self._settings.max_nodes and self.gate.grow(request, len(alive)):
+                growable = self._growable(prefix)
+                if growable:
+                    if self._claim(prefix, nodes):
+                        raise_places(self._status(), prefix, nodes + 1)
+                        log.info("rendezvous_grown", run_id=self.get_run_id(), round=round_, place=nodes)
+                        return self._running_round_info(round_, prefix, nodes, nodes + 1)
+                    time.sleep(0.05)
+                    continue  # another node took that place first: look again
+                if growable is not None and self.gate.restarts_to_grow:
+                    log.warning("rendezvous_grows", run_id=self.get_run_id(), round=round_, nodes=nodes,
+                                reason="the round's workers do not admit joiners past their world")
+                    return None  # the plan wants the run larger: join the next round (torch's restart-all)
             if time.monotonic() >= deadline:
                 raise RendezvousTimeoutError(f"round {round_} of {self.get_run_id()!r} runs with every place "
                                              f"taken; no lost node's place freed within the join timeout")
             time.sleep(0.1)
+
+    def _status(self) -> StatusStore:
+        store = self.status_store
+        assert store is not None
+        return store
+
+    def _growable(self, prefix: str) -> bool | None:
+        """Whether the round's workers admit joiners past its world; None: not known yet.
+
+        True once one said so (``hello(growable=True)``); False when none did
+        within :data:`GROWABLE_WAIT_S` of the round's start (workers that never
+        introduce themselves: any script that does not use our engine).
+        """
+        store = self._status()
+        start = initial_round(store, prefix)
+        if start is None:
+            return None
+        if store.get(prefix + MeetingKeys.GROWABLE) is not None:
+            return True
+        return False if time.time() - start.started >= GROWABLE_WAIT_S else None
 
     def _running_round(self) -> tuple[int, str, int, list[int]] | None:
         """The newest round whose meeting space has a live agent: (round, prefix, nodes, live group ranks)."""
@@ -134,14 +180,29 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                           lease=store.grant_lease(_CLAIM_TTL_S))
         return claim.succeeded
 
-    def _running_round_info(self, round_: int, group_rank: int, nodes: int) -> RendezvousInfo:
+    def _running_round_info(self, round_: int, prefix: str, group_rank: int, nodes: int) -> RendezvousInfo:
+        """The rendezvous of place ``group_rank`` of the running round (``nodes`` places now).
+
+        A place of the round torch formed gets that round's node count (torch's
+        rank assignment reads every one of its nodes' role keys); a place past
+        it counts up to itself.
+        """
         store = dist.PrefixStore(f"torch.rendezvous.{self.get_run_id()}.{round_}", self._store)  # torch's layout
         self._rejoined_round = round_
+        start = initial_round(self._status(), prefix)
+        self.round_shape = None if start is None else (start.nodes, start.world)
+        self.past_round = self.round_shape if start is not None and group_rank >= start.nodes else None
+        world = nodes if start is None else (group_rank + 1 if self.past_round else start.nodes)
         addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
         port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
         self.rejoined = True
         log.warning("rendezvous_rejoined", run_id=self.get_run_id(), round=round_, rank=group_rank, nodes=nodes)
-        return RendezvousInfo(store, group_rank, nodes, RendezvousStoreInfo(addr, port))
+        return RendezvousInfo(store, group_rank, world, RendezvousStoreInfo(addr, port))
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes the run may have (``--nnodes``' max)."""
+        return int(self._settings.max_nodes)
 
     def current_round(self) -> int:
         """The rendezvous round this node last joined (-1 before the first)."""

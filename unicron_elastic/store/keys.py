@@ -157,7 +157,9 @@ class MeetingKeys:
         """Present while the agent of node ``group_rank`` runs (on its lease)."""
         return f"unicron-agents/{int(group_rank)}"
 
-    AGENTS_WORLD = "unicron-agents/world"  # nodes in the round (a rejoining node takes that size)
+    AGENTS_WORLD = "unicron-agents/world"  # places (nodes) in the round; only grows (a node that grows the run adds one)
+    AGENTS_INITIAL = "unicron-agents/initial"  # JSON {"nodes", "world", "started"}: the round as torch formed it
+    GROWABLE = "unicron-agents/growable"  # present once a worker said it can join with a rank past the round's world
 
     @staticmethod
     def agent_seen(group_rank: int) -> str:

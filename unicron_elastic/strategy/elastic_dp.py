@@ -129,6 +129,11 @@ class ElasticDataParallel:
             makes the result independent of who computed which micro-batch
             (float32 sums depend on the order: after a failure the last bits
             differ, and Adam-like optimizers amplify that).
+        max_world: Ranks ``0..max_world-1`` may ask to join (default
+            ``world_size``; more when nodes may grow the run: ``$UNICRON_MAX_WORLD``).
+
+    Raises:
+        ValueError: ``max_world`` is smaller than ``world_size``.
     """
 
     def __init__(
@@ -155,12 +160,16 @@ class ElasticDataParallel:
         grad_dtype: torch.dtype = torch.float32,
         pause: Callable[[bool, float | None], None] | None = None,
         on_drop: Callable[[], None] | None = None,
+        max_world: int | None = None,
     ) -> None:
+        if max_world is not None and max_world < world_size:
+            raise ValueError(f"max_world {max_world} is smaller than world_size {world_size}")
         self.model, self.optimizer, self._plan = model, optimizer, plan
         self.batch, self.loss_fn, self.store = batch, loss_fn, store
         self.rank, self.timeout, self.checkin_timeout = rank, timeout, checkin_timeout
         self.hook = hook or (lambda *a, **k: None)
         self.world_size = world_size
+        self.max_world = max_world or world_size
         self.get_state = get_state or self._default_state
         self.set_state = set_state or self._load_default_state
         self.on_group = on_group or (lambda members, generation: None)
@@ -381,7 +390,7 @@ class ElasticDataParallel:
             log.warning("leave_request_not_withdrawn", rank=self.rank, error=str(exc)[:200])
 
     def _encode(self, members: Sequence[int] | None, dtype: torch.dtype) -> torch.Tensor:
-        slots = torch.zeros(self.world_size + 1, dtype=dtype)
+        slots = torch.zeros(self.max_world + 1, dtype=dtype)
         if members is not None:
             slots[0] = len(members)
             slots[1 : 1 + len(members)] = torch.tensor(list(members), dtype=dtype)
@@ -437,7 +446,7 @@ class ElasticDataParallel:
 
     def waiting(self) -> list[int]:
         """Ranks waiting in :meth:`join` to be admitted."""
-        return [r for r in range(self.world_size) if self.store.check([K.join(r)])]
+        return [r for r in range(self.max_world) if self.store.check([K.join(r)])]
 
     def _read_members(self, effect: P.ReadMembers) -> tuple[int, list[int]] | None:
         if not self.store.check([K.MEMBERS]):

@@ -15,6 +15,7 @@ import os
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from unicron_elastic.api import ConfigError
+from unicron_elastic.meeting import MAX_WORLD_ENV
 
 
 def _env_int(name: str, default: int) -> int:
@@ -66,6 +67,18 @@ class UnicronEnvironment(ClusterEnvironment):
     def launch_world_size(self) -> int:
         """The world size the launcher started with."""
         return self._launch_world_size
+
+    @property
+    def max_world_size(self) -> int:
+        """Ranks that may join the run: :data:`~unicron_elastic.meeting.MAX_WORLD_ENV`, else the launch world.
+
+        Raises:
+            ConfigError: The variable is not an integer, or below ``WORLD_SIZE``.
+        """
+        value = _env_int(MAX_WORLD_ENV, self._launch_world_size)
+        if value < self._launch_world_size:
+            raise ConfigError(f"{MAX_WORLD_ENV}={value} is below WORLD_SIZE={self._launch_world_size}")
+        return value
 
     def world_size(self) -> int:
         return self._world_size

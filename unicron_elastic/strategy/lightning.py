@@ -218,11 +218,12 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     @property
     def joining(self) -> bool:
-        """This process joins a running group: the agent restarted it, or the schedule adds it later.
+        """This process joins a running group: the agent restarted it, its node joined a running round
+        (a returning node, or one that grew the run), or the schedule adds it later.
 
         After torch's restart-all (a rendezvous round after the run's first,
-        ``$UNICRON_ROUND`` > 0: e.g. a run grown past its round by the
-        coordinator's plan) every rank joins: with no replica left, the lowest
+        ``$UNICRON_ROUND`` > 0: e.g. a run whose workers do not admit joiners
+        past their world, grown by the coordinator's plan) every rank joins: with no replica left, the lowest
         one resumes from the in-memory snapshot or the disk checkpoint and the
         others take its state, instead of step 0.
         """
@@ -291,7 +292,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         """
         check_sizes(self.env.launch_world_size, self.tp, self.pp)
         self._store = self._connect_store()
-        self._worker.hello(resumable=True, leavable=not self.schedule)  # (the exception hook is installed already)
+        # (the exception hook is installed already); with a schedule, only the schedule changes the members
+        self._worker.hello(resumable=True, leavable=not self.schedule, growable=not self.schedule)
         if self.joining:
             self._local_only = True
             self.set_world_ranks()
@@ -350,6 +352,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
             pause=self._worker.set_paused,  # a regroup is a declared, bounded pause, not a hang
             on_drop=destroy_world,  # a survivor blocked in Lightning's per-step broadcast with this rank fails too
+            max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
         )
         if self.joining:
             self.joined_at = self.engine.join(self.join_timeout)
