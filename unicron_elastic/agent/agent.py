@@ -60,26 +60,6 @@ GENERATION_ENV = "UNICRON_GENERATION"
 #: The rendezvous round the workers were started in (set by the unicron rendezvous; 0: the run's first).
 ROUND_ENV = "UNICRON_ROUND"
 
-
-def ranks_past_round(nodes: int, world: int, place: int, nproc: int) -> range:
-    """Ranks of the workers on ``place`` >= ``nodes`` of a round torch formed with ``nodes`` nodes and ``world`` workers.
-
-    They follow the round's ranks, ``nproc`` per place (every node that grows a
-    run is started with the same flags), whatever the round's own nodes ran;
-    their ``WORLD_SIZE`` stays the round's.
-
-    Raises:
-        ValueError: ``place`` is one of the round's own.
-    """
-    if place < nodes:
-        raise ValueError(f"place {place} is one of the round's {nodes}: torch assigned its ranks")
-    base = world + (place - nodes) * nproc
-    return range(base, base + nproc)
-
-
-def max_world(nodes: int, world: int, max_nodes: int, nproc: int) -> int:
-    """The highest rank + 1 of a run that may grow from ``nodes`` to ``max_nodes`` nodes (``$UNICRON_MAX_WORLD``)."""
-    return world + max(0, max_nodes - nodes) * nproc
 ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
 #: Signals that stop ``unicron-run`` (torch's default set of handled signals).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -216,6 +196,27 @@ class NodeGaveUp(UnicronError):
     """The node gave up its assignment (SEV1); ``unicron-run`` exits with 75."""
 
     exit_code = EXIT_GIVE_UP
+
+
+def ranks_past_round(nodes: int, world: int, place: int, nproc: int) -> range:
+    """Ranks of the workers on ``place`` >= ``nodes`` of a round torch formed with ``nodes`` nodes and ``world`` workers.
+
+    They follow the round's ranks, ``nproc`` per place (every node that grows a
+    run is started with the same flags), whatever the round's own nodes ran;
+    their ``WORLD_SIZE`` stays the round's.
+
+    Raises:
+        ValueError: ``place`` is one of the round's own.
+    """
+    if place < nodes:
+        raise ValueError(f"place {place} is one of the round's {nodes}: torch assigned its ranks")
+    base = world + (place - nodes) * nproc
+    return range(base, base + nproc)
+
+
+def max_world(nodes: int, world: int, max_nodes: int, nproc: int) -> int:
+    """The highest rank + 1 of a run that may grow from ``nodes`` to ``max_nodes`` nodes (``$UNICRON_MAX_WORLD``)."""
+    return world + max(0, max_nodes - nodes) * nproc
 
 
 @dataclass(frozen=True)
