@@ -251,30 +251,37 @@ def test_c10d_store_works_through_torch_apis(store: StatusStore) -> None:
 
 def _running(etcd_config: EtcdConfig, run_id: str, nproc: int = 2):
     """A one-node round of ``run_id`` formed through torch's rendezvous, its agent's meeting point open."""
-    from unicron_elastic.agent.meeting import MeetingPoint
+    from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+    from unicron_elastic.agent.ranks import max_world
 
     handler = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout="20"))
-    handler.rejoin = True
+    handler.rejoin, handler.local_world_size = True, nproc  # (what unicron-run's agent sets)
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size, handler.rejoined) == (0, 1, False)  # no round ran: torch's rendezvous
+    start = RoundStart(1, nproc, nproc, max_world(1, nproc, handler.max_nodes, nproc))
     point = MeetingPoint(handler.status_store, run_id, handler.current_round(), 5, 0, 1, host="127.0.0.1",
-                         world=nproc)
+                         start=start)
+    assert point.start is not None and point.start.max_world == 2 * nproc
     return handler, point
 
 
-def _arriving(etcd_config: EtcdConfig, run_id: str, join_timeout: str = "20") -> UnicronRendezvousHandler:
+def _arriving(etcd_config: EtcdConfig, run_id: str, join_timeout: str = "20", nproc: int = 2
+              ) -> UnicronRendezvousHandler:
     handler = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout=join_timeout))
-    handler.rejoin = True
+    handler.rejoin, handler.local_world_size = True, nproc
     return handler
 
 
 def test_a_node_arriving_at_a_growable_round_adds_a_place_up_to_the_max(etcd_config: EtcdConfig,
                                                                         store: StatusStore) -> None:
-    from unicron_elastic.agent.agent import max_world, ranks_past_round
+    from unicron_elastic.agent.ranks import max_world, ranks_past_round
 
     first, point = _running(etcd_config, "grow")
     try:
         point.mark_growable()  # a worker's hello(growable=True)
+        wider = _arriving(etcd_config, "grow", join_timeout="1", nproc=3)  # its ranks would not be the place's
+        with pytest.raises(RendezvousTimeoutError):
+            wider.next_rendezvous()
         second = _arriving(etcd_config, "grow")
         info = second.next_rendezvous()
         assert (info.rank, info.world_size) == (1, 2) and second.rejoined and second.past_round == (1, 2)

@@ -40,7 +40,8 @@ from unicron_elastic.agent import _torch_compat
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.decide import EXIT_GIVE_UP, Action, Decision, LadderPolicy, RankHistory, decide
 from unicron_elastic.agent.detectors import Detector
-from unicron_elastic.agent.meeting import MeetingPoint
+from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+from unicron_elastic.agent.ranks import max_world, ranks_past_round
 from unicron_elastic.api import ConfigError, StoreError, UnicronError
 from unicron_elastic.detection.hang import Finding, HangThresholds
 from unicron_elastic.events import Classification, ErrorEvent, Severity
@@ -198,27 +199,6 @@ class NodeGaveUp(UnicronError):
     exit_code = EXIT_GIVE_UP
 
 
-def ranks_past_round(nodes: int, world: int, place: int, nproc: int) -> range:
-    """Ranks of the workers on ``place`` >= ``nodes`` of a round torch formed with ``nodes`` nodes and ``world`` workers.
-
-    They follow the round's ranks, ``nproc`` per place (every node that grows a
-    run is started with the same flags), whatever the round's own nodes ran;
-    their ``WORLD_SIZE`` stays the round's.
-
-    Raises:
-        ValueError: ``place`` is one of the round's own.
-    """
-    if place < nodes:
-        raise ValueError(f"place {place} is one of the round's {nodes}: torch assigned its ranks")
-    base = world + (place - nodes) * nproc
-    return range(base, base + nproc)
-
-
-def max_world(nodes: int, world: int, max_nodes: int, nproc: int) -> int:
-    """The highest rank + 1 of a run that may grow from ``nodes`` to ``max_nodes`` nodes (``$UNICRON_MAX_WORLD``)."""
-    return world + max(0, max_nodes - nodes) * nproc
-
-
 @dataclass(frozen=True)
 class AgentConfig:
     """unicron's agent settings (``unicron-run`` flags).
@@ -310,6 +290,7 @@ class UnicronAgent(LocalElasticAgent):
         handler = self._worker_group.spec.rdzv_handler
         if hasattr(handler, "rejoin"):  # the unicron rendezvous: a returning node takes its place, no restart-all
             handler.rejoin = True
+            handler.local_world_size = self._worker_group.spec.local_world_size  # (ranks of a place it adds)
 
     # -- set-up ----------------------------------------------------------------
     @property
@@ -338,8 +319,9 @@ class UnicronAgent(LocalElasticAgent):
         current_round = getattr(worker_group.spec.rdzv_handler, "current_round", None)
         if current_round is not None:  # > 0: this run's workers were restarted all together (torch's restart-all)
             os.environ[ROUND_ENV] = str(current_round())
-            os.environ[MAX_WORLD_ENV] = str(self._max_world(worker_group))
         self._open_meeting(worker_group)
+        if self._meeting is not None and self._meeting.start is not None:  # the same for every worker of the run
+            os.environ[MAX_WORLD_ENV] = str(self._meeting.start.max_world)
         if not self._started:
             self._started = True
             for detector in self._detectors:
@@ -349,11 +331,18 @@ class UnicronAgent(LocalElasticAgent):
                     log.exception("detector_start_failed", detector=detector.name)
 
     @staticmethod
-    def _max_world(worker_group: WorkerGroup) -> int:
-        """The round's workers plus those of the nodes that may still grow it (``--nnodes``' max)."""
+    def _round_start(worker_group: WorkerGroup) -> RoundStart | None:
+        """This round as torch formed it, seen from this node (the round's first agent records it).
+
+        Places that nodes add get this node's ``--nproc-per-node`` workers
+        each, up to ``--nnodes``' max.
+        """
+        if not worker_group.workers:
+            return None
         handler, spec = worker_group.spec.rdzv_handler, worker_group.spec
-        nodes, world = handler.round_shape or (worker_group.group_world_size, worker_group.workers[0].world_size)
-        return max_world(nodes, world, handler.max_nodes, spec.local_world_size)
+        nodes, world = worker_group.group_world_size, worker_group.workers[0].world_size
+        return RoundStart(nodes, world, spec.local_world_size,
+                          max_world(nodes, world, handler.max_nodes, spec.local_world_size))
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
                              spec: WorkerSpec) -> list[Worker]:
@@ -384,7 +373,7 @@ class UnicronAgent(LocalElasticAgent):
         self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
                                      worker_group.group_rank, worker_group.group_world_size,
                                      host=worker_group.spec.local_addr or socket.getfqdn(),
-                                     world=worker_group.workers[0].world_size if worker_group.workers else None)
+                                     start=self._round_start(worker_group))
         self._meeting.export()
         for worker in worker_group.workers:
             self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0", self.left)

@@ -18,7 +18,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import structlog
 import torch.distributed as dist
@@ -55,12 +55,18 @@ class RoundStart:
     Attributes:
         nodes: Nodes (places) torch gave the round.
         world: Workers in it (``WORLD_SIZE``).
+        nproc: Workers of each place a node adds (the first agent's
+            ``--nproc-per-node``; a node running another number cannot grow the run).
+        max_world: The highest rank + 1 the run may have when nodes grow it
+            (``$UNICRON_MAX_WORLD`` of every worker: their groups must agree on it).
         started: When it was recorded (``time.time()`` of that agent's host).
     """
 
     nodes: int
     world: int
-    started: float
+    nproc: int
+    max_world: int
+    started: float = field(default_factory=time.time)
 
 
 def initial_round(store: StatusStore, prefix: str) -> RoundStart | None:
@@ -73,7 +79,8 @@ def initial_round(store: StatusStore, prefix: str) -> RoundStart | None:
     if kv is None:
         return None
     value = json.loads(kv.value)
-    return RoundStart(int(value["nodes"]), int(value["world"]), float(value["started"]))
+    return RoundStart(int(value["nodes"]), int(value["world"]), int(value["nproc"]), int(value["max_world"]),
+                      float(value["started"]))
 
 
 class MeetingPoint:
@@ -89,15 +96,16 @@ class MeetingPoint:
         nodes: Nodes in the round (places: a node that grew the run counts itself).
         host: The address this node's snapshot server is reached at (the
             node's rendezvous address: ``--local-addr``, else its FQDN).
-        world: Workers in the round as torch formed it (recorded by the
-            round's first agent, read by a node that grows the run).
+        start: The round as torch formed it, as this agent sees it: the
+            round's first agent records it (create-only); every agent then
+            reads the record back (:attr:`start`), as does a node that grows the run.
 
     Raises:
         StoreError: etcd refused or could not be reached.
     """
 
     def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int, nodes: int,
-                 *, host: str, world: int | None = None) -> None:
+                 *, host: str, start: RoundStart | None = None) -> None:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
         self.group_rank = group_rank
@@ -106,9 +114,10 @@ class MeetingPoint:
         self._snapshot_address: str | None = None
         self.lease = KeptLease(store, ttl, on_renewed=self._rekey)
         store.put(self.prefix + MeetingKeys.LIVENESS, b"1")
-        if world is not None:  # create-only: the round's first agent records it (before anyone can rejoin)
-            store.cas(self.prefix + MeetingKeys.AGENTS_INITIAL,
-                      json.dumps({"nodes": int(nodes), "world": int(world), "started": time.time()}).encode(), None)
+        if start is not None:  # create-only: the round's first agent records it (before anyone can rejoin)
+            store.cas(self.prefix + MeetingKeys.AGENTS_INITIAL, json.dumps(asdict(start)).encode(), None)
+        #: The round as its first agent recorded it (None: nobody did).
+        self.start = initial_round(store, self.prefix)
         raise_places(store, self.prefix, nodes)
         store.put(self.prefix + MeetingKeys.agent(group_rank), b"1", lease=self.lease.id)
         store.put(self.prefix + MeetingKeys.agent_seen(group_rank), b"1")

@@ -14,6 +14,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from unicron_elastic.agent.meeting import initial_round, raise_places
+from unicron_elastic.agent.ranks import ranks_past_round
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
 from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate, PlanGate
 from unicron_elastic.rendezvous.options import BackendOptions, parse_options
@@ -49,6 +50,8 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     #: :attr:`round_shape` when this node's place is past that round (it grew the run, or took the place of a
     #: node that had): its workers' ranks follow the round's (the agent assigns them).
     past_round: tuple[int, int] | None = None
+    #: Workers this node runs (``--nproc-per-node``; set by ``unicron-run``'s agent).
+    local_world_size: int = 1
     _rejoined_round: int = -1
     _joined_before: bool = False
 
@@ -108,11 +111,11 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                 return None
             round_, prefix, nodes, alive = running
             for g in range(nodes):
-                if g not in alive and self._place_free(prefix, g) and self._claim(prefix, g):
+                if g not in alive and self._place_free(prefix, g) and self._fits(prefix, g) and self._claim(prefix, g):
                     return self._running_round_info(round_, prefix, g, nodes)
             request = JoinRequest(self.get_run_id(), self.task, str(self._this_node), round_)
             if nodes < self._settings.max_nodes and self.gate.grow(request, len(alive)):
-                growable = self._growable(prefix)
+                growable = self._growable(prefix, nodes)
                 if growable:
                     if self._claim(prefix, nodes):
                         raise_places(self._status(), prefix, nodes + 1)
@@ -134,17 +137,31 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         assert store is not None
         return store
 
-    def _growable(self, prefix: str) -> bool | None:
-        """Whether the round's workers admit joiners past its world; None: not known yet.
+    def _fits(self, prefix: str, place: int) -> bool:
+        """Whether this node may take ``place``: one of the round torch formed, or a place past it whose
+        workers' count (the round's record) is this node's."""
+        start = initial_round(self._status(), prefix)
+        return start is None or place < start.nodes or start.nproc == self.local_world_size
+
+    def _growable(self, prefix: str, place: int) -> bool | None:
+        """Whether the round's workers admit joiners past its world on a new ``place``; None: not known yet.
 
         True once one said so (``hello(growable=True)``); False when none did
         within :data:`GROWABLE_WAIT_S` of the round's start (workers that never
-        introduce themselves: any script that does not use our engine).
+        introduce themselves: any script that does not use our engine), or
+        when this node runs another number of workers than the round's places
+        take (:class:`~unicron_elastic.agent.meeting.RoundStart`) or its ranks
+        would pass the run's highest rank.
         """
         store = self._status()
         start = initial_round(store, prefix)
         if start is None:
             return None
+        if self.local_world_size != start.nproc or \
+                ranks_past_round(start.nodes, start.world, place, start.nproc).stop > start.max_world:
+            log.warning("rendezvous_cannot_grow", run_id=self.get_run_id(), place=place, nproc=self.local_world_size,
+                        round_nproc=start.nproc, max_world=start.max_world)
+            return False
         if store.get(prefix + MeetingKeys.GROWABLE) is not None:
             return True
         return False if time.time() - start.started >= GROWABLE_WAIT_S else None
