@@ -168,8 +168,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
 
     def _running_round(self) -> tuple[int, str, int, list[int]] | None:
         """The newest round whose meeting space has a live agent: (round, prefix, nodes, live group ranks)."""
-        store = self.status_store
-        assert store is not None
+        store = self._status()
         base = store.keys.meeting(self.get_run_id())
         rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
         for round_ in sorted((int(r) for r in rounds if r.isdigit()), reverse=True):
@@ -184,15 +183,13 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         return None
 
     def _place_free(self, prefix: str, group_rank: int) -> bool:
-        store = self.status_store
-        assert store is not None
+        store = self._status()
         return store.get(prefix + MeetingKeys.agent_seen(group_rank)) is not None \
             and store.get(prefix + MeetingKeys.agent_done(group_rank)) is None
 
     def _claim(self, prefix: str, group_rank: int) -> bool:
         """Create-only claim of place ``group_rank`` (expires unless the agent takes it over)."""
-        store = self.status_store
-        assert store is not None
+        store = self._status()
         claim = store.cas(prefix + MeetingKeys.agent(group_rank), str(self._this_node), None,
                           lease=store.grant_lease(_CLAIM_TTL_S))
         return claim.succeeded
