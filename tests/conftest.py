@@ -76,3 +76,36 @@ def json_log_entries(path: str | os.PathLike[str]) -> list[dict]:
             except ValueError:
                 pass
     return entries
+
+
+_QUIET_EVENTS = {"detector_disabled", "snapshot_server_started", "node_registered", "command"}
+
+
+def _timeline(root: Path, limit: int = 60) -> str:
+    """The JSON log events of a failed multi-process test (its ``tmp_path``'s ``*.log`` files), oldest first."""
+    rows = []
+    for path in root.rglob("*.log"):
+        for entry in json_log_entries(path):
+            if entry.get("event") not in _QUIET_EVENTS:
+                rows.append(entry)
+    rows.sort(key=lambda e: str(e.get("timestamp", "")))
+    lines = []
+    for e in rows[-limit:]:
+        rest = {k: v for k, v in e.items() if k not in ("timestamp", "event", "level", "logger", "argv")}
+        lines.append(f"{str(e.get('timestamp', ''))[11:23]} {e.get('event')} {json.dumps(rest)[:160]}")
+    return "\n".join(lines)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test that left JSON logs under its ``tmp_path`` shows their newest events (CI shows them)."""
+    report = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and call.when == "call" and isinstance(tmp, Path) and tmp.exists():
+        try:
+            text = _timeline(tmp)
+        except OSError:
+            text = ""
+        if text:
+            report.sections.append(("timeline (newest JSON log events)", text))
+    return report

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import threading
+import time
 from datetime import timedelta
 from importlib.metadata import entry_points
 
@@ -316,7 +318,81 @@ def test_a_round_whose_workers_never_said_growable_is_not_grown(etcd_config: Etc
             waiting.next_rendezvous()
         planned = _arriving(etcd_config, "plain")
         planned.gate = Planned()
+        monkeypatch.setattr(handler_module, "SETTLE_S", 0.3)
+        began = time.monotonic()
         assert planned._rejoin_running_round() is None  # under a plan: torch's restart-all at the new size
+        assert time.monotonic() - began >= 0.3  # once the wish held for SETTLE_S (not a lapsed lease's blip)
         assert not planned.rejoined and planned.past_round is None
     finally:
+        point.close()
+
+
+# -- a lease that lapses on an overloaded host and is renewed is not a lost node --------------------
+
+
+def _lose_place(etcd_config: EtcdConfig, run_id: str, handler: UnicronRendezvousHandler):
+    """Place 1 of ``handler``'s round: its node started workers and was lost (seen, agent gone, not done)."""
+    from unicron_elastic.agent.meeting import MeetingPoint
+
+    lost = MeetingPoint(handler.status_store, run_id, handler.current_round(), 5, 1, 2, host="127.0.0.1")
+    lost.close()  # the lease goes with its keys; no exit barrier: the place is free
+    return f"{handler.status_store.keys.meeting(run_id)}{handler.current_round()}/"
+
+
+def test_an_arriving_node_waits_out_a_lapsed_lease_instead_of_restarting_the_round(
+        etcd_config: EtcdConfig, store: StatusStore) -> None:
+    first, point = _running(etcd_config, "lapse")
+    try:
+        prefix = _lose_place(etcd_config, "lapse", first)
+        store.delete(prefix + MeetingKeys.agent(0))  # the survivor's lease lapsed: no live agent for a while
+        arriving = _arriving(etcd_config, "lapse")
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(arriving._rejoin_running_round()), daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        assert thread.is_alive()  # neither a restart-all (None) nor the place of a node that may be alive
+        point._rekey(point.lease.id)  # the renewal puts the survivor's keys back
+        thread.join(timeout=10)
+        assert not thread.is_alive() and result[0] is not None
+        assert (result[0].rank, result[0].world_size) == (1, 2) and arriving.rejoined  # the lost node's place
+    finally:
+        point.close()
+
+
+def test_a_round_without_a_live_agent_for_the_settle_time_is_given_up(etcd_config: EtcdConfig,
+                                                                      monkeypatch) -> None:
+    import unicron_elastic.rendezvous.handler as handler_module
+
+    first, point = _running(etcd_config, "gone")
+    _lose_place(etcd_config, "gone", first)
+    point.close()  # every node of the round lost
+    monkeypatch.setattr(handler_module, "SETTLE_S", 0.3)
+    began = time.monotonic()
+    assert _arriving(etcd_config, "gone")._rejoin_running_round() is None  # torch's next round
+    assert time.monotonic() - began >= 0.3
+
+
+def test_a_node_whose_place_was_taken_while_its_lease_lapsed_gives_it_up(etcd_config: EtcdConfig,
+                                                                         store: StatusStore) -> None:
+    from unicron_elastic.api import PlaceTakenError
+    from unicron_elastic.agent.meeting import MeetingPoint
+
+    first, point = _running(etcd_config, "fence")
+    lost: list[bool] = []
+    lapsing = MeetingPoint(store, "fence", first.current_round(), 5, 1, 2, host="127.0.0.1",
+                           on_place_lost=lambda: lost.append(True))
+    try:
+        prefix = f"{store.keys.meeting('fence')}{first.current_round()}/"
+        assert store.get(prefix + MeetingKeys.agent(1)).value == lapsing.holder.encode()
+        store.delete(prefix + MeetingKeys.agent(1))  # its lease lapsed
+        arriving = _arriving(etcd_config, "fence")
+        assert arriving._rejoin_running_round().rank == 1  # a live agent (place 0): place 1 looks lost, taken
+        with pytest.raises(PlaceTakenError):
+            lapsing._rekey(lapsing.lease.id)  # the renewal does not take it back ...
+        assert lost == [True]  # ... the node gives itself up (its agent: SEV1)
+        assert store.get(prefix + MeetingKeys.agent(1)).value != lapsing.holder.encode()
+        point._rekey(point.lease.id)  # a renewal whose place nobody took puts it back
+        assert store.get(prefix + MeetingKeys.agent(0)).value == point.holder.encode()
+    finally:
+        lapsing.close()
         point.close()

@@ -39,6 +39,10 @@ class NotLeaderError(StoreError):
     """A write guarded by a fencing token was refused: the caller lost leadership."""
 
 
+class PlaceTakenError(UnicronError):
+    """A node's place in a rendezvous round was claimed by another node while the node's lease had lapsed."""
+
+
 class EtcdBinaryNotFoundError(UnicronError, FileNotFoundError):
     """No etcd server binary was found (install ``unicron-elastic[etcd]``)."""
 

@@ -373,7 +373,7 @@ class UnicronAgent(LocalElasticAgent):
         self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
                                      worker_group.group_rank, worker_group.group_world_size,
                                      host=worker_group.spec.local_addr or socket.getfqdn(),
-                                     start=self._round_start(worker_group))
+                                     start=self._round_start(worker_group), on_place_lost=self.lost_place)
         self._meeting.export()
         for worker in worker_group.workers:
             self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0", self.left)
@@ -499,7 +499,14 @@ class UnicronAgent(LocalElasticAgent):
             with self._lock:
                 self._act(-1, Decision(Action.GIVE_UP, Severity.SEV1, RankHistory(), event.kind), event)
 
-    def lost_own_lease(self) -> None:
+    def lost_place(self) -> None:
+        """Another node claimed this node's place in the round while its lease had lapsed: give the node up (SEV1).
+
+        The claimant's workers take this node's ranks; these must not go on beside them.
+        """
+        self.lost_own_lease("its place in the round was taken by another node while its lease had lapsed")
+
+    def lost_own_lease(self, message: str = "own lease expired") -> None:
         """This node's lease lapsed: give the node up (SEV1), unless its work is already done.
 
         When the agent is stopping, or one of its workers already finished
@@ -513,7 +520,7 @@ class UnicronAgent(LocalElasticAgent):
             log.warning("own_lease_lost_after_work_done", node=self.node,
                         reason="agent stopping" if self._stopping or self._closed else "a worker finished with 0")
             return
-        self.report(ErrorEvent(Severity.SEV1, "lost_connection", "node", self.node, message="own lease expired"))
+        self.report(ErrorEvent(Severity.SEV1, "lost_connection", "node", self.node, message=message))
 
     def _some_worker_finished(self) -> bool:
         """Whether one of this node's current workers exited with code 0 (caller holds the lock)."""

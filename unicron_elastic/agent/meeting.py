@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import structlog
 import torch.distributed as dist
 
-from unicron_elastic.api import StoreError
+from unicron_elastic.api import PlaceTakenError, StoreError
 from unicron_elastic.meeting import MEETING_ENV, PASSWORD_ENV, encode_meeting
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
@@ -99,19 +101,27 @@ class MeetingPoint:
         start: The round as torch formed it, as this agent sees it: the
             round's first agent records it (create-only); every agent then
             reads the record back (:attr:`start`), as does a node that grows the run.
+        on_place_lost: Called once (from the lease's keep-alive thread) when
+            this node lost its place: its lease lapsed and another node
+            claimed the place before the renewal could put the node's keys
+            back (see :meth:`_rekey`).
 
     Raises:
         StoreError: etcd refused or could not be reached.
     """
 
     def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int, nodes: int,
-                 *, host: str, start: RoundStart | None = None) -> None:
+                 *, host: str, start: RoundStart | None = None,
+                 on_place_lost: Callable[[], None] | None = None) -> None:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
         self.group_rank = group_rank
+        #: The value of this node's agent key: who holds the place (a renewal puts it back only if nobody took it).
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{int(round_)}.{int(group_rank)}"
         self._lock = threading.Lock()
         self._live: dict[int, str] = {}  # rank -> incarnation, the keys on this node's lease
         self._snapshot_address: str | None = None
+        self._on_place_lost = on_place_lost
         self.lease = KeptLease(store, ttl, on_renewed=self._rekey)
         store.put(self.prefix + MeetingKeys.LIVENESS, b"1")
         if start is not None:  # create-only: the round's first agent records it (before anyone can rejoin)
@@ -119,7 +129,7 @@ class MeetingPoint:
         #: The round as its first agent recorded it (None: nobody did).
         self.start = initial_round(store, self.prefix)
         raise_places(store, self.prefix, nodes)
-        store.put(self.prefix + MeetingKeys.agent(group_rank), b"1", lease=self.lease.id)
+        store.put(self.prefix + MeetingKeys.agent(group_rank), self.holder.encode(), lease=self.lease.id)
         store.put(self.prefix + MeetingKeys.agent_seen(group_rank), b"1")
         self.snapshots = self._serve_snapshots(host)
 
@@ -128,20 +138,45 @@ class MeetingPoint:
 
         Peers regrouping while the keys were gone counted these workers dead
         and left them out; they come back as joiners (see
-        :func:`unicron_elastic.strategy.membership.role`).
+        :func:`unicron_elastic.strategy.membership.role`). The place itself
+        is put back create-only: a node that arrived meanwhile may have found
+        it free and claimed it (its workers take these ranks), and then this
+        node has lost it (the fencing of :meth:`UnicronRendezvousHandler._claim
+        <unicron_elastic.rendezvous.handler.UnicronRendezvousHandler._claim>`).
 
         Raises:
+            PlaceTakenError: Another node holds this node's place now
+                (``on_place_lost`` ran; the lease counts as lost).
             StoreError: etcd refused or could not be reached.
         """
+        key = self.prefix + MeetingKeys.agent(self.group_rank)
         with self._lock:  # (held across the writes: a worker exiting meanwhile must not be put back)
-            self.store.put(self.prefix + MeetingKeys.agent(self.group_rank), b"1", lease=lease)
-            if self._snapshot_address is not None:
-                self.store.put(self.prefix + MeetingKeys.snapshot_host(self.group_rank),
-                               self._snapshot_address.encode(), lease=lease)
-            for rank, incarnation in self._live.items():
-                self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=lease)
-            ranks = sorted(self._live)
-        log.warning("meeting_keys_renewed", group_rank=self.group_rank, ranks=ranks)
+            taken = not self.store.cas(key, self.holder.encode(), None, lease=lease).succeeded
+            if taken and self._holds(key):  # (still there: a lease etcd had not dropped yet) ours: move it
+                self.store.put(key, self.holder.encode(), lease=lease)
+                taken = False
+            if not taken:
+                self._put_keys_back(lease)
+        if taken:
+            holder = self.store.get(key)
+            log.error("place_taken", group_rank=self.group_rank,
+                      holder=holder.value.decode(errors="replace") if holder is not None else None)
+            if self._on_place_lost is not None:
+                self._on_place_lost()
+            raise PlaceTakenError(f"place {self.group_rank} of {self.prefix} was taken while this node's lease had lapsed")
+        log.warning("meeting_keys_renewed", group_rank=self.group_rank, ranks=sorted(self._live))
+
+    def _holds(self, key: str) -> bool:
+        kv = self.store.get(key)
+        return kv is not None and kv.value == self.holder.encode()
+
+    def _put_keys_back(self, lease: int) -> None:
+        """Re-put the snapshot address and the workers' liveness keys on ``lease`` (caller holds the lock)."""
+        if self._snapshot_address is not None:
+            self.store.put(self.prefix + MeetingKeys.snapshot_host(self.group_rank),
+                           self._snapshot_address.encode(), lease=lease)
+        for rank, incarnation in self._live.items():
+            self.store.put(self.prefix + MeetingKeys.live(rank), incarnation.encode(), lease=lease)
 
     def _serve_snapshots(self, host: str) -> dist.TCPStore | None:
         """Start this node's snapshot server and publish ``host:port`` on the node's lease (None: it failed)."""

@@ -28,6 +28,10 @@ _CLAIM_TTL_S = 30  # a claimed place is freed again if the claiming agent dies b
 #: ``hello``, once Lightning is imported). A node that would grow the run waits for that; after it, a plan
 #: grows the run by torch's restart-all and a node without a coordinator waits for a lost node's place.
 GROWABLE_WAIT_S = 30.0
+#: How long what would make every node restart (no live agent in the running round; the plan wants the run
+#: larger than its live places) must hold before a node acts on it: a lease can lapse on an overloaded host and
+#: be renewed (:class:`~unicron_elastic.store.lease.KeptLease`), and its keys are gone meanwhile.
+SETTLE_S = 5.0
 
 
 class UnicronRendezvousHandler(DynamicRendezvousHandler):
@@ -96,6 +100,15 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         the node adds a place past the round's, if the round's workers said
         they admit such joiners (``hello(growable=True)``): nobody restarts.
 
+        A round none of whose agents is alive, but whose places did not all
+        finish, may have lost every node, or its agents' leases lapsed on an
+        overloaded host and are about to be renewed: that, like the plan's
+        wish to grow the run by a restart-all, must hold for :data:`SETTLE_S`
+        before this node gives the round up (every node would restart). A
+        place taken while its node's lease had lapsed is lost to that node
+        (its renewal is create-only: :meth:`MeetingPoint._rekey
+        <unicron_elastic.agent.meeting.MeetingPoint._rekey>`).
+
         Returns:
             The rendezvous of the running round as that place's rank, or None
             when no round runs or the run must grow by torch's restart-all
@@ -105,11 +118,19 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             RendezvousTimeoutError: A round runs, but no place was free within the join timeout.
         """
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        restart_since: float | None = None  # since when what would restart every node held
         while True:
             running = self._running_round()
             if running is None:
                 return None
             round_, prefix, nodes, alive = running
+            if not alive:  # every agent gone: lost, or between a lapsed lease and its renewal
+                restart_since = restart_since or time.monotonic()
+                if time.monotonic() - restart_since >= SETTLE_S:
+                    log.info("rendezvous_round_gone", run_id=self.get_run_id(), round=round_, nodes=nodes)
+                    return None
+                time.sleep(0.1)
+                continue
             for g in range(nodes):
                 if g not in alive and self._place_free(prefix, g) and self._fits(prefix, g) and self._claim(prefix, g):
                     return self._running_round_info(round_, prefix, g, nodes)
@@ -124,9 +145,14 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                     time.sleep(0.05)
                     continue  # another node took that place first: look again
                 if growable is not None and self.gate.restarts_to_grow:
-                    log.warning("rendezvous_grows", run_id=self.get_run_id(), round=round_, nodes=nodes,
-                                reason="the round's workers do not admit joiners past their world")
-                    return None  # the plan wants the run larger: join the next round (torch's restart-all)
+                    restart_since = restart_since or time.monotonic()
+                    if time.monotonic() - restart_since >= SETTLE_S:
+                        log.warning("rendezvous_grows", run_id=self.get_run_id(), round=round_, nodes=nodes,
+                                    reason="the round's workers do not admit joiners past their world")
+                        return None  # the plan wants the run larger: join the next round (torch's restart-all)
+                    time.sleep(0.1)
+                    continue
+            restart_since = None
             if time.monotonic() >= deadline:
                 raise RendezvousTimeoutError(f"round {round_} of {self.get_run_id()!r} runs with every place "
                                              f"taken; no lost node's place freed within the join timeout")
@@ -167,7 +193,11 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         return False if time.time() - start.started >= GROWABLE_WAIT_S else None
 
     def _running_round(self) -> tuple[int, str, int, list[int]] | None:
-        """The newest round whose meeting space has a live agent: (round, prefix, nodes, live group ranks)."""
+        """The newest round whose meeting space has a live agent, or unfinished places whose agents are gone.
+
+        Returns:
+            (round, prefix, nodes, live group ranks); None when no round runs.
+        """
         store = self._status()
         base = store.keys.meeting(self.get_run_id())
         rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
@@ -178,7 +208,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                 continue
             nodes = int(world.value)
             alive = [g for g in range(nodes) if store.get(prefix + MeetingKeys.agent(g)) is not None]
-            if alive:
+            if alive or any(self._place_free(prefix, g) for g in range(nodes)):
                 return round_, prefix, nodes, alive
         return None
 
