@@ -104,7 +104,9 @@ def test_the_plan_drives_node_daemons_through_loss_return_finish_and_submit(etcd
         wait_for(lambda: len(running(out, "c")) == 2 * sizes(shared)["c"], why="c's workers")
         for task in ("a", "c"):
             (out / task / "finish").touch()
-        wait_for(lambda: set(read_plan(store).finished) == {"a", "b", "c"}, why="every task finished")
+        final = wait_for(lambda: (p := read_plan(store)) and set(p.finished) == {"a", "b", "c"} and p,
+                         why="every task finished")
+        assert not final.isolated and not final.failed  # a node told to join a finishing task is not failed
 
 
 @pytest.mark.timeout(300)

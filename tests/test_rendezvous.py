@@ -396,3 +396,24 @@ def test_a_node_whose_place_was_taken_while_its_lease_lapsed_gives_it_up(etcd_co
     finally:
         lapsing.close()
         point.close()
+
+
+def test_a_node_arriving_after_the_run_finished_is_told_so_and_one_after_a_failure_is_refused(
+        etcd_config: EtcdConfig) -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    from unicron_elastic.rendezvous.handler import SETTLE_S, RunFinished
+
+    for run_id, succeeded in (("done", True), ("failed", False)):
+        first, point = _running(etcd_config, run_id)
+        _lose_place(etcd_config, run_id, first)  # a place whose node left before the end (not done)
+        if succeeded:
+            assert point.exit_barrier(1, 0.0) == []  # this node's workers succeeded: training is over
+        point.close()
+        first.shutdown()  # torch closes the rendezvous when its launcher ends
+        arriving = _arriving(etcd_config, run_id)
+        began = time.monotonic()
+        with pytest.raises(RunFinished if succeeded else RendezvousClosedError) as caught:
+            arriving.next_rendezvous()
+        assert isinstance(caught.value, RunFinished) == succeeded
+        assert (time.monotonic() - began < SETTLE_S) == succeeded  # a finished round is no lapsed one

@@ -122,7 +122,9 @@ def launch(
         args: Arguments of the entrypoint.
 
     Returns:
-        The workers' return values by global rank.
+        The workers' return values by global rank; empty when the run had
+        finished before this node joined (its rendezvous closed after a node
+        passed the exit barrier: :class:`~unicron_elastic.rendezvous.handler.RunFinished`).
 
     Raises:
         ChildFailedError: A worker failed and the agent gave up.
@@ -171,6 +173,9 @@ def launch(
     try:  # from here on the agent's temp dir exists: close() removes it, whatever happens
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = elastic_agent.run()
+        if result is None:  # torch's agent on a graceful exit: the run finished before this node joined
+            log.info("run_already_finished", run_id=config.run_id)
+            return {}
         if elastic_agent.left:  # the task goes on without this node: its rendezvous stays open
             shutdown_rdzv = False
         events.record(elastic_agent.get_event_succeeded(), config.event_log_handler)

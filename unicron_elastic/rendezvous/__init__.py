@@ -18,6 +18,7 @@ _EXPORTS = {
     "JoinGate": "gate",
     "JoinRequest": "gate",
     "OpenGate": "gate",
+    "RunFinished": "handler",
     "UnicronRendezvousHandler": "handler",
     "create_handler": "handler",
     "handler_factory": "entrypoint",

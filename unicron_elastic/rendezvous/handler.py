@@ -7,7 +7,13 @@ import time
 import structlog
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
@@ -32,6 +38,12 @@ GROWABLE_WAIT_S = 30.0
 #: larger than its live places) must hold before a node acts on it: a lease can lapse on an overloaded host and
 #: be renewed (:class:`~unicron_elastic.store.lease.KeptLease`), and its keys are gone meanwhile.
 SETTLE_S = 5.0
+
+
+class RunFinished(RendezvousGracefulExitError):
+    """The run's rendezvous is closed because its training finished: a node of its newest round
+    passed the exit barrier (its workers succeeded). A node arriving now has nothing to join; torch's
+    agent returns without a result and ``unicron-run`` exits 0."""
 
 
 class UnicronRendezvousHandler(DynamicRendezvousHandler):
@@ -76,7 +88,13 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         )
         self.gate.admit(request)
         self._forget_agent_store()
-        info = super().next_rendezvous()
+        try:
+            info = super().next_rendezvous()
+        except RendezvousClosedError:
+            if self.status_store is not None and self._finished():
+                log.info("rendezvous_run_finished", run_id=request.run_id, task=self.task)
+                raise RunFinished(f"run {request.run_id!r} finished before this node joined") from None
+            raise
         log.info(
             "rendezvous_joined",
             run_id=request.run_id,
@@ -193,7 +211,8 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         return False if time.time() - start.started >= GROWABLE_WAIT_S else None
 
     def _running_round(self) -> tuple[int, str, int, list[int]] | None:
-        """The newest round whose meeting space has a live agent, or unfinished places whose agents are gone.
+        """The newest round whose meeting space has a live agent; or the newest round of all, when none of its
+        agents is alive but it did not finish (a place of it unfinished, none done: lost, or lapsed leases).
 
         Returns:
             (round, prefix, nodes, live group ranks); None when no round runs.
@@ -201,6 +220,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         store = self._status()
         base = store.keys.meeting(self.get_run_id())
         rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
+        newest = True
         for round_ in sorted((int(r) for r in rounds if r.isdigit()), reverse=True):
             prefix = f"{base}{round_}/"
             world = store.get(prefix + MeetingKeys.AGENTS_WORLD)
@@ -208,9 +228,27 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                 continue
             nodes = int(world.value)
             alive = [g for g in range(nodes) if store.get(prefix + MeetingKeys.agent(g)) is not None]
-            if alive or any(self._place_free(prefix, g) for g in range(nodes)):
+            if alive or (newest and any(self._place_free(prefix, g) for g in range(nodes))
+                         and not self._done(prefix, nodes)):
                 return round_, prefix, nodes, alive
+            newest = False
         return None
+
+    def _done(self, prefix: str, nodes: int) -> bool:
+        """Whether a node of the round at ``prefix`` passed the exit barrier (its workers succeeded: training is over)."""
+        store = self._status()
+        return any(store.get(prefix + MeetingKeys.agent_done(g)) is not None for g in range(nodes))
+
+    def _finished(self) -> bool:
+        """Whether the run's newest round finished (see :meth:`_done`)."""
+        store = self._status()
+        base = store.keys.meeting(self.get_run_id())
+        rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
+        for round_ in sorted((int(r) for r in rounds if r.isdigit()), reverse=True):
+            world = store.get(f"{base}{round_}/{MeetingKeys.AGENTS_WORLD}")
+            if world is not None:
+                return self._done(f"{base}{round_}/", int(world.value))
+        return False
 
     def _place_free(self, prefix: str, group_rank: int) -> bool:
         store = self._status()
