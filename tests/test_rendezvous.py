@@ -417,3 +417,7 @@ def test_a_node_arriving_after_the_run_finished_is_told_so_and_one_after_a_failu
             arriving.next_rendezvous()
         assert isinstance(caught.value, RunFinished) == succeeded
         assert (time.monotonic() - began < SETTLE_S) == succeeded  # a finished round is no lapsed one
+        plain = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout="20"))
+        with pytest.raises(RendezvousClosedError) as caught:  # plain torchrun: torch's error, as before
+            plain.next_rendezvous()
+        assert not isinstance(caught.value, RunFinished)

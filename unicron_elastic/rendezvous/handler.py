@@ -43,7 +43,8 @@ SETTLE_S = 5.0
 class RunFinished(RendezvousGracefulExitError):
     """The run's rendezvous is closed because its training finished: a node of its newest round
     passed the exit barrier (its workers succeeded). A node arriving now has nothing to join; torch's
-    agent returns without a result and ``unicron-run`` exits 0."""
+    agent returns without a result and ``unicron-run`` exits 0. Raised only under ``unicron-run``
+    (:attr:`UnicronRendezvousHandler.rejoin`): plain ``torchrun`` gets torch's ``RendezvousClosedError``."""
 
 
 class UnicronRendezvousHandler(DynamicRendezvousHandler):
@@ -91,7 +92,8 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         try:
             info = super().next_rendezvous()
         except RendezvousClosedError:
-            if self.status_store is not None and self._finished():
+            # (only under unicron-run: torch's own launcher takes an agent's graceful exit for a result)
+            if self.rejoin and self.status_store is not None and self._finished():
                 log.info("rendezvous_run_finished", run_id=request.run_id, task=self.task)
                 raise RunFinished(f"run {request.run_id!r} finished before this node joined") from None
             raise
