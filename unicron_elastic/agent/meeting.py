@@ -150,25 +150,21 @@ class MeetingPoint:
             StoreError: etcd refused or could not be reached.
         """
         key = self.prefix + MeetingKeys.agent(self.group_rank)
+        mine = self.holder.encode()
         with self._lock:  # (held across the writes: a worker exiting meanwhile must not be put back)
-            taken = not self.store.cas(key, self.holder.encode(), None, lease=lease).succeeded
-            if taken and self._holds(key):  # (still there: a lease etcd had not dropped yet) ours: move it
-                self.store.put(key, self.holder.encode(), lease=lease)
-                taken = False
-            if not taken:
+            holder = None if self.store.cas(key, mine, None, lease=lease).succeeded else self.store.get(key)
+            if holder is not None and holder.value == mine:  # (still there: a lease etcd had not dropped yet) ours
+                self.store.put(key, mine, lease=lease)
+                holder = None
+            if holder is None:
                 self._put_keys_back(lease)
-        if taken:
-            holder = self.store.get(key)
-            log.error("place_taken", group_rank=self.group_rank,
-                      holder=holder.value.decode(errors="replace") if holder is not None else None)
+            ranks = sorted(self._live)
+        if holder is not None:
+            log.error("place_taken", group_rank=self.group_rank, holder=holder.value.decode(errors="replace"))
             if self._on_place_lost is not None:
                 self._on_place_lost()
             raise PlaceTakenError(f"place {self.group_rank} of {self.prefix} was taken while this node's lease had lapsed")
-        log.warning("meeting_keys_renewed", group_rank=self.group_rank, ranks=sorted(self._live))
-
-    def _holds(self, key: str) -> bool:
-        kv = self.store.get(key)
-        return kv is not None and kv.value == self.holder.encode()
+        log.warning("meeting_keys_renewed", group_rank=self.group_rank, ranks=ranks)
 
     def _put_keys_back(self, lease: int) -> None:
         """Re-put the snapshot address and the workers' liveness keys on ``lease`` (caller holds the lock)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import structlog
 import torch.distributed as dist
@@ -212,6 +213,17 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             return True
         return False if time.time() - start.started >= GROWABLE_WAIT_S else None
 
+    def _rounds(self) -> Iterator[tuple[int, str, int]]:
+        """The run's rounds that have places, newest first: (round, prefix, nodes)."""
+        store = self._status()
+        base = store.keys.meeting(self.get_run_id())
+        rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
+        for round_ in sorted((int(r) for r in rounds if r.isdigit()), reverse=True):
+            prefix = f"{base}{round_}/"
+            world = store.get(prefix + MeetingKeys.AGENTS_WORLD)
+            if world is not None:
+                yield round_, prefix, int(world.value)
+
     def _running_round(self) -> tuple[int, str, int, list[int]] | None:
         """The newest round whose meeting space has a live agent; or the newest round of all, when none of its
         agents is alive but it did not finish (a place of it unfinished, none done: lost, or lapsed leases).
@@ -220,15 +232,8 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             (round, prefix, nodes, live group ranks); None when no round runs.
         """
         store = self._status()
-        base = store.keys.meeting(self.get_run_id())
-        rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
         newest = True
-        for round_ in sorted((int(r) for r in rounds if r.isdigit()), reverse=True):
-            prefix = f"{base}{round_}/"
-            world = store.get(prefix + MeetingKeys.AGENTS_WORLD)
-            if world is None:
-                continue
-            nodes = int(world.value)
+        for round_, prefix, nodes in self._rounds():
             alive = [g for g in range(nodes) if store.get(prefix + MeetingKeys.agent(g)) is not None]
             if alive or (newest and any(self._place_free(prefix, g) for g in range(nodes))
                          and not self._done(prefix, nodes)):
@@ -243,14 +248,8 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
 
     def _finished(self) -> bool:
         """Whether the run's newest round finished (see :meth:`_done`)."""
-        store = self._status()
-        base = store.keys.meeting(self.get_run_id())
-        rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
-        for round_ in sorted((int(r) for r in rounds if r.isdigit()), reverse=True):
-            world = store.get(f"{base}{round_}/{MeetingKeys.AGENTS_WORLD}")
-            if world is not None:
-                return self._done(f"{base}{round_}/", int(world.value))
-        return False
+        _, prefix, nodes = next(self._rounds(), (None, "", 0))
+        return nodes > 0 and self._done(prefix, nodes)
 
     def _place_free(self, prefix: str, group_rank: int) -> bool:
         store = self._status()
