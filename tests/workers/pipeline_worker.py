@@ -38,9 +38,12 @@ def main() -> None:
         module = layers()[rank]
         xs, ys = data()
         links = StageLinks(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None)
-        losses = run_pipeline(module, SCHEDULES[schedule](rank, world, MICRO_BATCHES), links,
-                              inputs=lambda j: xs[j],
-                              loss=lambda j, y: torch.nn.functional.mse_loss(y, ys[j]) / MICRO_BATCHES)
+
+        def forward(j: int, received: torch.Tensor | None) -> torch.Tensor:
+            output = module(xs[j] if received is None else received)
+            return torch.nn.functional.mse_loss(output, ys[j]) / MICRO_BATCHES if links.last else output
+
+        losses = run_pipeline(forward, SCHEDULES[schedule](rank, world, MICRO_BATCHES), links)
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"grads": [p.grad for p in module.parameters()], "losses": losses}, out / f"grads{rank}.pt")
     finally:

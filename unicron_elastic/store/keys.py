@@ -187,6 +187,21 @@ class MeetingKeys:
         return f"unicron-dp/gen{int(generation)}/pg"
 
     @staticmethod
+    def shard_group(generation: int, coordinate: int) -> str:
+        """Prefix of the bootstrap of one generation's data-parallel group of one model shard (TP x PP > 1)."""
+        return f"unicron-dp/gen{int(generation)}/shard{int(coordinate)}"
+
+    @staticmethod
+    def commit_group(generation: int) -> str:
+        """Prefix of the bootstrap of one generation's engine group over every rank (TP x PP > 1: the commit)."""
+        return f"unicron-dp/gen{int(generation)}/commit"
+
+    @staticmethod
+    def buckets(coordinate: int) -> str:
+        """Gradient buckets of one model shard's group (its ranks write it; TP x PP > 1)."""
+        return f"unicron-dp/buckets/{int(coordinate)}"
+
+    @staticmethod
     def world(generation: int) -> str:
         """Prefix of the bootstrap of one generation's default group and megatron-core's groups."""
         return f"unicron-world/gen{int(generation)}"

@@ -45,6 +45,21 @@ Several ranks may die at once (a node), and a rank may die during the
 recovery from another failure: the next collective fails and the survivors
 regroup again under the next generation.
 
+With tensor/pipeline parallelism (``model_parallel``, TP x PP = C > 1) each
+rank runs the engine for its *shard* (coordinate): the protocol runs in
+replica space with one membership authority for every shard
+(:mod:`~unicron_elastic.strategy.replicas`), each shard's data-parallel group
+reduces that shard's buckets as soon as its part of the step is computed
+(with PP, when the stage's backward is done), and a last, small all-reduce
+over the whole world *commits* the step and carries the next step's members:
+no shard steps its optimizer before every shard reduced (a survivor may have
+to recompute a lost replica's micro-batches through every stage). A rank
+whose model collectives fail (a TP/PP peer of its replica is lost) checks in
+broken; its replica is left out and rejoins with the state of the matching
+shard of another replica. A failure after some stages reduced keeps those
+stages' buckets (per coordinate) and recomputes only what the unreduced
+stages need: stages below every unreduced stage run forward only.
+
 The sequencing is :class:`~unicron_elastic.strategy.protocol.Protocol`'s, a
 state machine that yields effects; this class is its real *transport*: it
 executes them with gloo groups, the store and the clock (``tests/fake_dp.py``
@@ -57,7 +72,7 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
 
@@ -65,54 +80,67 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.api import StoreUnavailableError
+from unicron_elastic.api import ConfigError, StoreUnavailableError
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy import protocol as P
-from unicron_elastic.strategy.membership import CheckIn, MembershipError, MembershipRecord
+from unicron_elastic.strategy.membership import MembershipError
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.protocol import Excluded, Protocol, Retired, StepReport
+from unicron_elastic.strategy.pipeline import StageLinks, forward_only, run_pipeline, schedule_for
+from unicron_elastic.strategy.protocol import Excluded, Protocol, ReplicaBroken, Retired, StepReport
+from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMeeting, live_replicas, stages_to_backpropagate
 from unicron_elastic.strategy.state_transfer import broadcast_state
+from unicron_elastic.strategy.transport import CollectiveTransport, GlooTransport, is_peer_failure
 
-__all__ = ["ElasticDataParallel", "Excluded", "Retired", "StepReport"]
+__all__ = ["ElasticDataParallel", "Excluded", "ReplicaBroken", "Retired", "StepReport"]
 
 log = structlog.get_logger(__name__)
 #: Seconds the leader's per-step read of the join/leave requests waits for an unreachable etcd.
 REQUESTS_PATIENCE_S = 1.0
 
 Hook = Callable[..., None]
-#: compare_set(key, _ABSENT, _ABSENT) returns the value, or _ABSENT when the key does not exist: a get that never waits.
-_ABSENT = b"\x00unicron-absent"
+#: ``stage_fn(model, batch, input)``: a pipeline stage's output for one micro-batch (the loss on the last stage).
+StageFn = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
 
 
 class ElasticDataParallel:
     """One data-parallel replica of a model, resilient to the loss of peers (the protocol's real transport).
 
+    With tensor/pipeline parallelism it is this rank's shard of one replica
+    (``model_parallel``): ranks, members and schedules below are then counted
+    in *replicas* where they name data-parallel members (``members``,
+    ``schedule``, :attr:`members`, :meth:`waiting`), and in launch ranks
+    otherwise (``rank``, ``world_size``, ``max_world``).
+
     Args:
-        model: The model (same initial parameters on every rank).
+        model: The model (same initial parameters on every rank; with TP/PP,
+            this rank's shard, the same on every replica).
         optimizer: Its optimizer.
         plan: The global-batch plan (B micro-batches per step); None until
             :attr:`plan` is set (the Lightning strategy sets it in ``setup``).
         batch: ``indices -> batch`` (materialises any micro-batch).
-        loss_fn: ``(model, batch) -> loss`` (mean over the micro-batch).
+        loss_fn: ``(model, batch) -> loss`` (mean over the micro-batch); with
+            ``pipeline > 1`` see ``stage_fn``.
         store: A store every rank reaches that outlives workers (the agent's).
-        rank: This rank in the initial group.
-        world_size: Initial data-parallel size.
+        rank: This launch rank.
+        world_size: Launch world size (ranks).
         bucket_numel: Elements per gradient bucket (None: one bucket).
         timeout: Timeout of collectives.
         checkin_timeout: After a failure, how long survivors wait for a rank that is alive but has
             not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
         hook: Called as ``hook(rank, step, micro_batch=j)`` before each
-            micro-batch and ``hook(rank, step, bucket=k)`` before each bucket's
-            reduction, ``hook(rank, -1, at="before_first_group")`` before the
-            first group is built (fault injection: ``unicron_elastic.faults.maybe_fail``).
-        members: Initial members (default ``0..world_size-1``).
+            micro-batch (its forward, with PP) and ``hook(rank, step, bucket=k)``
+            before each bucket's reduction, ``hook(rank, -1, at="before_first_group")``
+            before the first group is built (fault injection: ``unicron_elastic.faults.maybe_fail``).
+        members: Initial members (default all; replicas with TP/PP).
         joining: This rank is not a member yet: :meth:`join` waits to be added.
         schedule: ``step -> members`` from that step on (the leader applies it).
         get_state: The state a replica hands to a joiner (default: model,
             optimizer, RNG); the step is added.
         set_state: Loads what ``get_state`` returned (default: the inverse).
         on_group: Called as ``on_group(members, generation)`` after every new
-            group (failure, resize, join), before any state moves.
+            group (failure, resize, join), before any state moves (with TP/PP
+            it must rebuild the world the model's collectives use:
+            :func:`~unicron_elastic.strategy.parallel.build_world`).
         on_drop: Called when this rank drops its group (a failure, or
             :meth:`close`): drop every other group of the same members too,
             so a rank blocked in one of them with this rank fails at once
@@ -131,9 +159,16 @@ class ElasticDataParallel:
             differ, and Adam-like optimizers amplify that).
         max_world: Ranks ``0..max_world-1`` may ask to join (default
             ``world_size``; more when nodes may grow the run: ``$UNICRON_MAX_WORLD``).
+        model_parallel: Tensor x pipeline parallel layout (default: none, TP = PP = 1).
+        stage_fn: With ``pipeline > 1``: ``stage_fn(model, batch, input)``, this
+            stage's output for one micro-batch (``input`` is None on the first
+            stage, the previous stage's output otherwise); the loss on the last stage.
+        pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+        transport: Makes and aborts the engine's groups (default: gloo).
 
     Raises:
         ValueError: ``max_world`` is smaller than ``world_size``.
+        ConfigError: The world is not a multiple of TP x PP, or ``pipeline > 1`` without ``stage_fn``.
     """
 
     def __init__(
@@ -142,7 +177,7 @@ class ElasticDataParallel:
         optimizer: torch.optim.Optimizer,
         plan: GlobalBatchPlan | None,
         batch: Callable[[list[int]], Any],
-        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
         store: dist.Store,
         rank: int,
         world_size: int,
@@ -161,15 +196,26 @@ class ElasticDataParallel:
         pause: Callable[[bool, float | None], None] | None = None,
         on_drop: Callable[[], None] | None = None,
         max_world: int | None = None,
+        model_parallel: ModelParallel | None = None,
+        stage_fn: StageFn | None = None,
+        pipeline_schedule: str = "1f1b",
+        transport: CollectiveTransport | None = None,
     ) -> None:
         if max_world is not None and max_world < world_size:
             raise ValueError(f"max_world {max_world} is smaller than world_size {world_size}")
+        self.layout = model_parallel or ModelParallel()
+        if self.layout.pipeline > 1 and stage_fn is None:
+            raise ConfigError("a pipeline-parallel model needs stage_fn (each stage's forward of one micro-batch)")
+        replicas = self.layout.replicas(world_size)
         self.model, self.optimizer, self._plan = model, optimizer, plan
-        self.batch, self.loss_fn, self.store = batch, loss_fn, store
+        self.batch, self.loss_fn, self.stage_fn, self.store = batch, loss_fn, stage_fn, store
         self.rank, self.timeout, self.checkin_timeout = rank, timeout, checkin_timeout
+        self.replica, self.coordinate = self.layout.replica(rank), self.layout.coordinate(rank)
+        self.pipeline_schedule = pipeline_schedule
         self.hook = hook or (lambda *a, **k: None)
         self.world_size = world_size
         self.max_world = max_world or world_size
+        self.max_replicas = max(self.max_world // self.layout.size, replicas)
         self.get_state = get_state or self._default_state
         self.set_state = set_state or self._load_default_state
         self.on_group = on_group or (lambda members, generation: None)
@@ -177,30 +223,39 @@ class ElasticDataParallel:
         self.grad_dtype = grad_dtype
         self.pause = pause or (lambda paused, bound: None)
         self.on_drop = on_drop or (lambda: None)
+        self.transport = transport or GlooTransport()
         self.state_source: str | None = None  # where a joiner's state came from
         self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
-        size = bucket_numel or numel
+        size = bucket_numel or numel or 1
         self.bounds = [(start, min(start + size, numel)) for start in range(0, numel, size)]
-        self.protocol = Protocol(rank, list(members if members is not None else range(world_size)),
+        # with TP/PP a last, small all-reduce over every rank commits the step (and carries the next members)
+        self.committed = self.layout.size > 1
+        self.meeting = ReplicaMeeting(store, self.layout, rank, self.max_replicas)
+        self.protocol = Protocol(self.replica, list(members if members is not None else range(replicas)),
                                  plan.num_micro_batches if plan is not None else 0,  # (set with the plan)
-                                 len(self.bounds), schedule, checkin_timeout,
+                                 len(self.bounds) + self.committed, schedule, checkin_timeout,
                                  timeout.total_seconds())
-        self.pg: dist.ProcessGroupGloo | None = None
-        self._incarnations: dict[int, bytes] = {}
+        self.pg: dist.ProcessGroup | None = None  # this shard's data-parallel group
+        self.world_pg: dist.ProcessGroup | None = None  # with TP/PP: every rank (commit, pipeline)
+        self._incarnations: dict[int, str] = {}
+        self._shard_buckets: list[int] | None = None  # buckets of every shard (read once, for recomputations)
+        self.forward_only: list[int] = []  # steps whose recomputation ran this stage forward only (PP, scenario 2)
         self._handlers: dict[type, Callable[[Any], Any]] = self._effect_handlers()
+        if self.committed:
+            store.set(K.buckets(self.coordinate), str(len(self.bounds)))
         if not joining:
             self.hook(rank, -1, at="before_first_group")
-            self.pg = self._group(self.generation, self.members)
+            self._set_groups(self.generation, self.members)
             self._note_incarnations()
-            if self.rank == self.members[0]:
+            if self._publishes():
                 self._publish_members()
 
     # -- the protocol's state ----------------------------------------------------------
     @property
     def members(self) -> list[int]:
-        """The members of this rank's group."""
+        """The members of this rank's group (replicas with TP/PP)."""
         return self.protocol.members
 
     @property
@@ -232,6 +287,12 @@ class ElasticDataParallel:
         self._plan = plan
         self.protocol.micro_batches = plan.num_micro_batches
 
+    @property
+    def leader(self) -> bool:
+        """This rank is the first shard of the group's leading replica (it writes snapshots for its shard
+        like every shard of that replica, and publishes the members)."""
+        return bool(self.members) and self.replica == self.members[0]
+
     # -- running the protocol --------------------------------------------------------
     def _run(self, effects: Generator[Any, Any, Any]) -> Any:
         """Execute the effects ``effects`` yields until it returns; an effect's exception is thrown into it."""
@@ -249,64 +310,94 @@ class ElasticDataParallel:
                 error = exc
 
     def _effect_handlers(self) -> dict[type, Callable[[Any], Any]]:
+        meeting = self.meeting
         return {
             P.Point: self._point, P.Compute: self._compute_effect, P.Add: lambda e: e.total + e.extra,
             P.Reduce: self._reduce, P.AgreeMembers: self._agree, P.Pause: lambda e: self.pause(e.paused, e.bound),
             P.DropGroup: lambda e: self._drop_group(),
-            P.CheckInFor: lambda e: self.store.set(K.checkin(e.generation, self.rank), e.checkin.to_json()),
-            P.ReadRecord: lambda e: self._stored_record(e.generation),
-            P.ReadCheckIns: lambda e: self._checkins(e.generation, e.ranks),
+            P.CheckInFor: lambda e: meeting.check_in(e.generation, e.checkin),
+            P.ReadRecord: lambda e: meeting.read_record(e.generation),
+            P.ReadCheckIns: lambda e: meeting.checkins(e.generation, e.ranks, self._malformed),
             P.ReadAlive: self._read_alive, P.Now: lambda e: time.monotonic(), P.Sleep: lambda e: time.sleep(e.seconds),
-            P.WriteRecord: self._write_record, P.Abandon: lambda e: None, P.BuildGroup: self._build,
-            P.Formed: self._formed, P.ReadRequests: self._requests, P.ReadWaiting: lambda e: self.waiting(),
+            P.WriteRecord: lambda e: meeting.write_record(e.record), P.Abandon: lambda e: None,
+            P.BuildGroup: self._build, P.Formed: self._formed, P.ReadRequests: self._requests,
+            P.ReadWaiting: lambda e: self.waiting(),
             P.Announce: self._announce, P.TransferState: self._transfer, P.SetGradients: self._set_gradients,
             P.ReadMembers: self._read_members, P.RequestJoin: self._request_join,
             P.ReadFinished: lambda e: int(self.store.get(K.FINISHED)) if self.store.check([K.FINISHED]) else None,
             P.ReadLatest: lambda e: json.loads(self.store.get(K.LATEST)) if self.store.check([K.LATEST]) else None,
-            P.Admitted: self._admitted, P.Fallback: self._fallback, P.FreeGeneration: self._free_generation,
+            P.Admitted: self._admitted, P.Fallback: self._fallback,
+            P.FreeGeneration: lambda e: meeting.free_generation(e.generation),
             P.Decided: lambda e: None, P.Followed: lambda e: None, P.Reassigned: lambda e: None,
         }
 
+    @staticmethod
+    def _malformed(generation: int, rank: int, exc: MembershipError) -> None:
+        log.warning("dp_checkin_malformed", generation=generation, rank=rank, error=str(exc)[:200])
+
     # -- groups ----------------------------------------------------------------
-    def _group(self, generation: int, members: Sequence[int]) -> dist.ProcessGroupGloo:
-        store = dist.PrefixStore(K.group(generation), self.store)
-        return dist.ProcessGroupGloo(store, list(members).index(self.rank), len(members), self.timeout)
+    def _set_groups(self, generation: int, members: list[int]) -> None:
+        """Build this generation's groups: the shard's data-parallel group and, with TP/PP, the world's.
+
+        Raises:
+            RuntimeError: A member is gone while they form.
+            LookupError: Its bootstrap keys are gone (a store outage).
+        """
+        layout = self.layout
+        if not self.committed:
+            self.pg = self.transport.new_group(dist.PrefixStore(K.group(generation), self.store),
+                                               members.index(self.replica), len(members), self.timeout)
+            return
+        shard = dist.PrefixStore(K.shard_group(generation, self.coordinate), self.store)
+        self.pg = self.transport.new_group(shard, members.index(self.replica), len(members), self.timeout)
+        world = dist.PrefixStore(K.commit_group(generation), self.store)
+        self.world_pg = self.transport.new_group(world, layout.world_rank(members, self.rank),
+                                                 len(members) * layout.size, self.timeout)
+
+    def _publishes(self) -> bool:
+        return self.leader and self.coordinate == 0
 
     def _publish_members(self) -> None:
         self.store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
 
     def _build(self, effect: P.BuildGroup) -> bool:
         try:
-            self.pg = self._group(effect.record.generation, effect.record.members)
+            self._set_groups(effect.record.generation, list(effect.record.members))
             return True
         except (RuntimeError, LookupError) as exc:  # a member died while the group formed
             log.warning("dp_group_build_failed", generation=effect.record.generation, error=str(exc)[:200])
+            self._release_groups()
             return False
 
     def _formed(self, effect: P.Formed) -> None:
         self._note_incarnations()
-        if self.rank == self.members[0]:
+        if self._publishes():
             self._publish_members()
         self.on_group(list(effect.members), effect.generation)
 
     def _drop_group(self) -> None:
-        """Destroy the broken group now, closing its connections.
+        """Destroy the broken groups now, closing their connections.
 
-        ``ProcessGroupGloo.abort()`` does not close them (torch 2.13): a
-        survivor whose pending operation is with *this* rank stays blocked
-        until the group object is destroyed. Dropping it at once makes every
-        survivor see the failure within milliseconds instead of after a timeout.
+        Dropping them at once (:class:`~unicron_elastic.strategy.transport.CollectiveTransport`)
+        makes every survivor blocked on this rank see the failure within
+        milliseconds instead of after a timeout.
         """
-        if self.pg is None:
+        if self.pg is None and self.world_pg is None:
             return
         self.on_drop()
-        pg, self.pg = self.pg, None
-        try:
-            pg.abort()
-        except RuntimeError:
-            pass
-        held_elsewhere = sys.getrefcount(pg) > 2  # this name and getrefcount's argument
-        del pg  # the destructor closes the sockets
+        self._release_groups()
+
+    def _release_groups(self) -> None:
+        """Abort this rank's groups and release them (the last reference: gloo's destructor closes the sockets)."""
+        held_elsewhere = False
+        for name in ("pg", "world_pg"):
+            pg = getattr(self, name)
+            if pg is None:
+                continue
+            setattr(self, name, None)
+            self.transport.abort(pg)
+            held_elsewhere |= sys.getrefcount(pg) > 2  # this name and getrefcount's argument
+            del pg
         if held_elsewhere:  # e.g. a frame kept by a traceback: a full collection (slow with big models) frees it
             gc.collect()
 
@@ -314,54 +405,26 @@ class ElasticDataParallel:
         alive = self._alive_among(list(effect.ranks))
         if alive is None or not effect.exclude_waiting:
             return alive
-        return alive - set(self.waiting())  # a rank waiting to join will not check in as a member
+        return alive - set(self.waiting())  # a replica waiting to join will not check in as a member
 
-    def _alive_among(self, ranks: list[int]) -> set[int] | None:
-        """Those of ``ranks`` alive in the incarnation this rank trained with; None when no one keeps liveness keys.
+    def _alive_among(self, replicas: list[int]) -> set[int] | None:
+        """Those of ``replicas`` whose every rank is alive in the incarnation this rank trained with; None when
+        no one keeps liveness keys.
 
         The liveness value names the incarnation: a rank restarted since the
         group formed is a joiner, not the member that must check in.
         """
-        if not self.store.check([K.LIVENESS]):
+        if not self.meeting.liveness_kept():
             return None
-        live = self._incarnations_of(ranks)
-        return {r for r, seen in live.items() if self._incarnations.get(r, seen) == seen}
-
-    def _incarnations_of(self, ranks: list[int]) -> dict[int, bytes]:
-        """The liveness values of ``ranks`` that have one (read without waiting: a key may vanish any time)."""
-        values = {r: bytes(self.store.compare_set(K.live(r), _ABSENT, _ABSENT)) for r in ranks}
-        return {r: v for r, v in values.items() if v != _ABSENT}
+        ranks = [rank for replica in replicas for rank in self.layout.ranks(replica)]
+        live = self.meeting.incarnations(ranks)
+        alive = {r for r, seen in live.items() if self._incarnations.get(r, seen) == seen}
+        return live_replicas(self.layout, alive, replicas)
 
     def _note_incarnations(self) -> None:
-        """Remember which incarnation of each member this group was formed with."""
-        self._incarnations = self._incarnations_of(self.members)
-
-    def _checkins(self, generation: int, ranks: Sequence[int]) -> dict[int, CheckIn]:
-        """The check-ins of ``ranks`` for ``generation`` (a malformed one is ignored, with a warning)."""
-        found: dict[int, CheckIn] = {}
-        for r in ranks:
-            if not self.store.check([K.checkin(generation, r)]):
-                continue
-            try:
-                found[r] = CheckIn.from_json(self.store.get(K.checkin(generation, r)))
-            except MembershipError as exc:
-                log.warning("dp_checkin_malformed", generation=generation, rank=r, error=str(exc)[:200])
-        return found
-
-    def _stored_record(self, generation: int) -> MembershipRecord | None:
-        if not self.store.check([K.record(generation)]):
-            return None
-        return MembershipRecord.from_json(self.store.get(K.record(generation)))
-
-    def _write_record(self, effect: P.WriteRecord) -> MembershipRecord:
-        stored = self.store.compare_set(K.record(effect.record.generation), "", effect.record.to_json())
-        return MembershipRecord.from_json(stored)
-
-    def _free_generation(self, effect: P.FreeGeneration) -> int:
-        generation = effect.generation
-        while self.store.check([K.record(generation)]):
-            generation += 1
-        return generation
+        """Remember which incarnation of each member's ranks this group was formed with."""
+        self._incarnations = self.meeting.incarnations(
+            [rank for replica in self.members for rank in self.layout.ranks(replica)])
 
     # -- membership ----------------------------------------------------------------
     def _requests(self, effect: P.ReadRequests) -> tuple[list[int], list[int]]:
@@ -369,8 +432,12 @@ class ElasticDataParallel:
 
         The leader reads this every step: with etcd unreachable (an outage) it
         gives up after :data:`REQUESTS_PATIENCE_S` and reports none, so training
-        goes on and the requests are seen at a later step.
+        goes on and the requests are seen at a later step. With TP/PP only the
+        first shard of the leading replica reads them (its offer is the one the
+        commit carries); the others report none.
         """
+        if self.coordinate != 0:
+            return [], []
         try:
             count = (self.store.read_int(K.JOIN_REQUESTS, REQUESTS_PATIENCE_S) if hasattr(self.store, "read_int")
                      else self.store.add(K.JOIN_REQUESTS, 0))
@@ -379,7 +446,7 @@ class ElasticDataParallel:
             return [], []
         if count <= 0:
             return [], []
-        return self.waiting(), [r for r in effect.members if self.store.check([K.leave(r)])]
+        return self.waiting(), self.meeting.leaving(effect.members)
 
     def withdraw_leave_request(self) -> None:
         """Forget this rank's leave request (it retired); a failure is logged, not raised (its agent withdraws too)."""
@@ -389,8 +456,8 @@ class ElasticDataParallel:
         except Exception as exc:  # noqa: BLE001 - retiring must not turn into a crash
             log.warning("leave_request_not_withdrawn", rank=self.rank, error=str(exc)[:200])
 
-    def _encode(self, members: Sequence[int] | None, dtype: torch.dtype) -> torch.Tensor:
-        slots = torch.zeros(self.max_world + 1, dtype=dtype)
+    def _encode(self, members: list[int] | tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor:
+        slots = torch.zeros(self.max_replicas + 1, dtype=dtype)
         if members is not None:
             slots[0] = len(members)
             slots[1 : 1 + len(members)] = torch.tensor(list(members), dtype=dtype)
@@ -400,12 +467,17 @@ class ElasticDataParallel:
     def _decode(slots: torch.Tensor) -> list[int]:
         return [int(r) for r in slots[1 : 1 + int(slots[0])].tolist()]
 
+    def _offer(self, offer: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """Only one rank's proposal may count: with TP/PP the first shard's of the leading replica."""
+        return offer if self.coordinate == 0 else None
+
     def _agree(self, effect: P.AgreeMembers) -> list[int]:
-        if self.pg is None:
+        group = self.world_pg if self.committed else self.pg
+        if group is None:
             raise RuntimeError("no group to agree on the members in")
-        payload = self._encode(effect.offer, torch.int64)  # the leader's proposal + zeros from the others
-        self.pg.allreduce([payload]).wait()
-        return self._decode(payload)
+        payload = self._encode(self._offer(effect.offer), torch.int64).to(self.transport.device)
+        group.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
+        return self._decode(payload.cpu())
 
     def _announce(self, effect: P.Announce) -> None:
         """Tell the ranks waiting in :meth:`join` that a record admits them, a root sending the state from a source."""
@@ -415,11 +487,11 @@ class ElasticDataParallel:
 
     def finish(self) -> None:
         """Training is over: ranks still waiting in :meth:`join` give up waiting (any member says so)."""
-        if self.rank in self.members and self.pg is not None:
+        if self.replica in self.members and self.pg is not None:
             self.store.set(K.FINISHED, str(self.next_step))
 
     def close(self) -> None:
-        """Destroy this rank's group; call before the process exits.
+        """Destroy this rank's groups; call before the process exits.
 
         A gloo group still alive when the interpreter shuts down can abort the
         process ("terminate called without an active exception": its threads
@@ -430,8 +502,10 @@ class ElasticDataParallel:
     def join(self, timeout: float = 120.0) -> int | None:
         """Wait until the group admits this rank, then load its state from a replica.
 
+        With TP/PP, a replica is admitted once every rank of it waits; each
+        rank receives the state of its shard from the same shard of a replica.
         When no replica is left (every member of the group that is still alive
-        is itself waiting to join), the lowest waiting rank resumes from
+        is itself waiting to join), the lowest waiting replica resumes from
         ``fallback()`` (in-memory snapshot, else persisted checkpoint), else
         from step 0 with its fresh state and a warning, and hands that state to
         the others. :attr:`state_source` says which it was.
@@ -445,8 +519,8 @@ class ElasticDataParallel:
         return self._run(self.protocol.join(timeout))
 
     def waiting(self) -> list[int]:
-        """Ranks waiting in :meth:`join` to be admitted."""
-        return [r for r in range(self.max_world) if self.store.check([K.join(r)])]
+        """Members-to-be waiting in :meth:`join` to be admitted (replicas every rank of which waits, with TP/PP)."""
+        return self.meeting.waiting()
 
     def _read_members(self, effect: P.ReadMembers) -> tuple[int, list[int]] | None:
         if not self.store.check([K.MEMBERS]):
@@ -521,7 +595,7 @@ class ElasticDataParallel:
         """
         if self.pg is None:
             raise RuntimeError("no group to send the state in")
-        index = self.members.index(self.rank)
+        index = self.members.index(self.replica)
         state = broadcast_state(self.pg, effect.root, index, self.state() if index == effect.root else None)
         if not effect.apply:
             return None
@@ -535,28 +609,94 @@ class ElasticDataParallel:
             self.hook(self.rank, effect.step, bucket=effect.index)
 
     def _compute_effect(self, effect: P.Compute) -> torch.Tensor:
-        return self._compute(effect.step, list(effect.micro_batches))
+        try:
+            return self._compute(effect.step, list(effect.micro_batches), effect.redo)
+        except RuntimeError as exc:
+            if self.committed and is_peer_failure(exc):  # the model's own collectives: a peer of this replica
+                raise ReplicaBroken(f"rank {self.rank}: a collective of its model failed: {exc}") from exc
+            raise
 
-    def _compute(self, step: int, micro_batches: list[int]) -> torch.Tensor:
+    def _zeros(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A gradient sum of this shard and its per-parameter views."""
         total = torch.zeros(sum(p.numel() for p in self.params), dtype=self.grad_dtype, device=self.params[0].device)
         views, offset = [], 0
         for p in self.params:
             views.append(total[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+        return total, views
+
+    def _accumulate(self, views: list[torch.Tensor]) -> None:
+        """Add this micro-batch's gradients (``.grad``) to the sum, then clear them."""
+        for p, view in zip(self.params, views):
+            if p.grad is not None:
+                view.add_(p.grad)  # in place into the sum's dtype: no temporary copies
+            p.grad = None
+
+    def _compute(self, step: int, micro_batches: list[int], redo: bool = False) -> torch.Tensor:
+        total, views = self._zeros()
+        if self.layout.pipeline > 1:
+            self._pipeline(step, micro_batches, redo, views)
+            return total
         for j in micro_batches:
             self.hook(self.rank, step, micro_batch=j)
             for p in self.params:
                 p.grad = None
             self.loss_fn(self.model, self.batch(self._plan.indices(step, j))).backward()
-            for p, view in zip(self.params, views):
-                view.add_(p.grad)  # in place into the sum's dtype: no temporary copies
+            self._accumulate(views)
         return total
 
+    def _pipeline(self, step: int, micro_batches: list[int], redo: bool, views: list[torch.Tensor]) -> None:
+        """This stage's part of ``micro_batches`` through the replica's pipeline (our schedule over gloo p2p).
+
+        In a recomputation after a failure (``redo``) the stages below every
+        stage that still needs gradients run forward only, and nothing runs
+        when every stage kept its reduced buckets.
+        """
+        layout = self.layout
+        stage, stages = layout.stage(self.rank), layout.pipeline
+        backward = set(range(stages)) if not redo else self._stages_to_backpropagate()
+        if not backward or not micro_batches:
+            return
+        if self.world_pg is None:
+            raise RuntimeError("the group failed before this stage's pipeline ran")
+        if stage in backward:
+            ops = schedule_for(self.pipeline_schedule, stage, stages, len(micro_batches))
+        else:  # this stage and every stage before it kept their reduced buckets: only later stages need it
+            ops = forward_only(len(micro_batches))
+            self.forward_only.append(step)
+        links = StageLinks(layout.neighbour(self.members, self.rank, stage - 1) if stage > 0 else None,
+                           layout.neighbour(self.members, self.rank, stage + 1) if stage < stages - 1 else None,
+                           self.world_pg, send_gradients=stage - 1 in backward)
+        for p in self.params:
+            p.grad = None
+
+        def forward(position: int, received: torch.Tensor | None) -> torch.Tensor:
+            j = micro_batches[position]
+            self.hook(self.rank, step, micro_batch=j)
+            return self.stage_fn(self.model, self.batch(self._plan.indices(step, j)), received)
+
+        run_pipeline(forward, ops, links, self.transport.device, on_backward=lambda _: self._accumulate(views))
+
+    def _stages_to_backpropagate(self) -> set[int]:
+        """After a regroup: the stages whose backward is still needed (from the record's buckets kept per shard)."""
+        record = self.meeting.record
+        if record is None or not record.kept:
+            return set(range(self.layout.pipeline))
+        if self._shard_buckets is None:
+            self._shard_buckets = [int(self.store.get(K.buckets(c))) for c in range(self.layout.size)]
+        return stages_to_backpropagate(self.layout, record.kept, self._shard_buckets)
+
     def _reduce(self, effect: P.Reduce) -> tuple[torch.Tensor, list[int] | None]:
+        local = effect.local
+        if self.committed and effect.bucket == len(self.bounds):  # the step's commit, over every rank
+            if self.world_pg is None:
+                raise RuntimeError("the group failed before the step's commit")
+            payload = self._encode(self._offer(effect.offer), torch.int64).to(self.transport.device)
+            self.world_pg.allreduce([payload]).wait()
+            return local.new_zeros(0), self._decode(payload.cpu())
         if self.pg is None:
             raise RuntimeError("the group failed before this reduction (membership sync)")
         start, end = self.bounds[effect.bucket]
-        local = effect.local
         if not effect.last:
             buf = local[start:end].clone()  # reduce a copy: the local sum survives a failure
             self.pg.allreduce([buf]).wait()

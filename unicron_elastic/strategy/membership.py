@@ -16,7 +16,19 @@ exists per generation and every survivor follows it:
   all-reduce completed on some survivors and failed on others, the first ones
   stepped their optimizer and fail in the next step; the others are *behind*
   (their step's result exists, but not in them) and come back as joiners, with
-  the state of a replica.
+  the state of a replica;
+* a rank whose own computation failed (a collective of its model: a tensor- or
+  pipeline-parallel peer of its replica was lost) checks in *broken*: it is
+  not waited for and not a member (its replica cannot finish the step) and
+  rejoins; when only broken ranks are left the record *dissolves* the group
+  (no members): everyone rejoins and, with no replica left, the lowest resumes
+  from the snapshot or checkpoint.
+
+With tensor/pipeline parallelism the "ranks" here are data-parallel
+*replicas* (:mod:`~unicron_elastic.strategy.replicas`): a replica checked in
+when every rank of it did, and a record keeps, per coordinate of the model
+(a tensor x pipeline shard), the buckets that shard's group reduced
+(:attr:`MembershipRecord.kept`).
 
 A resize between steps (joiners admitted, the schedule's members) is a record
 too: the leader writes it create-only for the next generation
@@ -32,7 +44,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from unicron_elastic.api import UnicronError
 
@@ -48,18 +60,26 @@ class CheckIn:
     Attributes:
         step: The optimizer step it is in.
         done: Gradient buckets of ``step`` it completed (reduced) before the failure.
+        broken: Its own computation of ``step`` failed (its model's collectives:
+            a peer of its replica is lost); its sums are incomplete.
     """
 
     step: int
     done: int
+    broken: bool = False
 
     def __post_init__(self) -> None:
         if not (_whole(self.step) and _whole(self.done)) or self.step < 0 or self.done < 0:
             raise MembershipError(f"step and done must be whole numbers >= 0: {self!r}")
+        if not isinstance(self.broken, bool):
+            raise MembershipError(f"broken must be a boolean: {self!r}")
 
     def to_json(self) -> str:
         """The check-in as stored."""
-        return json.dumps({"step": self.step, "done": self.done})
+        doc = {"step": self.step, "done": self.done}
+        if self.broken:
+            doc["broken"] = True
+        return json.dumps(doc)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> CheckIn:
@@ -70,7 +90,7 @@ class CheckIn:
         """
         try:
             raw = json.loads(text)
-            return cls(raw["step"], raw["done"])
+            return cls(raw["step"], raw["done"], raw.get("broken", False))
         except MembershipError:
             raise
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
@@ -83,13 +103,17 @@ class MembershipRecord:
 
     Attributes:
         generation: The generation this record starts.
-        members: Sorted, distinct ranks; not empty.
+        members: Sorted, distinct ranks; empty only when the group *dissolved*
+            (every previous member is dead or broken: all of them rejoin).
         kept_buckets: Gradient buckets of ``step`` every member completed before the failure.
-        dead: Previous members left out: dead, not checked in by the deadline,
-            or behind (checked in from an earlier step). Sorted, distinct.
+        dead: Previous members left out: dead, broken, not checked in by the
+            deadline, or behind (checked in from an earlier step). Sorted, distinct.
         step: The step the members are in (a rank in another step is not a member).
         resize: Written by the leader between steps (:func:`resize_record`):
             the step's micro-batches are dealt over these members afresh.
+        kept: With tensor/pipeline parallelism, the buckets kept per
+            coordinate of the model (each shard's group has its own buckets);
+            empty otherwise. :meth:`for_coordinate` gives one shard's view.
     """
 
     generation: int
@@ -98,28 +122,56 @@ class MembershipRecord:
     dead: tuple[int, ...] = ()
     step: int = 0
     resize: bool = False
+    kept: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.members or list(self.members) != sorted(set(self.members)):
-            raise MembershipError(f"members {self.members!r} must be sorted, distinct and not empty")
+        if list(self.members) != sorted(set(self.members)) or not (self.members or self.dead):
+            raise MembershipError(f"members {self.members!r} must be sorted and distinct, and not empty unless "
+                                  f"the group dissolved (dead members)")
         if list(self.dead) != sorted(set(self.dead)):
             raise MembershipError(f"dead {self.dead!r} must be sorted and distinct")
-        values = (self.generation, self.kept_buckets, self.step, *self.members, *self.dead)
+        values = (self.generation, self.kept_buckets, self.step, *self.members, *self.dead, *self.kept)
         if any(not _whole(v) or v < 0 for v in values) or not isinstance(self.resize, bool):
             raise MembershipError(f"generation, buckets and ranks must be whole numbers >= 0: {self!r}")
         if set(self.dead) & set(self.members):
             raise MembershipError(f"ranks {sorted(set(self.dead) & set(self.members))} are both dead and members")
 
     @property
+    def dissolved(self) -> bool:
+        """No member is left: every previous member was dead or broken."""
+        return not self.members
+
+    @property
     def leader(self) -> int:
-        """The lowest member: it publishes the group and sends the state to joiners."""
+        """The lowest member: it publishes the group and sends the state to joiners.
+
+        Raises:
+            MembershipError: The group dissolved (no member).
+        """
+        if not self.members:
+            raise MembershipError(f"generation {self.generation} dissolved the group: it has no leader")
         return self.members[0]
+
+    def for_coordinate(self, coordinate: int) -> MembershipRecord:
+        """This record as one shard's group sees it: ``kept_buckets`` is that coordinate's.
+
+        Raises:
+            MembershipError: The record keeps buckets per coordinate and has none for ``coordinate``.
+        """
+        if not self.kept:
+            return self
+        if not 0 <= coordinate < len(self.kept):
+            raise MembershipError(f"record {self.generation} keeps buckets for {len(self.kept)} coordinates, "
+                                  f"not for coordinate {coordinate}")
+        return replace(self, kept_buckets=self.kept[coordinate])
 
     def to_json(self) -> str:
         """The record as stored."""
-        return json.dumps({"generation": self.generation, "members": list(self.members),
-                           "kept_buckets": self.kept_buckets, "dead": list(self.dead), "step": self.step,
-                           "resize": self.resize})
+        doc = {"generation": self.generation, "members": list(self.members), "kept_buckets": self.kept_buckets,
+               "dead": list(self.dead), "step": self.step, "resize": self.resize}
+        if self.kept:
+            doc["kept"] = list(self.kept)
+        return json.dumps(doc)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> MembershipRecord:
@@ -132,7 +184,7 @@ class MembershipRecord:
             raw = json.loads(text)
             return cls(int(raw["generation"]) if _whole(raw["generation"]) else raw["generation"],
                        tuple(raw["members"]), raw["kept_buckets"], tuple(raw.get("dead", ())), raw.get("step", 0),
-                       raw.get("resize", False))
+                       raw.get("resize", False), tuple(raw.get("kept", ())))
         except MembershipError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:  # RecursionError: deep nesting
@@ -159,10 +211,11 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
 
     Returns:
         The record: every previous member checked in or is known dead (or the
-        deadline passed); members are the live ranks that checked in from the
-        newest step among them (the others are behind: left out, they rejoin).
-        None while a live previous member has not checked in, or when no live
-        member checked in at all.
+        deadline passed); members are the live ranks that checked in, not
+        broken, from the newest step among them (the others are behind: left
+        out, they rejoin). When only broken ranks checked in, the record
+        dissolves the group (no members; everyone rejoins). None while a live
+        previous member has not checked in, or when no live member checked in at all.
     """
     def live(rank: int) -> bool:
         return alive is None or rank in alive
@@ -170,9 +223,13 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
     waiting_for = [r for r in previous if r not in checked_in and live(r)]
     if waiting_for and not deadline_passed:
         return None
-    candidates = [r for r in set(previous) if r in checked_in and live(r)]
-    if not candidates:
+    present = [r for r in set(previous) if r in checked_in and live(r)]
+    if not present:
         return None
+    candidates = [r for r in present if not checked_in[r].broken]
+    if not candidates:  # every live rank's computation failed: nobody holds a step to finish
+        step = max(checked_in[r].step for r in present)
+        return MembershipRecord(generation, (), 0, tuple(sorted(set(previous))), step)
     step = max(checked_in[r].step for r in candidates)
     members = tuple(sorted(r for r in candidates if checked_in[r].step == step))
     dead = tuple(sorted(r for r in set(previous) if r not in members))
@@ -208,14 +265,14 @@ def formation(record: MembershipRecord, checked_in: Mapping[int, CheckIn], alive
     Returns:
         ``"build"`` when every member checked in from the record's step;
         ``"abandon"`` when one will not come (it checked in from another
-        step: it is behind and rejoins; it is known dead; or the deadline
-        passed): the members then regroup under the next generation;
+        step: it is behind and rejoins; it checked in broken; it is known
+        dead; or the deadline passed): the members then regroup under the next generation;
         ``"wait"`` otherwise.
     """
     missing = []
     for rank in record.members:
         checkin = checked_in.get(rank)
-        if checkin is not None and checkin.step != record.step:
+        if checkin is not None and (checkin.step != record.step or checkin.broken):
             return "abandon"
         if checkin is None:
             if alive is not None and rank not in alive:

@@ -66,11 +66,14 @@ def _lazy_gloo() -> Iterator[None]:
 
 
 def build_world(store: dist.Store, generation: int, rank: int, world_size: int, tensor_parallel: int = 1,
-                pipeline_parallel: int = 1, timeout: timedelta = timedelta(seconds=60)) -> None:
+                pipeline_parallel: int = 1, timeout: timedelta = timedelta(seconds=60), backend: str = "gloo") -> None:
     """(Re)build the default process group and megatron-core's groups for this world.
 
     Every member calls this with the same ``generation``; the old groups are
-    destroyed first (a dead peer does not block that: nothing is pending on them).
+    destroyed first (a dead peer does not block that: nothing is pending on
+    them). Ranks are numbered replica-major (megatron-core's ``order="tp-pp-dp"``):
+    ``rank = replica * TP * PP + stage * TP + tensor_rank``, the layout of
+    :class:`~unicron_elastic.strategy.replicas.ModelParallel`.
 
     Raises:
         ConfigError: See :func:`check_sizes`.
@@ -79,16 +82,36 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
     started = time.monotonic()
     destroy_world()
     # the world connects now: a peer that dies later fails its collectives at once (Lightning's per-step broadcast)
-    dist.init_process_group("gloo", store=dist.PrefixStore(K.world(generation), store),
+    dist.init_process_group(backend, store=dist.PrefixStore(K.world(generation), store),
                             rank=rank, world_size=world_size, timeout=timeout)
     if megatron_available():
         from megatron.core import parallel_state
 
         with _lazy_gloo():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                     pipeline_model_parallel_size=pipeline_parallel)
+                                                     pipeline_model_parallel_size=pipeline_parallel,
+                                                     order="tp-pp-dp")
     log.info("world_built", generation=generation, rank=rank, world_size=world_size,
              tp=tensor_parallel, pp=pipeline_parallel, seconds=round(time.monotonic() - started, 3))
+
+
+def set_virtual_model_parallel(tensor_rank: int, tensor_parallel: int, stage: int, pipeline_parallel: int) -> None:
+    """Tell megatron-core this rank's tensor/pipeline ranks and sizes before its groups exist.
+
+    A rank that joins a running group builds its model (megatron-core's
+    parallel layers ask ``parallel_state`` for the TP rank and size) before it
+    is admitted; megatron-core reads these "virtual" values first. The
+    world built at admission (:func:`build_world`) gives the same values.
+    Without megatron-core (TP = PP = 1) there is nothing to set.
+    """
+    if not megatron_available():
+        return
+    from megatron.core import parallel_state
+
+    parallel_state.set_tensor_model_parallel_world_size(tensor_parallel)
+    parallel_state.set_tensor_model_parallel_rank(tensor_rank)
+    parallel_state.set_pipeline_model_parallel_world_size(pipeline_parallel)
+    parallel_state.set_pipeline_model_parallel_rank(stage)
 
 
 def destroy_world() -> None:

@@ -10,8 +10,11 @@ step of a stage's part of the model: activations go forward and their
 gradients backward as tensors, each preceded by a small header (shape, dtype),
 sends are asynchronous and receives blocking.
 
-Not wired into :class:`~unicron_elastic.strategy.lightning.UnicronMegatronStrategy`
-yet (it refuses PP > 1): see docs/strategy.md.
+The elastic engine runs it for a pipeline-parallel model on CPU
+(:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` with
+``pipeline > 1``): each micro-batch's gradients are added up after its
+backward (``on_backward``), and when a failure's recomputation needs only
+later stages' gradients, the earlier stages run :func:`forward_only`.
 """
 
 from __future__ import annotations
@@ -82,6 +85,17 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Op]:
 SCHEDULES: dict[str, Callable[[int, int, int], list[Op]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
+def schedule_for(name: str, stage: int, stages: int, micro_batches: int) -> list[Op]:
+    """The ops of ``stage`` under the schedule called ``name``.
+
+    Raises:
+        ConfigError: An unknown schedule, or bad sizes.
+    """
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name](stage, stages, micro_batches)
+
+
 def simulate(schedules: Sequence[Sequence[Op]]) -> int:
     """Run the stages' schedules against each other with asynchronous sends and blocking receives.
 
@@ -118,13 +132,28 @@ def simulate(schedules: Sequence[Sequence[Op]]) -> int:
     return rounds
 
 
+def forward_only(micro_batches: int) -> list[Op]:
+    """Every forward, no backward: a stage whose gradients are not needed again (a recomputation after a
+    failure, when this stage and every stage before it already reduced theirs)."""
+    return [Op("F", j) for j in range(micro_batches)]
+
+
 @dataclass(frozen=True)
 class StageLinks:
-    """The ranks next to this stage in its pipeline (None at the ends) and the group they talk in."""
+    """The ranks next to this stage in its pipeline (None at the ends) and the group they talk in.
+
+    Attributes:
+        previous: Rank (in ``group``) of the previous stage.
+        next: Rank (in ``group``) of the next stage.
+        group: A ``torch.distributed`` process group object (default: the default group).
+        send_gradients: Send the gradient of this stage's input to the previous
+            stage (False when the previous stage runs forward only).
+    """
 
     previous: int | None
     next: int | None
     group: Any = None
+    send_gradients: bool = True
 
     @property
     def first(self) -> bool:
@@ -133,6 +162,10 @@ class StageLinks:
     @property
     def last(self) -> bool:
         return self.next is None
+
+    def process_group(self) -> Any:
+        """The group the stages talk in (the default group when none was given)."""
+        return self.group if self.group is not None else dist.distributed_c10d._get_default_group()
 
 
 def _send(tensor: torch.Tensor, peer: int, group: Any, pending: list[Any]) -> None:
@@ -144,38 +177,41 @@ def _send(tensor: torch.Tensor, peer: int, group: Any, pending: list[Any]) -> No
     if tensor.dtype not in _DTYPES or tensor.dim() > _HEADER - 2:
         raise ConfigError(f"pipeline tensors must be one of {_DTYPES} with at most {_HEADER - 2} dims "
                           f"(got {tensor.dtype}, {tensor.dim()} dims)")
-    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
     header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
     header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     payload = tensor.detach().contiguous()
-    pending.append(dist.isend(header, peer, group=group))
-    pending.append(dist.isend(payload, peer, group=group))
-    pending.append(payload)  # (kept alive until the send completed)
+    pending.append(group.send([header], peer, 0))
+    pending.append(group.send([payload], peer, 0))
+    pending.append((header, payload))  # (kept alive until the sends completed)
 
 
 def _recv(peer: int, group: Any, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    dist.recv(header, peer, group=group)
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    group.recv([header], peer, 0).wait()
     ndim = int(header[1])
-    tensor = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=_DTYPES[int(header[0])])
-    dist.recv(tensor, peer, group=group)
-    return tensor.to(device)
+    tensor = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=_DTYPES[int(header[0])], device=device)
+    group.recv([tensor], peer, 0).wait()
+    return tensor
 
 
-def run_pipeline(module: torch.nn.Module, schedule: Sequence[Op], links: StageLinks,
-                 inputs: Callable[[int], Any], loss: Callable[[int, Any], torch.Tensor],
-                 device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
-    """Run one step of this stage: forwards and backwards in ``schedule`` order; gradients accumulate.
+def run_pipeline(forward: Callable[[int, torch.Tensor | None], torch.Tensor], schedule: Sequence[Op],
+                 links: StageLinks, device: torch.device = torch.device("cpu"),
+                 on_backward: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """Run one step of this stage: forwards and backwards in ``schedule`` order.
 
     Args:
-        module: This stage's part of the model (its input is the previous
-            stage's output, or ``inputs(j)`` on the first stage).
-        schedule: This stage's ops (:func:`gpipe`, :func:`one_f_one_b`).
+        forward: ``forward(j, input)`` runs this stage on micro-batch ``j``
+            (``input`` is None on the first stage, else the previous stage's
+            output) and returns its output; on the last stage, the loss of
+            micro-batch ``j`` (a scalar; the backward starts from it).
+        schedule: This stage's ops (:func:`gpipe`, :func:`one_f_one_b`,
+            :func:`forward_only`), over micro-batches ``0..m-1``.
         links: The neighbouring stages' ranks.
-        inputs: Micro-batch ``j``'s input of the first stage.
-        loss: On the last stage, micro-batch ``j``'s loss from the stage's output
-            (scale it by the number of micro-batches for a mean).
         device: Where received tensors go.
+        on_backward: Called as ``on_backward(j)`` after the backward of
+            micro-batch ``j`` (its gradients are in ``.grad``: e.g. add them
+            up per micro-batch); without it gradients accumulate in ``.grad``.
 
     Returns:
         The last stage's losses (detached) in micro-batch order; empty on other stages.
@@ -184,27 +220,32 @@ def run_pipeline(module: torch.nn.Module, schedule: Sequence[Op], links: StageLi
         ConfigError: A tensor the stages cannot exchange.
         RuntimeError: A neighbour failed (gloo's error).
     """
+    group = links.process_group()
+    wants_input_grad = links.send_gradients and any(op.kind == "B" for op in schedule)
     held: dict[int, tuple[torch.Tensor | None, Any]] = {}  # j -> (input needing its grad, output or loss)
     losses: dict[int, torch.Tensor] = {}
     pending: list[Any] = []
     for op in schedule:
         if op.kind == "F":
-            received = None if links.first else _recv(links.previous, links.group, device).requires_grad_()
-            output = module(inputs(op.j) if received is None else received)
+            received = None if links.first else _recv(links.previous, group, device)
+            if received is not None and wants_input_grad:
+                received.requires_grad_()
+            output = forward(op.j, received)
             if links.last:
-                output = loss(op.j, output)
                 losses[op.j] = output.detach()
             else:
-                _send(output, links.next, links.group, pending)
+                _send(output, links.next, group, pending)
             held[op.j] = (received, output)
         else:
             received, output = held.pop(op.j)
             if links.last:
                 output.backward()
             else:
-                output.backward(_recv(links.next, links.group, device))
-            if received is not None:
-                _send(received.grad, links.previous, links.group, pending)
+                output.backward(_recv(links.next, group, device))
+            if on_backward is not None:
+                on_backward(op.j)
+            if received is not None and wants_input_grad:
+                _send(received.grad, links.previous, group, pending)
     for work in pending:
         if hasattr(work, "wait"):
             work.wait()

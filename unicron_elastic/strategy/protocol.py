@@ -61,7 +61,9 @@ class Point:
 class Compute:
     """Gradients of ``micro_batches`` of ``step``, summed into a fresh buffer (returned).
 
-    ``redo``: they are moved or recomputed after a failure.
+    ``redo``: they are moved or recomputed after a failure. Raises
+    :class:`ReplicaBroken` when the model's own collectives failed (a tensor-
+    or pipeline-parallel peer of this replica is lost).
     """
 
     step: int
@@ -336,6 +338,11 @@ class Retired(Exception):
     """This rank is no longer a member of the data-parallel group (scale-in)."""
 
 
+class ReplicaBroken(RuntimeError):
+    """(Raised by a transport's :class:`Compute`) the model's own collectives failed: a tensor- or
+    pipeline-parallel peer of this replica is lost, so this replica cannot finish the step."""
+
+
 class Excluded(Exception):
     """This rank is alive but a membership record left it out: it must rejoin (:meth:`Protocol.join`).
 
@@ -407,9 +414,26 @@ class Protocol:
         report = StepReport(step)
         assignment = self.assignment(step)
         report.micro_batches = list(assignment[self.rank])
-        local = yield Compute(step, tuple(report.micro_batches))
+        try:
+            local = yield Compute(step, tuple(report.micro_batches))
+        except ReplicaBroken as exc:
+            yield from self._broken(step, 0, exc)
         self._pending = (step, report, assignment, local)
         return report
+
+    def _broken(self, step: int, done: int, exc: ReplicaBroken) -> Effects:
+        """This rank's computation failed (its replica lost a peer): check in broken and rejoin.
+
+        The others do not wait for it and leave its replica out (a record
+        never keeps a broken rank; when only broken ranks are left it
+        dissolves the group); it rejoins with the state of another replica.
+
+        Raises:
+            Excluded: Always.
+        """
+        self.log.warning("dp_compute_failed", step=step, error=str(exc)[:200])
+        yield from self._regroup(step, done, broken=True)  # raises Excluded once the record is there
+        raise Excluded(f"rank {self.rank} (step {step}): its computation failed", None, step)  # (not reached)
 
     def finish_gradients(self) -> Effects:
         """All-reduce the step begun bucket by bucket, surviving failures; ends with :class:`SetGradients`.
@@ -447,7 +471,10 @@ class Protocol:
                 report.recoveries += 1
                 report.dead += outcome.dead
                 report.kept_buckets = done
-                assignment, local = yield from self._reassign(step, report, assignment, local, outcome)
+                try:
+                    assignment, local = yield from self._reassign(step, report, assignment, local, outcome)
+                except ReplicaBroken as broken:  # a peer of this replica was lost while it recomputed
+                    yield from self._broken(step, done, broken)
         yield SetGradients(step, tuple(reduced))
         return report
 
@@ -470,15 +497,21 @@ class Protocol:
         return assignment, local
 
     # -- regroup ---------------------------------------------------------------------------------------
-    def _regroup(self, step: int, done: int) -> Effects:
+    def _regroup(self, step: int, done: int, broken: bool = False) -> Effects:
         """Drop the group, follow the next generation's record, build its group (again if it does not form).
+
+        Args:
+            step: The step this rank is in.
+            done: Buckets of ``step`` it completed.
+            broken: Its computation of ``step`` failed (it checks in broken: never a member).
 
         Returns:
             What changed (:class:`Regrouped`).
 
         Raises:
             Excluded: This rank is alive but a record left it out (it checked
-                in after the deadline, or it is behind the members' step).
+                in after the deadline, it is behind the members' step, it is
+                broken, or the group dissolved).
         """
         bound = self.checkin_timeout * 2 + self.collective_timeout
         yield Pause(True, bound)  # before anything slow
@@ -489,9 +522,9 @@ class Protocol:
         while not formed:
             yield Pause(True, bound)  # each attempt is bounded
             self.generation += 1
-            record = yield from self._await_record(self.generation, CheckIn(step, done))
+            record = yield from self._await_record(self.generation, CheckIn(step, done, broken))
             yield Followed(record)
-            if role(record, self.rank, step) == "joiner":
+            if role(record, self.rank, step) == "joiner" or broken:
                 raise Excluded(f"rank {self.rank} (step {step}) was left out of generation {record.generation} "
                                f"(members {list(record.members)}, step {record.step}): it must rejoin", record, step)
             if record.resize:  # the leader's resize (this rank failed the step's membership sync): deal afresh
