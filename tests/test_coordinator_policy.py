@@ -28,6 +28,7 @@ from unicron_elastic.coordinator.policy import (
     fold,
     place,
     replan,
+    replica_sizes,
     state_from_json,
     state_to_json,
     task_throughput,
@@ -304,6 +305,94 @@ def test_any_sequence_of_events_gives_consistent_plans(ops) -> None:
             assert state.plan.generation == before.plan.generation + 1
 
 
+# -- the replica unit: model_parallel = TP x PP workers -----------------------------------------------
+def test_replica_sizes() -> None:
+    assert replica_sizes(2, 4, 1, 10) == (2, 4, 6, 8, 10)  # a replica spans two nodes
+    assert replica_sizes(8, 2, 1, 5) == (1, 2, 3, 4, 5)  # four replicas on every node
+    assert replica_sizes(6, 4, 1, 7) == (2, 4, 6)  # lcm(6, 4) = 12 workers: two nodes
+    assert replica_sizes(4, 8, 3, 9) == (4, 6, 8)
+    assert replica_sizes(2, 1, 0, 3) == (1, 2, 3)  # never zero nodes
+    assert replica_sizes(2, 4, 5, 5) == () and replica_sizes(0, 4, 1, 9) == ()
+    with pytest.raises(ValueError):
+        replica_sizes(2, 0, 1, 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(slots=st.integers(1, 16), unit=st.integers(1, 32), low=st.integers(0, 20), high=st.integers(0, 40))
+def test_replica_sizes_are_exactly_the_node_counts_of_whole_replicas(slots, unit, low, high) -> None:
+    assert replica_sizes(slots, unit, low, high) == tuple(
+        k for k in range(max(low, 1), high + 1) if (k * slots) % unit == 0)
+
+
+#: T at 6 workers is tempting, but 6 is not a whole number of 4-worker replicas.
+WIDE = {"4": 1.0, "6": 100.0, "8": 2.0, "12": 3.0, "16": 3.5}
+
+
+def test_a_task_of_four_worker_replicas_on_two_slot_nodes_gets_an_even_node_count() -> None:
+    mp4 = spec("mp4", lo=4, hi=16, table=WIDE, model_parallel=4, global_batch=4)
+    assert set(task_throughput(mp4, 2, 9, CONFIG.gpu)[0]) == {2, 4, 6, 8}
+    for n in range(1, 10):
+        state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(n)), TaskSubmitted(mp4))
+        share = state.plan.tasks["mp4"]
+        expected = 0 if n < 2 else min(n - n % 2, 8)
+        assert len(share.nodes) == expected and share.workers == 2 * expected and share.workers % 4 == 0
+        assert share.parallel == ("" if n < 2 else f"tp*pp=4 dp={expected // 2}")
+
+
+def test_a_task_of_two_worker_replicas_on_eight_slot_nodes_takes_any_node_count() -> None:
+    mp2 = spec("mp2", lo=2, hi=64, table={"8": 1.0, "16": 2.0, "24": 3.0, "32": 4.0}, model_parallel=2,
+               global_batch=32)
+    assert set(task_throughput(mp2, 8, 4, CONFIG.gpu)[0]) == {1, 2, 3, 4}
+    for n in (1, 2, 3):
+        state = cluster(*(NodeJoined(f"n{i}", 8) for i in range(n)), TaskSubmitted(mp2))
+        assert len(state.plan.tasks["mp2"].nodes) == n and state.plan.tasks["mp2"].parallel == f"tp*pp=2 dp={4 * n}"
+
+
+def test_replicas_bound_the_size_by_the_global_batch_not_the_workers() -> None:
+    one = spec("one", lo=4, hi=16, table=WIDE, model_parallel=4, global_batch=2)  # at most 2 replicas: 8 workers
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(8)), TaskSubmitted(one))
+    assert state.plan.tasks["one"].workers == 8
+
+
+def test_after_a_node_loss_the_replan_keeps_whole_replicas() -> None:
+    mp4 = spec("mp4", 2.0, lo=4, hi=8, table=WIDE, model_parallel=4, global_batch=4)
+    small = spec("small", 0.5, lo=2, hi=8, table={"2": 1.0, "4": 1.5})
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(4)), TaskSubmitted(mp4), TaskSubmitted(small))
+    assert sizes(state.plan) == {"mp4": 4, "small": 0}
+    victim = state.plan.tasks["mp4"].nodes[0]
+    via_table = decide(state, NodeLost(victim)).state
+    fresh = decide(replace(state, table=None), NodeLost(victim)).state
+    assert sizes(via_table.plan) == sizes(fresh.plan) == {"mp4": 2, "small": 1}  # not 3 nodes: 6 workers
+    assert set(via_table.plan.tasks["mp4"].nodes) < set(state.plan.tasks["mp4"].nodes)  # keeps its nodes
+    assert via_table.plan.tasks["mp4"].workers == 4
+
+
+def test_the_analytic_model_splits_model_parallel_into_tp_and_pp() -> None:
+    gpt = spec("gpt", lo=4, hi=64, model="1.3B", global_batch=512, model_parallel=4)
+    state = cluster(*(NodeJoined(f"n{i}", 2) for i in range(5)), TaskSubmitted(gpt))
+    share = state.plan.tasks["gpt"]
+    assert share.workers == 8 and share.waf > 0
+    config = dict(part.split("=") for part in share.parallel.split())
+    assert int(config["tp"]) * int(config["pp"]) == 4 and int(config["dp"]) == 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(slots=st.sampled_from([1, 2, 4, 8]), units=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=3),
+       ops=st.lists(st.tuples(st.sampled_from(["join", "lose", "finish"]), st.integers(0, 5)), max_size=12))
+def test_every_plan_gives_whole_replicas_and_one_step_plans_equal_fresh_ones(slots, units, ops) -> None:
+    tasks = [spec(f"t{i}", 0.5 + i * 0.5, lo=u, hi=8 * u, model_parallel=u, global_batch=64,
+                  table={str(x): float(x) ** 0.8 for x in range(1, 8 * u + 1)}) for i, u in enumerate(units)]
+    state = cluster(*(NodeJoined(f"n{i}", slots) for i in range(4)), *(TaskSubmitted(t) for t in tasks))
+    for op, i in ops:
+        event = {"join": NodeJoined(f"n{i}", slots), "lose": NodeLost(f"n{i}"),
+                 "finish": TaskFinished(f"t{i % len(units)}")}[op]
+        after, fresh = decide(state, event).state, decide(replace(state, table=None), event).state
+        assert after.plan is None or sizes(after.plan) == sizes(fresh.plan)
+        state = after
+        for t in state.tasks:
+            assert state.plan.tasks[t.name].workers % t.model_parallel == 0
+
+
 # -- specs -----------------------------------------------------------------------------------------
 GOOD = dict(name="t", command=["python", "train.py"], weight=1.0, min_workers=1, max_workers=4, global_batch=8,
             model="1.3B")
@@ -323,6 +412,12 @@ GOOD = dict(name="t", command=["python", "train.py"], weight=1.0, min_workers=1,
     ({"model": {"layers": 24.0, "hidden": 64, "heads": 4}}, "model"),
     ({"model": {"layers": 10**9, "hidden": 64, "heads": 4}}, "model"),
     ({"model": {"calibration": {"2": "2.0e12"}}}, "model"),
+    ({"model_parallel": 0}, "model_parallel"), ({"model_parallel": 1.5}, "model_parallel"),
+    ({"model_parallel": True}, "model_parallel"), ({"model_parallel": "2"}, "model_parallel"),
+    ({"model_parallel": None}, "model_parallel"),
+    ({"model_parallel": 2}, "min_workers"),  # GOOD has min_workers=1
+    ({"model_parallel": 2, "min_workers": 2, "max_workers": 5}, "max_workers"),
+    ({"model_parallel": 4, "min_workers": 8, "max_workers": 8, "global_batch": 1}, "global_batch"),  # 2 replicas
 ])
 def test_a_bad_spec_names_its_field(change, field) -> None:
     with pytest.raises(SpecError, match=repr(field)):
@@ -332,6 +427,15 @@ def test_a_bad_spec_names_its_field(change, field) -> None:
 def test_a_missing_field_is_named() -> None:
     with pytest.raises(SpecError, match="'global_batch'"):
         TaskSpec.from_dict({k: v for k, v in GOOD.items() if k != "global_batch"})
+
+
+def test_model_parallel_is_optional_and_round_trips() -> None:
+    old = TaskSpec.from_dict(GOOD)
+    assert old.model_parallel == 1 and "model_parallel" not in old.to_dict()  # old documents stay as they were
+    assert TaskSpec.from_dict({**GOOD, "model_parallel": 1}) == old
+    tp = TaskSpec.from_dict({**GOOD, "model_parallel": 4, "min_workers": 4, "max_workers": 8, "global_batch": 2})
+    assert tp.model_parallel == 4 and tp.to_dict()["model_parallel"] == 4
+    assert TaskSpec.from_dict(json.loads(json.dumps(tp.to_dict()))) == tp
 
 
 def test_spec_files_json_and_yaml(tmp_path) -> None:

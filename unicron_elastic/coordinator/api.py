@@ -17,7 +17,9 @@ from typing import Any
 from unicron_elastic.api import ConfigError, MalformedValueError
 
 #: Fields a task spec may have; ``model`` is a catalogue name, a model description or a calibration table.
-SPEC_FIELDS = ("name", "command", "weight", "min_workers", "max_workers", "global_batch", "model")
+SPEC_FIELDS = ("name", "command", "weight", "min_workers", "max_workers", "global_batch", "model", "model_parallel")
+#: The optional fields of :data:`SPEC_FIELDS`, with their value when absent (a spec without them stays valid).
+SPEC_DEFAULTS: dict[str, Any] = {"model_parallel": 1}
 #: Task names are rendezvous run ids and etcd key parts.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 #: Largest weight (as the planner's MAX_WEIGHT) and largest worker count.
@@ -31,6 +33,20 @@ RECOMMENDED_WEIGHTS = (0.5, 2.0)
 
 class SpecError(ConfigError):
     """A task spec is malformed; the message names the field."""
+
+
+def _unit(doc: dict[str, Any], low: int, high: int) -> int:
+    """Check ``model_parallel`` (TP x PP: workers per data-parallel replica) against the worker bounds.
+
+    Raises:
+        SpecError: Not a whole number >= 1, or ``min_workers``/``max_workers`` not a multiple of it.
+    """
+    unit = _whole("model_parallel", doc.get("model_parallel", SPEC_DEFAULTS["model_parallel"]), 1)
+    for name, count in (("min_workers", low), ("max_workers", high)):
+        if count % unit:
+            raise SpecError(f"field {name!r}: {count} is not a multiple of model_parallel={unit} "
+                            "(a data-parallel replica is model_parallel workers)")
+    return unit
 
 
 def _whole(name: str, value: object, low: int, high: int = MAX_WORKERS) -> int:
@@ -101,10 +117,13 @@ class TaskSpec:
         weight: w(t), the price of its throughput (> 0; 0.5-2.0 recommended).
         min_workers: Fewest workers it trains on (T = 0 below).
         max_workers: Most workers it may use.
-        global_batch: Micro-batches per step (the same at every size).
+        global_batch: Micro-batches per step (the same at every size); at
+            most this many data-parallel replicas.
         model: A model name of the planner's catalogue, a description
             (:class:`~unicron_elastic.planner.GptModel` fields) or
             ``{"calibration": {"<workers>": flops}}``.
+        model_parallel: Workers per data-parallel replica (TP x PP, optional,
+            default 1): the task runs on a whole number of replicas only.
     """
 
     name: str
@@ -114,6 +133,7 @@ class TaskSpec:
     max_workers: int
     global_batch: int
     model: str | dict[str, Any]
+    model_parallel: int = 1
 
     @classmethod
     def from_dict(cls, doc: object, check_command: bool = True) -> TaskSpec:
@@ -131,7 +151,7 @@ class TaskSpec:
         unknown = sorted(set(doc) - set(SPEC_FIELDS))
         if unknown:
             raise SpecError(f"unknown field {unknown[0]!r}; a task spec has {', '.join(SPEC_FIELDS)}")
-        missing = [f for f in SPEC_FIELDS if f not in doc]
+        missing = [f for f in SPEC_FIELDS if f not in doc and f not in SPEC_DEFAULTS]
         if missing:
             raise SpecError(f"missing field {missing[0]!r}")
         name = doc["name"]
@@ -144,8 +164,10 @@ class TaskSpec:
         high = _whole("max_workers", doc["max_workers"], 1)
         if low > high:
             raise SpecError(f"field 'min_workers': {low} is more than max_workers={high}")
-        batch = _whole("global_batch", doc["global_batch"], low, 10**9)
-        return cls(name, _command(doc["command"], check_command), float(weight), low, high, batch, _model(doc["model"]))
+        unit = _unit(doc, low, high)
+        batch = _whole("global_batch", doc["global_batch"], low // unit, 10**9)
+        return cls(name, _command(doc["command"], check_command), float(weight), low, high, batch, _model(doc["model"]),
+                   unit)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TaskSpec:
@@ -170,10 +192,14 @@ class TaskSpec:
         return cls.from_dict(doc)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document stored at ``tasks/<name>/spec``."""
-        return {"name": self.name, "command": list(self.command), "weight": self.weight,
-                "min_workers": self.min_workers, "max_workers": self.max_workers,
-                "global_batch": self.global_batch, "model": self.model}
+        """The JSON document stored at ``tasks/<name>/spec``.
+
+        An optional field at its default is left out: a spec without it is stored as before.
+        """
+        doc = {"name": self.name, "command": list(self.command), "weight": self.weight,
+               "min_workers": self.min_workers, "max_workers": self.max_workers,
+               "global_batch": self.global_batch, "model": self.model, "model_parallel": self.model_parallel}
+        return {k: v for k, v in doc.items() if k not in SPEC_DEFAULTS or v != SPEC_DEFAULTS[k]}
 
     @property
     def calibration(self) -> dict[int, float] | None:

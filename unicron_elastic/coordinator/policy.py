@@ -9,8 +9,10 @@ sizes with the same code.
 Planning unit: a whole node. A task runs ``k`` nodes of ``s`` workers, where
 ``s`` is the smallest slot count of the usable nodes, so T(t, k) is the task's
 throughput on ``k * s`` workers (its calibration table, else the analytic
-Megatron model), zero outside ``min_workers..max_workers`` or above
-``global_batch``. Handling (paper section 4.2):
+Megatron model), zero outside ``min_workers..max_workers``, with more
+data-parallel replicas than ``global_batch``, or when ``k * s`` is not a whole
+number of replicas of ``model_parallel`` (TP x PP) workers
+(:func:`replica_sizes`). Handling (paper section 4.2):
 
 - node lost (SEV1, its lease expired): re-plan without it, its task faulted;
 - node left (its daemon stopped cleanly and marked its record ``leaving``):
@@ -30,8 +32,10 @@ One-step events (a node lost or joined, a task finished) are answered from a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Union
 
 from unicron_elastic.coordinator.api import ClusterPlan, Command, TaskPlan, TaskSpec
@@ -40,7 +44,18 @@ from unicron_elastic.planner.cost_model import CostModel, PlanTask
 from unicron_elastic.planner.onestep import Event as TableEvent
 from unicron_elastic.planner.onestep import OneStepTable
 from unicron_elastic.planner.solver import MAX_GPUS, Problem, solve
-from unicron_elastic.planner.throughput import GptModel, TabulatedThroughput, estimate, gpu_type
+from unicron_elastic.planner.throughput import (
+    INFEASIBLE,
+    Estimate,
+    GpuType,
+    GptModel,
+    ParallelConfig,
+    TabulatedThroughput,
+    estimate,
+    gpu_type,
+    iteration_time,
+    memory_per_gpu,
+)
 
 
 @dataclass(frozen=True)
@@ -202,23 +217,94 @@ def _model(spec: TaskSpec) -> GptModel:
     return GptModel(spec.name, 1, 1, 1)
 
 
+def replica_sizes(slots: int, model_parallel: int, low: int, high: int) -> tuple[int, ...]:
+    """The node counts ``k`` in ``low..high`` (k >= 1) whose ``k * slots`` workers are whole replicas.
+
+    A data-parallel replica is ``model_parallel`` (TP x PP) workers and may span
+    nodes, so ``k`` must be a multiple of lcm(slots, model_parallel) / slots:
+    any ``k`` when ``model_parallel`` divides ``slots``,
+    ``model_parallel / slots`` when ``slots`` divides ``model_parallel``.
+
+    Args:
+        slots: Workers per node (0: no usable node, no size).
+        model_parallel: Workers per replica.
+        low: Fewest nodes.
+        high: Most nodes.
+
+    Returns:
+        The node counts, ascending.
+
+    Raises:
+        ValueError: ``model_parallel`` below 1 or ``slots`` negative.
+    """
+    if model_parallel < 1 or slots < 0:
+        raise ValueError(f"need model_parallel >= 1 and slots >= 0 (got {model_parallel}, {slots})")
+    if slots == 0:
+        return ()
+    step = model_parallel // math.gcd(slots, model_parallel)
+    first = -(-max(low, 1) // step) * step
+    return tuple(range(first, high + 1, step))
+
+
+@lru_cache(maxsize=65_536)
+def _estimate_in_unit(m: GptModel, g: GpuType, workers: int, unit: int) -> Estimate:
+    """The best Megatron configuration of ``m`` on ``workers`` GPUs with TP x PP = ``unit`` (the task's own).
+
+    :func:`~unicron_elastic.planner.throughput.estimate` with TP x PP fixed; ``workers`` is a multiple of ``unit``.
+    """
+    dp, best = workers // unit, INFEASIBLE
+    if m.global_batch % dp:
+        return best
+    for tp in range(1, min(unit, g.gpus_per_node) + 1):
+        pp = unit // tp
+        if unit % tp or m.heads % tp or m.layers % pp:
+            continue
+        for micro_batch in (1, 2, 4, 8):
+            if (m.global_batch // dp) % micro_batch:
+                continue
+            for recompute in (False, True):
+                c = ParallelConfig(tp, pp, dp, micro_batch, recompute)
+                memory = memory_per_gpu(m, c)
+                if memory > 0.95 * g.memory_bytes:
+                    continue
+                seconds = iteration_time(m, g, c)
+                flops = m.flops_per_iteration / seconds
+                if flops > best.flops:
+                    best = Estimate(flops, c, seconds, flops * (4 / 3 if recompute else 1), memory)
+                break  # recomputation only when the plain configuration does not fit
+    return best
+
+
+def _throughput_at(spec: TaskSpec, workers: int, gpu: str) -> tuple[float, str]:
+    """T(t) on ``workers`` workers (a whole number of replicas) and the parallel config shown for it.
+
+    A calibration table says nothing of TP and PP: with ``model_parallel`` > 1
+    the config shows their product (``tp*pp=4 dp=2``). The analytic model picks
+    TP and PP itself when ``model_parallel`` is 1, else splits ``model_parallel``.
+    """
+    unit = spec.model_parallel
+    calibration = spec.calibration
+    if calibration is not None:
+        shown = f"dp={workers}" if unit == 1 else f"tp*pp={unit} dp={workers // unit}"
+        return calibration.get(workers, 0.0), shown
+    m, g = _model(spec), gpu_type(gpu)
+    est = estimate(m, g, workers) if unit == 1 else _estimate_in_unit(m, g, workers, unit)
+    return est.flops, "" if est.config is None else f"tp={est.config.tp} pp={est.config.pp} dp={est.config.dp}"
+
+
 def task_throughput(spec: TaskSpec, slots: int, nodes: int, gpu: str) -> tuple[dict[int, float], dict[int, str]]:
     """T(t, k) for k = 1..``nodes`` nodes of ``slots`` workers, and the parallel config at each.
 
-    Zero outside ``min_workers..max_workers`` and above ``global_batch``.
+    Only node counts of whole replicas (:func:`replica_sizes`) are tabulated:
+    T is zero at the others, outside ``min_workers..max_workers`` and with
+    more replicas than ``global_batch``.
     """
     table, configs = {}, {}
-    calibration = spec.calibration
-    for k in range(1, nodes + 1):
+    for k in replica_sizes(slots, spec.model_parallel, 1, nodes):
         workers = k * slots
-        if not spec.min_workers <= workers <= min(spec.max_workers, spec.global_batch):
+        if not spec.min_workers <= workers <= spec.max_workers or workers // spec.model_parallel > spec.global_batch:
             continue
-        if calibration is not None:
-            flops, config = calibration.get(workers, 0.0), f"dp={workers}"
-        else:
-            est = estimate(_model(spec), gpu_type(gpu), workers)
-            flops = est.flops
-            config = "" if est.config is None else f"tp={est.config.tp} pp={est.config.pp} dp={est.config.dp}"
+        flops, config = _throughput_at(spec, workers, gpu)
         if flops > 0:
             table[k], configs[k] = flops, config
     return table, configs
