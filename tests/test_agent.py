@@ -59,11 +59,11 @@ CALM = "--hang-factor=20"
 
 
 def run(tmp: Path, faults: list[Fault], *flags: str, steps: int = 30, step_time: float = 0.05,
-        worker_args: tuple[str, ...] = ()) -> Run:
+        worker_args: tuple[str, ...] = (), worker: str = WORKER) -> Run:
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
     env.update(faults_env(faults, str(tmp / "faults.log")))
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", "--monitor-interval=0.05",
-           "--log-format=json", CALM, *flags, WORKER, "--steps", str(steps), "--step-time", str(step_time),
+           "--log-format=json", CALM, *flags, worker, "--steps", str(steps), "--step-time", str(step_time),
            "--out", str(tmp / "out"), *worker_args]
     return Run(tmp, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=100))
 
@@ -90,6 +90,52 @@ def test_sev2_process_exit_restarts_only_the_failed_rank(tmp_path: Path) -> None
     assert r.done(0) and r.done(1)
     latency = r.of("error_event")[0]["detected_at"] - r.fired()[0]["time"]
     assert latency <= 0.3, latency
+
+
+#: Rank 1's first incarnation is left out (an exception with ``rejoin = True``, as the engine's ``Excluded``).
+LEFT_OUT_WORKER = """
+import argparse, json, os, time
+from pathlib import Path
+from unicron_elastic.worker import get_worker
+
+class LeftOut(Exception):
+    rejoin = True
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", type=Path)
+out = parser.parse_known_args()[0].out
+rank, restarts = int(os.environ["RANK"]), int(os.environ.get("UNICRON_WORKER_RESTARTS", "0"))
+out.mkdir(parents=True, exist_ok=True)
+with (out / f"rank{rank}.jsonl").open("a") as f:
+    f.write(json.dumps({"event": "start", "pid": os.getpid(), "restarts": restarts,
+                        "generation": os.environ["UNICRON_GENERATION"]}) + "\\n")
+get_worker().hello(resumable=True)
+if rank == 1 and restarts == 0:
+    time.sleep(0.5)
+    raise LeftOut("replica 1 lost a peer")
+other = out / "rank1.jsonl"
+deadline = time.monotonic() + 30
+while rank == 0 and time.monotonic() < deadline and (not other.exists() or len(other.read_text().splitlines()) < 2):
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_left_out_worker_rejoins_without_an_event_or_a_restart_counted(tmp_path: Path) -> None:
+    script = tmp_path / "left_out_worker.py"
+    script.write_text(LEFT_OUT_WORKER)
+    r = run(tmp_path, [], "--max-worker-restarts=0", worker=str(script))  # a counted restart would be a give-up
+    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
+    assert events(r) == []  # no exited_abnormally, no event for the exception either
+    assert actions(r) == [("restart_worker", 1)]
+    rejoining = r.of("worker_rejoining")
+    assert [e["rank"] for e in rejoining] == [1] and rejoining[0]["exitcode"] == 1
+    assert rejoining[0]["reason"] == "LeftOut: replica 1 lost a peer"
+    first, second = r.starts(1)
+    assert (first["restarts"], second["restarts"]) == (0, 1) and first["pid"] != second["pid"]
+    assert second["generation"].endswith(".1")  # a new incarnation: it joins as a joiner
+    assert len(r.starts(0)) == 1
+    assert not r.of("malformed_worker_message") and not r.of("rejoin_request_dropped")
 
 
 @pytest.mark.timeout(120)
@@ -298,3 +344,25 @@ def test_own_lease_lost_after_a_worker_finished_is_not_a_give_up(monkeypatch) ->
     agent._stopping = True
     agent.lost_own_lease()
     assert reported == []
+
+
+def test_a_rejoin_request_past_max_rejoins_or_followed_by_exit_0_is_not_a_rejoin(capsys) -> None:
+    """Past ``max_rejoins`` the exit is left to the ordinary SEV2 path (its event published); exit 0 is finished."""
+    import threading
+    from types import SimpleNamespace
+
+    from unicron_elastic.agent.agent import AgentConfig, UnicronAgent
+    from unicron_elastic.agent.decide import LadderPolicy, RankHistory
+
+    agent = UnicronAgent.__new__(UnicronAgent)  # only the rejoin bookkeeping is used
+    agent._lock, agent._fatal, agent.node = threading.RLock(), {}, "n0"
+    agent.config = AgentConfig(ladder=LadderPolicy(max_rejoins=1), node="n0")
+    agent._worker_group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(task="t")))
+    agent._history = {1: RankHistory(resumable=True, rejoins=1)}
+    agent._rejoining = {1: "left out", 2: "left out"}
+    with agent._lock:
+        assert agent._rejoin(1, pid=10, exitcode=1, detected_at=0.0) is False  # the caller publishes a SEV2
+        assert agent._rejoin(2, pid=11, exitcode=0, detected_at=0.0) is True  # finished: nothing to do
+    assert agent._rejoining == {} and agent._history[1].rejoins == 1 and 2 not in agent._history
+    out = capsys.readouterr().out
+    assert "rejoin_refused" in out and "max_rejoins=1" in out and "worker_finished_after_rejoin_request" in out

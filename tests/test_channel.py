@@ -163,6 +163,12 @@ BAD_MESSAGES = [
     b'{"t": "exc", "rank": 0, "type": "E", "msg": "m", "step": 1, "fatal": false, "tb": 3}',
     b'{"t": "exc", "rank": 0, "type": "E", "msg": "' + b"m" * 20_000 + b'", "step": 1, "fatal": false}',
     b'{"t": ["beat"], "rank": 0}',
+    b'{"t": "rejoin", "rank": 0}',
+    b'{"t": "rejoin", "rank": 0, "reason": 5}',
+    b'{"t": "rejoin", "rank": 0, "reason": null}',
+    b'{"t": "rejoin", "rank": 0, "reason": ["left out"]}',
+    b'{"t": "rejoin", "rank": 0, "reason": "' + b"r" * 1001 + b'"}',
+    b'{"t": "rejoin", "rank": 0, "reason": "r", "pid": "12"}',
     b'\xff\xfe\x00garbage',
     b'',
 ]
@@ -179,6 +185,41 @@ def test_valid_messages_still_parse() -> None:
     assert parse(b'{"t": "beat", "rank": 0, "step": 1, "dur": 1}')["dur"] == 1
     assert parse(b'{"t": "state", "rank": 0, "paused": true, "exiting": true}')["paused"] is True
     assert parse(b'{"t": "exc", "rank": 0, "type": "E", "msg": "m", "tb": "x", "step": -1, "fatal": true}')["fatal"]
+    assert parse(b'{"t": "rejoin", "rank": 2, "reason": "Excluded: left out"}')["reason"] == "Excluded: left out"
+    assert parse(b'{"t": "rejoin", "rank": 2, "pid": 7, "reason": "' + b"r" * 1000 + b'"}')["pid"] == 7
+
+
+def test_an_exception_that_asks_to_rejoin_sends_the_request_before_its_report(channel) -> None:
+    result = _worker(channel.path, """
+        class LeftOut(Exception):
+            rejoin = True
+
+        w.hello(resumable=True)
+        def step():
+            raise LeftOut("replica 1 lost a peer " + "x" * 3000)
+        w.run_step(step, step=4)  # not reported as a step failure: no verdict to wait for
+    """)
+    assert result.returncode == 1 and "LeftOut: replica 1" in result.stderr
+    assert _wait(lambda: len(channel.messages) == 4)
+    assert [m["t"] for m in channel.messages] == ["hello", "rejoin", "exc", "state"]
+    rejoin, exc = channel.messages[1], channel.messages[2]
+    assert rejoin["rank"] == 3 and rejoin["reason"].startswith("LeftOut: replica 1 lost a peer")
+    assert len(rejoin["reason"]) == 1000 and type(rejoin["pid"]) is int
+    assert exc["type"] == "LeftOut" and exc["fatal"] is True
+
+
+def test_request_rejoin_and_an_ordinary_exception(channel) -> None:
+    result = _worker(channel.path, """
+        w.request_rejoin(42)
+        class NotRejoin(Exception):
+            rejoin = "yes"  # only True asks
+        raise NotRejoin("plain failure")
+    """)
+    assert result.returncode == 1
+    assert _wait(lambda: len(channel.messages) == 3)
+    assert [m["t"] for m in channel.messages] == ["rejoin", "exc", "state"]
+    assert channel.messages[0]["reason"] == "42"
+    assert channel.malformed == 0
 
 
 def test_a_flood_of_malformed_datagrams_is_counted_but_not_logged_one_by_one(channel, capsys) -> None:

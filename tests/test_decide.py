@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from unicron_elastic.agent.decide import Action, LadderPolicy, RankHistory, decide
+from unicron_elastic.agent.decide import LEFT_OUT, Action, LadderPolicy, RankHistory, decide
 from unicron_elastic.api import ConfigError
 from unicron_elastic.events import ErrorEvent, Severity
 
@@ -87,3 +89,73 @@ def test_nvml_detector_is_silent_and_cheap_without_nvml(capsys) -> None:
     out = capsys.readouterr().out
     assert "detector_disabled" in out and "NVML unavailable" in out
     detector.stop()
+
+
+# -- left out (alive, asked to rejoin): restarts as a joiner, counted apart ---------------------------
+def left_out(severity: Severity = Severity.SEV3) -> ErrorEvent:
+    return ev(severity, LEFT_OUT)
+
+
+def test_left_out_restarts_as_a_joiner_without_using_the_restart_budget() -> None:
+    d = decide(POLICY, RankHistory(resumable=True, reattempts=2, step=4), left_out())
+    assert d.action is Action.RESTART_WORKER and d.severity is Severity.SEV3 and d.escalated_from == ()
+    assert d.history.rejoins == 1 and d.history.restarts == 0 and d.history.reattempts == 0
+    assert d.reason == "rejoin 1/10"
+    after = decide(POLICY, d.history, ev(Severity.SEV2))  # a real failure later still has its whole budget
+    assert after.action is Action.RESTART_WORKER and after.history.restarts == 1 and after.history.rejoins == 1
+
+
+def test_left_out_past_max_rejoins_is_an_ordinary_sev2_exit() -> None:
+    policy = LadderPolicy(max_reattempts=2, max_worker_restarts=1, max_rejoins=2)
+    h, actions = RankHistory(resumable=True), []
+    for _ in range(4):
+        d = decide(policy, h, left_out())
+        actions.append((d.action, d.severity))
+        h = d.history
+    assert actions == [(Action.RESTART_WORKER, Severity.SEV3), (Action.RESTART_WORKER, Severity.SEV3),
+                       (Action.RESTART_WORKER, Severity.SEV2), (Action.GIVE_UP, Severity.SEV1)]
+    assert h.rejoins == 2 and h.restarts == 1
+    assert d.escalated_from == (Severity.SEV3, Severity.SEV2)
+
+
+def test_left_out_of_a_plain_script_restarts_all_as_for_sev2() -> None:
+    d = decide(POLICY, RankHistory(resumable=False), left_out())
+    assert d.action is Action.RESTART_ALL and d.severity is Severity.SEV2 and d.history.rejoins == 0
+
+
+def test_left_out_is_never_reattempted_in_place_and_sev1_still_gives_up() -> None:
+    d = decide(POLICY, RankHistory(resumable=True, responsive=True), left_out(), step=3)
+    assert d.action is Action.RESTART_WORKER  # not REATTEMPT, though SEV3 and responsive
+    assert decide(POLICY, RankHistory(resumable=True), left_out(Severity.SEV1)).action is Action.GIVE_UP
+    sev2 = decide(POLICY, RankHistory(resumable=True), left_out(Severity.SEV2))
+    assert sev2.action is Action.RESTART_WORKER and sev2.history.rejoins == 1
+
+
+def test_max_rejoins_zero_and_negative() -> None:
+    d = decide(LadderPolicy(2, 2, 0), RankHistory(resumable=True), left_out())
+    assert d.action is Action.RESTART_WORKER and d.severity is Severity.SEV2 and d.history.restarts == 1
+    assert LadderPolicy().max_rejoins == 10
+    with pytest.raises(ConfigError):
+        LadderPolicy(max_rejoins=-1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(kinds=st.lists(st.sampled_from(["left_out", "sev2", "sev3"]), max_size=30),
+       max_rejoins=st.integers(0, 4), resumable=st.booleans())
+def test_left_out_never_counts_as_a_restart_while_rejoins_last(kinds: list[str], max_rejoins: int,
+                                                               resumable: bool) -> None:
+    policy = LadderPolicy(max_reattempts=1, max_worker_restarts=3, max_rejoins=max_rejoins)
+    events = {"left_out": left_out(), "sev2": ev(Severity.SEV2), "sev3": ev(Severity.SEV3)}
+    h = RankHistory(resumable=resumable)
+    for kind in kinds:
+        d = decide(policy, h, events[kind], step=0)
+        assert d.history.rejoins <= max_rejoins and d.history.restarts <= policy.max_worker_restarts
+        if kind == "left_out" and d.history.rejoins > h.rejoins:  # a rejoin: nothing else changes
+            assert d.action is Action.RESTART_WORKER and d.history.restarts == h.restarts and resumable
+        if kind == "left_out" and resumable and h.rejoins < max_rejoins:
+            assert d.history.rejoins == h.rejoins + 1
+        if not resumable:
+            assert d.history.rejoins == 0 and d.action in (Action.REATTEMPT, Action.RESTART_ALL)
+        if d.action is Action.GIVE_UP:
+            return
+        h = d.history

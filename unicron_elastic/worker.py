@@ -14,7 +14,10 @@ Use it from a training script (the Lightning strategy does it for you)::
 Messages are JSON datagrams on the UNIX socket named by ``UNICRON_AGENT_SOCKET``.
 Sending never blocks: if the agent is gone, messages are dropped (counted in
 ``dropped``). An uncaught exception is reported before the process dies
-(:meth:`WorkerChannel.install_excepthook`; ``get_worker`` installs it).
+(:meth:`WorkerChannel.install_excepthook`; ``get_worker`` installs it). An
+uncaught exception whose class says ``rejoin = True`` (the engine's ``Excluded``:
+alive but left out of a membership record) first asks the agent to start the
+worker again as a joiner (:meth:`WorkerChannel.request_rejoin`): no failure.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ from typing import Any, TypeVar
 SOCKET_ENV = "UNICRON_AGENT_SOCKET"
 T = TypeVar("T")
 _MAX_TRACEBACK = 8000
+#: Longest reason a rejoin request carries (the agent refuses longer ones).
+MAX_REASON = 1000
+
+
+def wants_rejoin(exc: BaseException | None) -> bool:
+    """Whether ``exc`` asks for a rejoin (its ``rejoin`` attribute is ``True``), duck-typed: no strategy import."""
+    return exc is not None and getattr(exc, "rejoin", False) is True
 
 
 class WorkerChannel:
@@ -127,6 +137,20 @@ class WorkerChannel:
         self._send({"t": "exc", "type": type(exc).__name__[:256], "msg": str(exc)[:2000], "tb": tb,
                     "step": int(step), "fatal": bool(fatal)})
 
+    def request_rejoin(self, reason: str) -> None:
+        """Ask the agent to start this worker again as a joiner once its process exits.
+
+        For a rank that is alive but was left out of its group (a replica that
+        lost a peer): its exit is no failure (no error event, no restart
+        counted against ``max_worker_restarts``); the agent restarts it with a
+        new incarnation so it joins the running group. Exiting with code 0
+        afterwards still means finished.
+
+        Args:
+            reason: Why, for the agent's log (truncated to :data:`MAX_REASON` characters).
+        """
+        self._send({"t": "rejoin", "pid": os.getpid(), "reason": str(reason)[:MAX_REASON]})
+
     def wait_verdict(self, timeout: float) -> dict[str, Any] | None:
         """Wait up to ``timeout`` seconds for the agent's verdict on a reported exception."""
         if not self.active or self._sock is None:
@@ -144,13 +168,14 @@ class WorkerChannel:
 
         Raises:
             Exception: The step's exception when the agent does not say reattempt
-                (or is absent); the process then dies and the agent handles it.
+                (or is absent), and at once (not reported) one that asks for a
+                rejoin (:func:`wants_rejoin`); the process then dies and the agent handles it.
         """
         while True:
             try:
                 return fn()
             except Exception as exc:  # noqa: BLE001 - the agent decides
-                if not self.active:
+                if not self.active or wants_rejoin(exc):  # left out: no step failure to retry
                     raise
                 self._drain()
                 self.report_exception(exc, step, fatal=False)
@@ -168,11 +193,18 @@ class WorkerChannel:
                 return
 
     def install_excepthook(self) -> None:
-        """Report an uncaught exception to the agent before the default hook runs."""
+        """Report an uncaught exception to the agent before the default hook runs.
+
+        One that asks for a rejoin (:func:`wants_rejoin`) is preceded by a
+        rejoin request (:meth:`request_rejoin`), so the agent restarts the
+        worker as a joiner instead of counting a failure.
+        """
         previous = sys.excepthook
 
         def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
             if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                if wants_rejoin(exc):
+                    self.request_rejoin(f"{type(exc).__name__}: {exc}")
                 self.report_exception(exc.with_traceback(tb), fatal=True)
             previous(exc_type, exc, tb)
 

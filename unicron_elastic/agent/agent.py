@@ -11,6 +11,9 @@ On top of ``LocalElasticAgent`` it
   place, SEV2 restart of only the failed worker (resumable workers), SEV1 give
   up the node (:class:`NodeGaveUp`, exit code 75). Plain scripts keep torchrun's
   restart-all behaviour;
+* restarts a worker that asked to rejoin (alive but left out of its group,
+  message ``rejoin``) as a joiner when it exits: no error event, a ``left_out``
+  decision counted in ``rejoins`` (bounded by ``max_rejoins``), not in restarts;
 * stops for good on a signal or any error: from the moment torch shuts the
   workers down, no detection acts and nothing is respawned.
 """
@@ -38,7 +41,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 
 from unicron_elastic.agent import _torch_compat
 from unicron_elastic.agent.channel import AgentChannel
-from unicron_elastic.agent.decide import EXIT_GIVE_UP, Action, Decision, LadderPolicy, RankHistory, decide
+from unicron_elastic.agent.decide import EXIT_GIVE_UP, LEFT_OUT, Action, Decision, LadderPolicy, RankHistory, decide
 from unicron_elastic.agent.detectors import Detector
 from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
 from unicron_elastic.agent.ranks import max_world, ranks_past_round
@@ -268,6 +271,7 @@ class UnicronAgent(LocalElasticAgent):
         self._replies: dict[int, str] = {}
         self._fatal: dict[int, Classification] = {}
         self._expected_exit: dict[int, Decision] = {}
+        self._rejoining: dict[int, str] = {}  # rank -> reason: its worker asked to rejoin (cleared when restarted)
         self._handled_pids: set[int] = set()
         self._give_up: Decision | None = None
         self._stopping = False  # torch is stopping the workers: their exits are not failures
@@ -440,6 +444,7 @@ class UnicronAgent(LocalElasticAgent):
             install_leave_signal()  # (TORCHELASTIC_SIGNALS_TO_HANDLE may name SIGUSR2)
         with self._lock:  # only now: exits seen before are the old generation's
             self._stopping = self._closed
+            self._rejoining.clear()  # requests of the old generation's processes
             if not self._closed:
                 _leave_ready.set()
         self._notify_started(list(ids), f"gen{self.generation}")
@@ -549,6 +554,8 @@ class UnicronAgent(LocalElasticAgent):
             if expected is not None:  # we killed it (hang): the decision is already made
                 self._execute(rank, expected, None)
                 return
+            if rank in self._rejoining and self._rejoin(rank, pid, exitcode, detected_at):
+                return  # finished, or restarted as a joiner: no failure
             fatal = self._fatal.pop(rank, None)
             severity = Severity.SEV1 if fatal and fatal.severity is Severity.SEV1 else Severity.SEV2
             kind = fatal.kind if severity is Severity.SEV1 else "exited_abnormally"
@@ -560,6 +567,11 @@ class UnicronAgent(LocalElasticAgent):
     def exception(self, rank: int, msg: dict[str, Any], classification: Classification, received: float) -> None:
         if self._closed:
             return  # stopping for good: a worker's exception on the way out is no failure to act on
+        with self._lock:
+            rejoining = rank in self._rejoining
+        if rejoining and msg["fatal"]:  # the exception that left it out (sent after the request): no failure
+            log.debug("exception_of_rejoining_worker", rank=rank, type=msg["type"])
+            return
         event = self._event(classification.severity, classification.kind, "exception", rank,
                             f"{msg['type']}: {msg['msg']}"[:500], time.time() - (time.monotonic() - received))
         self.publish(event)
@@ -579,6 +591,36 @@ class UnicronAgent(LocalElasticAgent):
             return  # SEV3 noise: observed, nothing to retry
         with self._lock:
             self._decide(rank, event, responsive=False)
+
+    def _rejoin(self, rank: int, pid: int, exitcode: int, detected_at: float) -> bool:
+        """The worker of ``rank`` exited after asking to rejoin (caller holds the lock; clears the request).
+
+        Exit code 0: it finished, nothing to do. Otherwise the ladder decides
+        on an unpublished ``left_out`` event: a restart as a joiner (counted
+        in ``rejoins``, bounded by ``max_rejoins``) is no failure, so no event
+        is published (nor passed to the ``unicron_event`` hook).
+
+        Returns:
+            Whether the exit is handled; False (a plain script, or
+            ``max_rejoins`` used up): it is an ordinary exit for the caller to handle.
+        """
+        reason = self._rejoining.pop(rank)
+        if exitcode == 0:
+            log.info("worker_finished_after_rejoin_request", rank=rank, pid=pid)
+            return True
+        event = self._event(Severity.SEV3, LEFT_OUT, "process", rank, f"pid {pid} left out: {reason}"[:500],
+                            detected_at, detected_at)
+        history = replace(self._history.get(rank, RankHistory()), responsive=False)
+        decision = decide(self.config.ladder, history, event)
+        if decision.history.rejoins == history.rejoins:  # the ladder counted no rejoin
+            why = "worker not resumable" if not history.resumable else f"max_rejoins={self.config.ladder.max_rejoins}"
+            log.warning("rejoin_refused", rank=rank, reason=why, pid=pid, exitcode=exitcode)
+            return False
+        self._fatal.pop(rank, None)
+        log.info("worker_rejoining", rank=rank, reason=reason[:200], pid=pid, exitcode=exitcode)
+        self._history[rank] = decision.history
+        self._act(rank, decision, event)
+        return True
 
     # -- decisions -------------------------------------------------------------
     def _decide(self, rank: int, event: ErrorEvent, responsive: bool, step: int = -1) -> None:
@@ -631,7 +673,9 @@ class UnicronAgent(LocalElasticAgent):
 
     def _respawn_locked(self, local_rank: int) -> None:
         worker = self._worker_group.workers[local_rank]
-        restarts = self._history.get(worker.global_rank, RankHistory()).restarts
+        history = self._history.get(worker.global_rank, RankHistory())
+        restarts = history.restarts + history.rejoins  # a rejoined worker is a joiner too: a new incarnation
+        self._rejoining.pop(worker.global_rank, None)
         if self._meeting is not None:
             self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.{restarts}", self.left)
         env = {GENERATION_ENV: f"{self.generation}.{restarts}", "UNICRON_WORKER_RESTARTS": str(restarts)}
@@ -645,7 +689,9 @@ class UnicronAgent(LocalElasticAgent):
 
     # -- messages and monitoring -------------------------------------------------
     def _on_message(self, msg: dict[str, Any], received: float) -> None:
-        if msg["t"] == "hello":
+        if msg["t"] == "rejoin":
+            self._request_rejoin(msg)
+        elif msg["t"] == "hello":
             if self._local_rank(msg["rank"]) is None:
                 return  # not one of this agent's workers: no table grows with made-up ranks
             with self._lock:
@@ -665,6 +711,23 @@ class UnicronAgent(LocalElasticAgent):
             except Exception:  # noqa: BLE001 - isolate plugin detectors
                 log.exception("detector_failed", detector=detector.name)
 
+    def _request_rejoin(self, msg: dict[str, Any]) -> None:
+        """Remember that the worker of ``msg["rank"]`` asked to rejoin (acted on when its process exits).
+
+        A request from a process that is not the rank's current one (a late
+        datagram of a worker already replaced, whose exit was handled) or from
+        a rank that is not this agent's is dropped.
+        """
+        rank = msg["rank"]
+        with self._lock:
+            local_rank = self._local_rank(rank)
+            process = self.workers().get(local_rank, (rank, None))[1] if local_rank is not None else None
+            if (process is None or process.pid in self._handled_pids
+                    or ("pid" in msg and msg["pid"] != process.pid)):
+                log.warning("rejoin_request_dropped", rank=rank, reason="not a current worker of this agent")
+                return
+            self._rejoining[rank] = str(msg["reason"])
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         raise_pending_stop()  # a signal some library code swallowed
         raise_if_orphaned()
@@ -679,6 +742,7 @@ class UnicronAgent(LocalElasticAgent):
                 elif code == 0 and proc.pid not in self._handled_pids:
                     self._handled_pids.add(proc.pid)  # finished: no longer live for peers that regroup
                     rank = self.workers().get(local_rank, (-1, None))[0]
+                    self._rejoining.pop(rank, None)  # asked to rejoin, then finished after all: nothing to do
                     if self._meeting is not None and rank >= 0 and not self._stopping:
                         self._meeting.worker_exited(rank)
             if self._give_up is not None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import structlog
 
+from unicron_elastic.worker import MAX_REASON  # the longest rejoin reason a worker sends
+
 log = structlog.get_logger(__name__)
 
 #: Message type -> required fields (besides ``t``, ``rank``).
@@ -27,6 +29,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "state": (),
     "progress": ("step", "mb"),
     "exc": ("type", "msg", "step", "fatal"),
+    "rejoin": ("reason",),  # (``pid``: optional) alive but left out: restart me as a joiner when I exit
 }
 MAX_DATAGRAM = 64 * 1024
 #: Largest rank, PID or step a worker may send (a 63-bit signed integer).
@@ -72,6 +75,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "type": (_string(256), "a string of at most 256 characters"),
     "msg": (_string(4_000), "a string of at most 4000 characters"),
     "tb": (_string(16_000), "a string of at most 16000 characters"),
+    "reason": (_string(MAX_REASON), f"a string of at most {MAX_REASON} characters"),
 }
 
 

@@ -10,6 +10,11 @@
             too many restarts -> SEV1
     SEV1 -> the node gives up its assignment (distinct exit code and event) so
             the coordinator can re-plan without it
+
+A ``left_out`` event (:data:`LEFT_OUT`: a worker alive but left out of its
+group asked to rejoin, then exited) is no failure: the worker is restarted as a
+joiner, counted in ``rejoins`` (not ``restarts``), at most ``max_rejoins``
+times; past that it is handled as a SEV2 exit. Plain scripts: as for SEV2.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from unicron_elastic.events import ErrorEvent, Severity
 
 #: Exit code of an agent that gave up its node (SEV1): EX_TEMPFAIL.
 EXIT_GIVE_UP = 75
+#: Event kind of a worker that exited after asking to rejoin (alive, but left out of its group).
+LEFT_OUT = "left_out"
 
 
 class Action(str, Enum):
@@ -38,16 +45,23 @@ class Action(str, Enum):
 class LadderPolicy:
     """Bounds of the ladder.
 
+    Attributes:
+        max_reattempts: SEV3 reattempts per step.
+        max_worker_restarts: SEV2 restarts per rank.
+        max_rejoins: Restarts as a joiner per rank after a ``left_out`` exit
+            (not counted as restarts); past it such an exit is a SEV2.
+
     Raises:
         ConfigError: A bound is negative.
     """
 
     max_reattempts: int = 3
     max_worker_restarts: int = 3
+    max_rejoins: int = 10
 
     def __post_init__(self) -> None:
-        if self.max_reattempts < 0 or self.max_worker_restarts < 0:
-            raise ConfigError("max_reattempts and max_worker_restarts must be >= 0")
+        if self.max_reattempts < 0 or self.max_worker_restarts < 0 or self.max_rejoins < 0:
+            raise ConfigError("max_reattempts, max_worker_restarts and max_rejoins must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class RankHistory:
         step: Step of the last reattempt.
         reattempts: Reattempts at ``step``.
         restarts: Restarts of this rank.
+        rejoins: Restarts of this rank as a joiner after a ``left_out`` exit.
     """
 
     resumable: bool = False
@@ -67,6 +82,7 @@ class RankHistory:
     step: int = -1
     reattempts: int = 0
     restarts: int = 0
+    rejoins: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,11 +113,18 @@ def decide(policy: LadderPolicy, history: RankHistory, event: ErrorEvent, step: 
         step: The training step the event happened in (for reattempt counting).
 
     Returns:
-        The decision.
+        The decision. A ``left_out`` event (:data:`LEFT_OUT`, SEV3 or SEV2) is
+        a rejoin while ``history.rejoins < policy.max_rejoins`` and the worker
+        is resumable, otherwise a SEV2.
     """
     escalated: tuple[Severity, ...] = ()
     severity = event.severity
-    if severity is Severity.SEV3:
+    if event.kind == LEFT_OUT and severity is not Severity.SEV1:
+        rejoin = _rejoin(policy, history)
+        if rejoin is not None:
+            return rejoin
+        escalated, severity = ((severity,) if severity is Severity.SEV3 else ()), Severity.SEV2
+    elif severity is Severity.SEV3:
         same_step = history.step == step
         used = history.reattempts if same_step else 0
         if history.responsive and used < policy.max_reattempts:
@@ -117,3 +140,11 @@ def decide(policy: LadderPolicy, history: RankHistory, event: ErrorEvent, step: 
                             f"restart {history.restarts + 1}/{policy.max_worker_restarts}", escalated)
         escalated, severity = (*escalated, Severity.SEV2), Severity.SEV1
     return Decision(Action.GIVE_UP, Severity.SEV1, history, f"{event.kind}: node gives up its assignment", escalated)
+
+
+def _rejoin(policy: LadderPolicy, history: RankHistory) -> Decision | None:
+    """Restart a left-out worker as a joiner; None (handled as a SEV2) for a plain script or past ``max_rejoins``."""
+    if not history.resumable or history.rejoins >= policy.max_rejoins:
+        return None
+    new = replace(history, rejoins=history.rejoins + 1, reattempts=0)
+    return Decision(Action.RESTART_WORKER, Severity.SEV3, new, f"rejoin {history.rejoins + 1}/{policy.max_rejoins}")

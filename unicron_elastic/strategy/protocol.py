@@ -349,7 +349,11 @@ class Excluded(Exception):
     Attributes:
         record: The record that left it out.
         step: The step this rank was in.
+        rejoin: Uncaught in a worker, the worker asks its agent to start it again as a
+            joiner (``unicron_elastic.worker``'s exception hook): no failure, no restart counted.
     """
+
+    rejoin = True
 
     def __init__(self, message: str, record: MembershipRecord | None = None, step: int | None = None) -> None:
         super().__init__(message)
