@@ -11,6 +11,20 @@ agent restarts rank 2 alone, which rejoins at the next step with the state of
 a replica. Each rank writes ``OUT/rank<R>.json`` (what each step did) and
 ``OUT/params<R>.pt``; rank 0 also saves ``OUT/final.ckpt`` with
 ``trainer.save_checkpoint`` and logs to ``OUT/logs`` (CSV).
+
+With ``--tensor-parallel T`` / ``--pipeline-parallel P`` the model is
+:class:`MegatronGPT`, built from megatron-core's parallel layers and split
+into ``P`` stages; ``T x P`` consecutive ranks make one data-parallel replica.
+Eight ranks, TP=2 x PP=2 x DP=2, killing rank 5 (replica 1, stage 0, tensor
+rank 1) in its second micro-batch of step 3::
+
+    unicron-run --standalone --nproc-per-node=8 examples/lightning_gpt.py --tensor-parallel 2 \
+        --pipeline-parallel 2 --steps 6 --out /tmp/gpt3d --kill-rank 5 --kill-step 3 --kill-micro-batch 1
+
+Replica 0 computes replica 1's micro-batches; the agent restarts rank 5 and
+its replica's three other ranks leave and rejoin; each receives the state of
+its shard from replica 0. ``OUT/shards<R>.pt`` holds each rank's parameters
+by name with their tensor-parallel partition (to assemble the whole model).
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -87,6 +102,132 @@ class TinyGPT(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class ParallelBlock(nn.Module):
+    """A pre-norm transformer block from megatron-core's tensor-parallel layers.
+
+    The attention's query/key/value projection is column-parallel with the
+    heads laid out ``[head, q|k|v, head_dim]``, so each tensor-parallel rank
+    holds whole heads; the output projection and the MLP's second layer are
+    row-parallel. Built under ``torch.manual_seed(seed)``: the full weights are
+    drawn and split (``use_cpu_initialization``), so the shards equal the
+    slices of the same block built on one rank.
+    """
+
+    def __init__(self, config: Any, width: int, heads: int, dropout: float, seed: int) -> None:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        if heads % tp or width % heads:
+            raise ValueError(f"{heads} heads of width {width} cannot be split over {tp} tensor-parallel ranks")
+        torch.manual_seed(seed)
+        init = _normal(0.02)
+        self.local_heads, self.head_dim = heads // tp, width // heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = ColumnParallelLinear(width, 3 * width, config=config, init_method=init, bias=True,
+                                        gather_output=False)
+        self.proj = RowParallelLinear(width, width, config=config, init_method=init, bias=True,
+                                      input_is_parallel=True, skip_bias_add=False)
+        self.fc1 = ColumnParallelLinear(width, 4 * width, config=config, init_method=init, bias=True,
+                                        gather_output=False)
+        self.fc2 = RowParallelLinear(4 * width, width, config=config, init_method=init, bias=True,
+                                     input_is_parallel=True, skip_bias_add=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        qkv, _ = self.qkv(self.norm1(x))
+        q, k, v = qkv.view(batch, length, self.local_heads, 3, self.head_dim).unbind(3)
+        attention = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), is_causal=True)
+        out, _ = self.proj(attention.transpose(1, 2).reshape(batch, length, self.local_heads * self.head_dim))
+        x = x + self.dropout(out)
+        hidden, _ = self.fc1(self.norm2(x))
+        out, _ = self.fc2(nn.functional.gelu(hidden))
+        return x + self.dropout(out)
+
+
+def _normal(std: float) -> Any:
+    return lambda tensor: nn.init.normal_(tensor, 0.0, std)
+
+
+class MegatronGPT(pl.LightningModule):
+    """TinyGPT's shape from megatron-core's parallel layers, in tensor-parallel shards and pipeline stages.
+
+    ``configure_model()`` builds this rank's stage (``parallel_state`` is
+    initialized by the strategy by then): stage 0 the embeddings, every stage
+    ``layers / PP`` blocks, the last stage the final norm and the head. With
+    PP = 1 ``training_step`` runs it; with PP > 1 the strategy calls
+    ``pipeline_forward(batch, input_tensor)`` on each stage. Every layer is
+    built under a seed of its own, so the model is the same whatever TP and PP.
+    """
+
+    def __init__(self, vocab: int = 32, width: int = 32, layers: int = 2, heads: int = 2, length: int = 16,
+                 dropout: float = 0.1, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.first = self.last = True
+
+    def configure_model(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+
+        if hasattr(self, "blocks"):
+            return
+        h = self.hparams
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        if h.layers % pp:
+            raise ValueError(f"{h.layers} layers cannot be split into {pp} pipeline stages")
+        config = ModelParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                                     params_dtype=torch.float32, pipeline_dtype=torch.float32)
+        self.first, self.last = stage == 0, stage == pp - 1
+        per_stage = h.layers // pp
+        if self.first:
+            torch.manual_seed(1)
+            self.tokens = VocabParallelEmbedding(h.vocab, h.width, init_method=_normal(0.02), config=config)
+            self.positions = nn.Embedding(h.length, h.width)
+        self.blocks = nn.ModuleList(ParallelBlock(config, h.width, h.heads, h.dropout, seed=100 + stage * per_stage + i)
+                                    for i in range(per_stage))
+        if self.last:
+            torch.manual_seed(2)
+            self.norm = nn.LayerNorm(h.width)
+            self.head = ColumnParallelLinear(h.width, h.vocab, config=config, init_method=_normal(0.02), bias=True,
+                                             gather_output=False)  # (megatron-core's gathers call CUDA)
+
+    def pipeline_forward(self, batch: tuple[torch.Tensor, torch.Tensor],
+                         input_tensor: torch.Tensor | None) -> torch.Tensor:
+        """This stage on one micro-batch: the activations for the next stage, or (last stage) the loss."""
+        x, y = batch
+        hidden = self.tokens(x) + self.positions(torch.arange(x.shape[1])) if self.first else input_tensor
+        for block in self.blocks:
+            hidden = block(hidden)
+        if not self.last:
+            return hidden
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits, _ = self.head(self.norm(hidden))  # this tensor-parallel rank's part of the vocabulary
+        loss = vocab_parallel_cross_entropy(logits, y).mean()
+        self.log("train_loss", loss, prog_bar=False)
+        return loss
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.pipeline_forward(batch, None)  # PP = 1: one stage is the whole model
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def shard_parameters(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """This rank's parameters by name, with their tensor-parallel partition dimension (-1: replicated)."""
+    return {name: {"tensor": p.detach().clone(),
+                   "partition_dim": int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else -1}
+            for name, p in module.named_parameters()}
+
+
 class SlowDown(pl.Callback):
     """Sleep after each step (so a demo's restarted rank has steps left to rejoin)."""
 
@@ -98,7 +239,7 @@ class SlowDown(pl.Callback):
 
 
 class HoldForJoiner(pl.Callback):
-    """Before step ``step``, wait (at most ``bound`` s) until ``ranks`` ranks are members or wait to join.
+    """Before step ``step``, wait (at most ``bound`` s) until ``ranks`` ranks' replicas are members or wait to join.
 
     A restarted rank (or a node started again, or one that grows the run) on a
     slow machine is then admitted before training ends. The wait is a
@@ -112,7 +253,7 @@ class HoldForJoiner(pl.Callback):
         engine = getattr(trainer.strategy, "engine", None)
         if trainer.global_step != self.step or engine is None or engine.pg is None:
             return
-        world = self.ranks or int(os.environ.get("WORLD_SIZE", "1"))
+        world = (self.ranks or int(os.environ.get("WORLD_SIZE", "1"))) // engine.layout.size  # replicas
         worker = get_worker()
         worker.set_paused(True, pause_for=self.bound)
         deadline = time.monotonic() + self.bound
@@ -185,6 +326,12 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--load-delay", type=float, default=0.0, help="seconds each sample takes to load")
     parser.add_argument("--record-loads", action="store_true", help="append who loaded each sample to OUT/loads<R>.txt")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="TP size (MegatronGPT)")
+    parser.add_argument("--pipeline-parallel", type=int, default=1, help="PP size (MegatronGPT)")
+    parser.add_argument("--megatron", action="store_true", help="MegatronGPT even with TP = PP = 1")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
@@ -194,7 +341,9 @@ def main() -> None:
                                      str(args.out / "faults.log")))
 
     pl.seed_everything(0, verbose=False)
-    model = TinyGPT(width=args.width)
+    megatron = args.megatron or args.tensor_parallel * args.pipeline_parallel > 1
+    model = (MegatronGPT(width=args.width, layers=args.layers, dropout=args.dropout) if megatron
+             else TinyGPT(width=args.width, layers=args.layers, dropout=args.dropout))
     rank = int(os.environ.get("RANK", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
     callbacks: list[pl.Callback] = [SlowDown(args.step_time)] if args.step_time else []
@@ -207,7 +356,8 @@ def main() -> None:
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
         snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        grad_dtype=getattr(torch, args.grad_dtype),
+        grad_dtype=getattr(torch, args.grad_dtype), tensor_model_parallel_size=args.tensor_parallel,
+        pipeline_model_parallel_size=args.pipeline_parallel, pipeline_schedule=args.pipeline_schedule,
         members=[int(r) for r in args.members.split(",")] if args.members else None,
         schedule={int(k): v for k, v in json.loads(args.schedule).items()})
     trainer = pl.Trainer(
@@ -222,9 +372,12 @@ def main() -> None:
     summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
                "retired_at": strategy.retired_at, "fed": strategy.feed.fed if strategy.feed else 0,
                "on_demand": strategy.feed.on_demand if strategy.feed else 0,
-               "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
+               "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
+               "forward_only": strategy.engine.forward_only if strategy.engine else []}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+    if megatron:
+        torch.save(shard_parameters(model), args.out / f"shards{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -108,5 +108,7 @@ def test_bad_strategy_arguments_are_clear_errors() -> None:
         UnicronMegatronStrategy(global_batch=0)
     with pytest.raises(ConfigError, match="snapshot_every"):
         UnicronMegatronStrategy(snapshot_every=-1)
-    with pytest.raises(ConfigError, match="TP = PP = 1"):
-        UnicronMegatronStrategy(tensor_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor-parallel size"):
+        UnicronMegatronStrategy(tensor_model_parallel_size=0)
+    with pytest.raises(ConfigError, match="pipeline_schedule"):
+        UnicronMegatronStrategy(pipeline_model_parallel_size=2, pipeline_schedule="zigzag")

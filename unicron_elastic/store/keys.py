@@ -143,6 +143,16 @@ class MeetingKeys:
     SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot (safe_state bytes; in an agent's TCPStore)
 
     @staticmethod
+    def snapshot(shard: str | None = None) -> str:
+        """The in-memory snapshot of one model shard (``tp<t>-pp<p>``; None: the whole model)."""
+        return MeetingKeys.SNAPSHOT if shard is None else f"{MeetingKeys.SNAPSHOT}/{shard}"
+
+    @staticmethod
+    def snapshot_step(shard: str) -> str:
+        """The step of the in-memory snapshot of one model shard (written after it)."""
+        return f"unicron-snapshot/step/{shard}"
+
+    @staticmethod
     def snapshot_host(group_rank: int) -> str:
         """``host:port`` of the snapshot server of node ``group_rank``'s agent (on its lease: gone with the node)."""
         return f"unicron-snapshot/hosts/{int(group_rank)}"

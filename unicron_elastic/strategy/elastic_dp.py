@@ -100,6 +100,8 @@ REQUESTS_PATIENCE_S = 1.0
 Hook = Callable[..., None]
 #: ``stage_fn(model, batch, input)``: a pipeline stage's output for one micro-batch (the loss on the last stage).
 StageFn = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
+_PAUSED = object()  # _run stopped before an effect that needs the model
+_STEP0 = object()  # no fallback state: this rank's fresh state is step 0's
 
 
 class ElasticDataParallel:
@@ -113,8 +115,11 @@ class ElasticDataParallel:
 
     Args:
         model: The model (same initial parameters on every rank; with TP/PP,
-            this rank's shard, the same on every replica).
-        optimizer: Its optimizer.
+            this rank's shard, the same on every replica). None: given later
+            to :meth:`bind` (a joiner that must be admitted, and so have its
+            world, before it can build a model from megatron-core's layers:
+            :meth:`start_join`).
+        optimizer: Its optimizer (None with ``model``).
         plan: The global-batch plan (B micro-batches per step); None until
             :attr:`plan` is set (the Lightning strategy sets it in ``setup``).
         batch: ``indices -> batch`` (materialises any micro-batch).
@@ -173,8 +178,8 @@ class ElasticDataParallel:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
         plan: GlobalBatchPlan | None,
         batch: Callable[[list[int]], Any],
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
@@ -225,32 +230,49 @@ class ElasticDataParallel:
         self.on_drop = on_drop or (lambda: None)
         self.transport = transport or GlooTransport()
         self.state_source: str | None = None  # where a joiner's state came from
-        self._resume_state: dict[str, Any] | None = None  # fallback state a joiner hands to the others
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in self.params)
-        size = bucket_numel or numel or 1
-        self.bounds = [(start, min(start + size, numel)) for start in range(0, numel, size)]
+        self._resume_state: Any = None  # fallback state a joiner hands to the others (_STEP0: the fresh one)
+        self._resume_applied = False
+        self.bucket_numel = bucket_numel
+        self.params: list[torch.nn.Parameter] = []
+        self.bounds: list[tuple[int, int]] = []
         # with TP/PP a last, small all-reduce over every rank commits the step (and carries the next members)
         self.committed = self.layout.size > 1
         self.meeting = ReplicaMeeting(store, self.layout, rank, self.max_replicas)
         self.protocol = Protocol(self.replica, list(members if members is not None else range(replicas)),
                                  plan.num_micro_batches if plan is not None else 0,  # (set with the plan)
-                                 len(self.bounds) + self.committed, schedule, checkin_timeout,
-                                 timeout.total_seconds())
+                                 0, schedule, checkin_timeout, timeout.total_seconds())  # (buckets: bind)
         self.pg: dist.ProcessGroup | None = None  # this shard's data-parallel group
         self.world_pg: dist.ProcessGroup | None = None  # with TP/PP: every rank (commit, pipeline)
         self._incarnations: dict[int, str] = {}
         self._shard_buckets: list[int] | None = None  # buckets of every shard (read once, for recomputations)
         self.forward_only: list[int] = []  # steps whose recomputation ran this stage forward only (PP, scenario 2)
+        self._joining: Any = None  # start_join's outcome: (generator, effect) paused for the model, or the step
         self._handlers: dict[type, Callable[[Any], Any]] = self._effect_handlers()
-        if self.committed:
-            store.set(K.buckets(self.coordinate), str(len(self.bounds)))
+        if model is not None:
+            self.bind(model, optimizer)
         if not joining:
             self.hook(rank, -1, at="before_first_group")
             self._set_groups(self.generation, self.members)
             self._note_incarnations()
             if self._publishes():
                 self._publish_members()
+
+    def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Give the engine its model and optimizer (when it was made without): its gradient buckets.
+
+        Raises:
+            ConfigError: The model has no parameter that requires a gradient.
+        """
+        self.model, self.optimizer = model, optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no parameter that requires a gradient")
+        numel = sum(p.numel() for p in self.params)
+        size = self.bucket_numel or numel
+        self.bounds = [(start, min(start + size, numel)) for start in range(0, numel, size)]
+        self.protocol.buckets = len(self.bounds) + self.committed
+        if self.committed:
+            self.store.set(K.buckets(self.coordinate), str(len(self.bounds)))
 
     # -- the protocol's state ----------------------------------------------------------
     @property
@@ -294,20 +316,33 @@ class ElasticDataParallel:
         return bool(self.members) and self.replica == self.members[0]
 
     # -- running the protocol --------------------------------------------------------
-    def _run(self, effects: Generator[Any, Any, Any]) -> Any:
-        """Execute the effects ``effects`` yields until it returns; an effect's exception is thrown into it."""
+    def _run(self, effects: Generator[Any, Any, Any], pending: Any = None,
+             until: tuple[type, ...] = ()) -> Any:
+        """Execute the effects ``effects`` yields until it returns; an effect's exception is thrown into it.
+
+        Args:
+            effects: The protocol's generator.
+            pending: An effect it yielded already, to execute first (a paused run).
+            until: Effect types to stop at before executing them: returns
+                ``(_PAUSED, effect)`` (resume with ``pending=effect``).
+        """
         result: Any = None
         error: BaseException | None = None
+        effect = pending
         while True:
-            try:
-                effect = effects.send(result) if error is None else effects.throw(error)
-            except StopIteration as stop:
-                return stop.value
+            if effect is None:
+                try:
+                    effect = effects.send(result) if error is None else effects.throw(error)
+                except StopIteration as stop:
+                    return stop.value
+            if isinstance(effect, until):
+                return _PAUSED, effect
             result, error = None, None
             try:
                 result = self._handlers[type(effect)](effect)
             except Exception as exc:  # noqa: BLE001 - the protocol decides (a failed collective is a RuntimeError)
                 error = exc
+            effect = None
 
     def _effect_handlers(self) -> dict[type, Callable[[Any], Any]]:
         meeting = self.meeting
@@ -499,6 +534,44 @@ class ElasticDataParallel:
         """
         self._drop_group()
 
+    def start_join(self, timeout: float = 120.0) -> bool:
+        """Wait until the group admits this rank and its groups are built (``on_group`` ran), without a model.
+
+        The join stops before the first step that needs the model (the state
+        from a replica, or the fallback state when no replica is left, sent once
+        the group formed); :meth:`bind` the model, then :meth:`finish_join`. A megatron-core model can only
+        be built once its world exists: the Lightning strategy admits a joiner
+        before Lightning calls ``configure_model()``.
+
+        Returns:
+            False if training finished first (nothing to join), else True.
+
+        Raises:
+            TimeoutError: Not admitted within ``timeout`` seconds.
+        """
+        effects = self.protocol.join(timeout)
+        outcome = self._run(effects, until=(P.TransferState,))
+        paused = isinstance(outcome, tuple) and bool(outcome) and outcome[0] is _PAUSED
+        self._joining = (effects, outcome[1]) if paused else (None, outcome)
+        return paused or outcome is not None
+
+    def finish_join(self) -> int | None:
+        """Go on with the join :meth:`start_join` began, now that the model is bound.
+
+        Returns:
+            The step to continue from; None if training finished first.
+
+        Raises:
+            RuntimeError: No join was started, or no model is bound.
+            TimeoutError: Not admitted within the join's timeout (after a failed admission).
+        """
+        if not self.params:
+            raise RuntimeError("finish_join() before bind(): the join needs the model")
+        if self._joining is None:
+            raise RuntimeError("finish_join() without start_join()")
+        (effects, pending), self._joining = self._joining, None
+        return pending if effects is None else self._run(effects, pending=pending)
+
     def join(self, timeout: float = 120.0) -> int | None:
         """Wait until the group admits this rank, then load its state from a replica.
 
@@ -516,7 +589,8 @@ class ElasticDataParallel:
         Raises:
             TimeoutError: Not admitted within ``timeout`` seconds.
         """
-        return self._run(self.protocol.join(timeout))
+        self.start_join(timeout)
+        return self.finish_join()
 
     def waiting(self) -> list[int]:
         """Members-to-be waiting in :meth:`join` to be admitted (replicas every rank of which waits, with TP/PP)."""
@@ -542,18 +616,20 @@ class ElasticDataParallel:
         self.store.add(K.JOIN_REQUESTS, -1)
 
     def _fallback(self, effect: P.Fallback) -> tuple[int, str]:
-        """No replica is left: load ``fallback()``'s state, else keep this rank's fresh state as step 0's.
+        """No replica is left: fetch ``fallback()``'s state (applied when it is first sent: :meth:`state`).
 
-        When nothing is left (no replica, no snapshot, no checkpoint) it logs
-        ``dp_restart_from_step_0``.
+        Nothing is loaded into the model here: a joiner may not have built its
+        model yet (:meth:`start_join`). When nothing is left (no replica, no
+        snapshot, no checkpoint) this rank's fresh state will be step 0's and
+        ``dp_restart_from_step_0`` is logged.
         """
         state = self.fallback()
         if state is None:  # nothing persisted: this joiner's fresh state is step 0's
             log.warning("dp_restart_from_step_0", lost=self.members,
                         reason="no replica, no in-memory snapshot and no checkpoint is left")
-            state = {**self.get_state(), "step": 0, "source": "step0"}
-        self._apply_state(state)
-        self._resume_state = state  # what we broadcast: our own live state is only partly restored yet
+            self._resume_state, self.state_source = _STEP0, "step0"
+            return 0, "step0"
+        self._resume_state, self._resume_applied = state, False
         self.state_source = state.get("source", "fallback")
         return int(state["step"]), self.state_source
 
@@ -567,8 +643,18 @@ class ElasticDataParallel:
         torch.set_rng_state(state["rng"])
 
     def state(self) -> dict[str, Any]:
-        """This replica's state at the current step boundary (what a joiner receives)."""
+        """This replica's state at the current step boundary (what a joiner receives).
+
+        A joiner that resumes the group from the fallback state (no replica
+        was left) loads it on first use and hands out that state, its own live
+        state being only partly restored until it trained a step.
+        """
+        if self._resume_state is _STEP0:  # nothing was persisted: the fresh state is step 0's
+            self._resume_state, self._resume_applied = {**self.get_state(), "step": 0, "source": "step0"}, True
         if self._resume_state is not None:
+            if not self._resume_applied:
+                self._apply_state(self._resume_state)
+                self._resume_applied = True
             return self._resume_state
         return {**self.get_state(), "step": self.next_step}
 

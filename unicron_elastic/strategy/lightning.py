@@ -39,7 +39,10 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,8 +62,11 @@ from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, St
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.feed import MicroBatchFeed
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world
+from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world, rebind_tensor_parallel_groups
+from unicron_elastic.strategy.pipeline import SCHEDULES
+from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot, PeerServers
+from unicron_elastic.strategy.transport import transport_for
 from unicron_elastic.worker import get_worker
 
 log = structlog.get_logger(__name__)
@@ -95,17 +101,28 @@ def _loss_of(output: Any) -> torch.Tensor:
 
 
 class UnicronMegatronStrategy(DDPStrategy):
-    """Self-healing data parallelism (+ megatron-core TP/PP groups) for Lightning.
+    """Self-healing data parallelism over tensor x pipeline parallel megatron-core models, for Lightning.
+
+    With ``tensor_model_parallel_size`` (TP) x ``pipeline_model_parallel_size``
+    (PP) > 1 a data-parallel *replica* is TP x PP consecutive launch ranks
+    (``rank = replica * TP * PP + stage * TP + tensor_rank``); ``members`` and
+    ``schedule`` then name replicas, and the data-parallel size changes in
+    whole replicas. The LightningModule builds its megatron-core layers in
+    ``configure_model()`` (``parallel_state`` is initialized then) and, with
+    PP > 1, only its stage's layers; it implements
+    ``pipeline_forward(batch, input_tensor)`` (see docs/strategy.md).
 
     Args:
         global_batch: Samples per optimizer step, constant across failures and
             reconfigurations (default: the dataloader's batch size x the
-            launch world size).
+            launch data-parallel size).
         micro_batch: Samples per micro-batch (default: the dataloader's batch size).
         seed: Seed of the global-batch shuffle and of each micro-batch's RNG.
-        bucket_numel: Gradient elements per all-reduce bucket (None: one bucket).
+        bucket_numel: Gradient elements per all-reduce bucket (None: one bucket per shard).
         tensor_model_parallel_size: megatron-core TP size.
         pipeline_model_parallel_size: megatron-core PP size.
+        pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"`` (our schedule over
+            point-to-point; both run the micro-batches in the same order).
         snapshot_every: Steps between in-memory snapshots (0: none).
         checkpoint_dir: Directory of asynchronous checkpoints in the safe state
             format (``step-<s>.state``; None: none).
@@ -114,8 +131,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         checkin_timeout: After a failure, how long survivors wait for a rank that is alive but has
             not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
         join_timeout: How long a restarted rank waits to be admitted.
-        members: The launch ranks that train from the start (default: all);
-            the others wait to be added by ``schedule``.
+        members: The launch ranks (replicas with TP x PP > 1) that train from
+            the start (default: all); the others wait to be added by ``schedule``.
         schedule: ``{step: members}``: the data-parallel members from that step
             on (the coordinator's plan: scale in or out with the same global
             batch). Ranks left out retire at that step (their ``fit`` ends);
@@ -128,7 +145,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             practice, at twice the gradient memory and all-reduce volume.
 
     Raises:
-        ConfigError: Invalid sizes or intervals.
+        ConfigError: Invalid sizes, intervals or pipeline schedule.
     """
 
     def __init__(
@@ -139,6 +156,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         bucket_numel: int | None = None,
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
+        pipeline_schedule: str = "1f1b",
         snapshot_every: int = 50,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 100,
@@ -158,12 +176,13 @@ class UnicronMegatronStrategy(DDPStrategy):
                 raise ConfigError(f"{name}={value} must be >= 1")
         if snapshot_every < 0 or checkpoint_every < 0:
             raise ConfigError("snapshot_every and checkpoint_every must be >= 0")
-        if tensor_model_parallel_size * pipeline_model_parallel_size > 1:
-            raise ConfigError("unicron_megatron trains with TP = PP = 1 for now; TP/PP > 1 groups are built by "
-                              "unicron_elastic.strategy.parallel.build_world (see docs/strategy.md)")
+        if pipeline_schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline_schedule {pipeline_schedule!r}; choose one of {sorted(SCHEDULES)}")
+        self.layout = ModelParallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
         self.bucket_numel = bucket_numel
         self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        self.pipeline_schedule = pipeline_schedule
         self.snapshot_every, self.checkpoint_every = snapshot_every, checkpoint_every
         self.checkpoint_dir = checkpoint_dir
         self.checkin_timeout, self.join_timeout = checkin_timeout, join_timeout
@@ -229,19 +248,26 @@ class UnicronMegatronStrategy(DDPStrategy):
         """
         restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
         restarted_all = int(os.environ.get("UNICRON_ROUND", "0") or 0) > 0
-        return restarted or restarted_all or self.env.launch_rank not in self._members()
+        return restarted or restarted_all or self.replica not in self._members()
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica (its launch rank when TP = PP = 1)."""
+        return self.layout.replica(self.env.launch_rank)
 
     def _members(self) -> list[int]:
-        """The initial data-parallel members.
+        """The initial data-parallel members (replicas).
 
         Raises:
-            ConfigError: Members or schedule name ranks outside the launch world.
+            ConfigError: Members or schedule name replicas outside the launch world, or
+                the world is not a multiple of TP x PP.
         """
-        world = self.env.launch_world_size
-        members = self.initial_members if self.initial_members is not None else list(range(world))
+        replicas = self.layout.replicas(self.env.launch_world_size)
+        members = self.initial_members if self.initial_members is not None else list(range(replicas))
+        unit = "ranks" if self.layout.size == 1 else "replicas"
         for ranks in [members, *self.schedule.values()]:
-            if not ranks or not set(ranks) <= set(range(world)):
-                raise ConfigError(f"members {ranks} must be a non-empty subset of ranks 0..{world - 1}")
+            if not ranks or not set(ranks) <= set(range(replicas)):
+                raise ConfigError(f"members {ranks} must be a non-empty subset of {unit} 0..{replicas - 1}")
         return members
 
     def set_world_ranks(self) -> None:
@@ -285,37 +311,75 @@ class UnicronMegatronStrategy(DDPStrategy):
         return PeerServers(connect_meeting_store(timeout=timedelta(seconds=5)), self.env.node_rank())
 
     def setup_distributed(self) -> None:
-        """Connect to the launcher's store and build the first world (a joiner waits until it is admitted).
+        """Connect to the launcher's store, build the first world and the elastic engine.
+
+        A joiner is admitted here, before Lightning calls ``configure_model()``:
+        megatron-core's parallel layers take their sizes from the world's
+        tensor-parallel group, so it must exist when the model is built (the
+        state comes from a replica in :meth:`setup`, once the model exists).
 
         Raises:
-            ConfigError: The world is not a multiple of TP x PP.
+            ConfigError: The world is not a multiple of TP x PP (or TP/PP > 1 without megatron-core).
+            TimeoutError: A joiner not admitted within ``join_timeout``.
         """
         check_sizes(self.env.launch_world_size, self.tp, self.pp)
         self._store = self._connect_store()
         # (the exception hook is installed already); with a schedule, only the schedule changes the members
         self._worker.hello(resumable=True, leavable=not self.schedule, growable=not self.schedule)
-        if self.joining:
+        joining = self.joining
+        if joining:
             self._local_only = True
             self.set_world_ranks()
-            return
-        members = self._members()
-        index = members.index(self.env.launch_rank)
-        build_world(self._store, 0, index, len(members), self.tp, self.pp, self._timeout or timedelta(seconds=60))
-        self.env.set_global_rank(index)
-        self.env.set_world_size(len(members))
-        self.set_world_ranks()
+        else:
+            self._on_group(self._members(), 0)
+        module = self.lightning_module
+        if module is None or module.trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
+            return  # validate/test/predict: no elastic engine
+        shard = self.layout.label(self.env.launch_rank) if self.layout.size > 1 else None
+        self._memory = MemorySnapshot(self._snapshot_store(), self.snapshot_every, shard, self.layout.labels())
+        if self.checkpoint_dir is not None:
+            self._disk = DiskCheckpoints(self.checkpoint_dir, self.checkpoint_every, shard=shard,
+                                         shards=self.layout.labels())
+        self.engine = self._engine(joining)
+        if joining:
+            self.finished_before_join = not self.engine.start_join(self.join_timeout)
+        if self.finished_before_join:  # nothing left to train: a world of its own, so the model can be built
+            log.info("joined_too_late", reason="training finished before this rank was admitted")
+            build_world(dist.HashStore(), 0, 0, 1)
+
+    def _engine(self, joining: bool) -> ElasticDataParallel:
+        """The elastic engine, without its model yet (bound in :meth:`setup`)."""
+        return ElasticDataParallel(
+            None, None, plan=None,  # the model comes in setup, the plan with the dataset (process_dataloader)
+            batch=self._materialise, loss_fn=self._micro_batch_loss, store=self._store,
+            rank=self.env.launch_rank, world_size=self.env.launch_world_size, bucket_numel=self.bucket_numel,
+            timeout=self._timeout or timedelta(seconds=60), checkin_timeout=self.checkin_timeout,
+            hook=self._hook, joining=joining, members=self._members(), schedule=self.schedule,
+            get_state=self._state, set_state=self._load_state,
+            on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
+            pause=self._worker.set_paused,  # a regroup is a declared, bounded pause, not a hang
+            on_drop=destroy_world,  # a survivor blocked in Lightning's per-step broadcast with this rank fails too
+            max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
+            model_parallel=self.layout, stage_fn=self._stage_forward if self.pp > 1 else None,
+            pipeline_schedule=self.pipeline_schedule, transport=transport_for(self.root_device),
+        )
 
     def _on_group(self, members: list[int], generation: int) -> None:
-        """The data-parallel members changed: rebuild the world Lightning and megatron-core use.
+        """The data-parallel members (replicas) changed: rebuild the world Lightning and megatron-core use.
 
-        Called inside the engine's regroup, which is a declared, bounded pause
-        for the hang detector (the engine's ``pause``).
+        megatron-core's layers of the model are pointed at the new world's
+        tensor-parallel group. Called inside the engine's regroup, which is a
+        declared, bounded pause for the hang detector (the engine's ``pause``).
         """
-        index = members.index(self.env.launch_rank)
-        build_world(self._store, generation, index, len(members), self.tp, self.pp,
-                    self._timeout or timedelta(seconds=60))
+        index = self.layout.world_rank(members, self.env.launch_rank)
+        size = len(members) * self.layout.size
+        backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        build_world(self._store, generation, index, size, self.tp, self.pp, self._timeout or timedelta(seconds=60),
+                    backend)
+        if self.lightning_module is not None:
+            rebind_tensor_parallel_groups(self.lightning_module)
         self.env.set_global_rank(index)
-        self.env.set_world_size(len(members))
+        self.env.set_world_size(size)
         self.set_world_ranks()
 
     # -- setup --------------------------------------------------------------------
@@ -326,12 +390,33 @@ class UnicronMegatronStrategy(DDPStrategy):
         """Lightning's set-up, then the elastic engine; a restarted rank joins and restores here.
 
         Raises:
-            ConfigError: Manual optimization, several optimizers or gradient accumulation.
+            ConfigError: Manual optimization, several optimizers, gradient accumulation;
+                with TP x PP > 1 gradient clipping by norm (it would see this shard's
+                norm only); with PP > 1 a module without ``pipeline_forward``.
         """
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
         module = self.lightning_module
+        self._check_fit(trainer, module)
+        if self.engine is None:
+            raise ConfigError("unicron_megatron: fit() reached setup without the engine setup_distributed builds")
+        if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
+            log.info("rank_rejoined", step=None, state_from=None, finished_before_join=True)
+            return
+        self.engine.bind(module, self.optimizers[0])
+        if self.joining:
+            self.joined_at = self.engine.finish_join()
+            self.finished_before_join = self.joined_at is None
+            log.info("rank_rejoined", step=self.joined_at, state_from=self.engine.state_source,
+                     finished_before_join=self.finished_before_join)
+
+    def _check_fit(self, trainer: Any, module: Any) -> None:
+        """What this strategy cannot train, as clear errors.
+
+        Raises:
+            ConfigError: See :meth:`setup`.
+        """
         if not module.automatic_optimization:
             raise ConfigError("unicron_megatron needs automatic optimization")
         if len(self.optimizers) != 1:
@@ -339,26 +424,12 @@ class UnicronMegatronStrategy(DDPStrategy):
         if trainer.accumulate_grad_batches != 1:
             raise ConfigError("unicron_megatron accumulates micro-batches itself: use micro_batch/global_batch, "
                               "not accumulate_grad_batches")
-        self._memory = MemorySnapshot(self._snapshot_store(), self.snapshot_every)
-        if self.checkpoint_dir is not None:
-            self._disk = DiskCheckpoints(self.checkpoint_dir, self.checkpoint_every)
-        self.engine = ElasticDataParallel(
-            module, self.optimizers[0], plan=None,  # the plan needs the dataset: set in process_dataloader
-            batch=self._materialise, loss_fn=self._micro_batch_loss, store=self._store,
-            rank=self.env.launch_rank, world_size=self.env.launch_world_size, bucket_numel=self.bucket_numel,
-            timeout=self._timeout or timedelta(seconds=60), checkin_timeout=self.checkin_timeout,
-            hook=self._hook, joining=self.joining, members=self._members(), schedule=self.schedule,
-            get_state=self._state, set_state=self._load_state,
-            on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
-            pause=self._worker.set_paused,  # a regroup is a declared, bounded pause, not a hang
-            on_drop=destroy_world,  # a survivor blocked in Lightning's per-step broadcast with this rank fails too
-            max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
-        )
-        if self.joining:
-            self.joined_at = self.engine.join(self.join_timeout)
-            self.finished_before_join = self.joined_at is None
-            log.info("rank_rejoined", step=self.joined_at, state_from=self.engine.state_source,
-                     finished_before_join=self.finished_before_join)
+        if self.layout.size > 1 and trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            raise ConfigError("gradient clipping by norm with tensor/pipeline parallelism would clip each shard by "
+                              "its own norm: use gradient_clip_algorithm='value', or clip in the module")
+        if self.pp > 1 and not callable(getattr(module, "pipeline_forward", None)):
+            raise ConfigError(f"pipeline_model_parallel_size={self.pp}: the LightningModule must implement "
+                              "pipeline_forward(batch, input_tensor) (see docs/strategy.md)")
 
     # -- state ---------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -406,12 +477,14 @@ class UnicronMegatronStrategy(DDPStrategy):
         if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise ConfigError("unicron_megatron needs a DataLoader over a map-style dataset (len and [])")
         micro = self.micro_batch or dataloader.batch_size or 1
-        plan = GlobalBatchPlan(len(dataset), self.global_batch or micro * self.env.launch_world_size, micro, self.seed)
+        replicas = self.layout.replicas(self.env.launch_world_size)
+        plan = GlobalBatchPlan(len(dataset), self.global_batch or micro * replicas, micro, self.seed)
         self.engine.plan = plan
         if self._feed is not None:
             self._feed.close()
         engine = self.engine
-        self._feed = MicroBatchFeed(dataloader, plan, self.env.launch_rank, lambda: engine.members)
+        # every rank of a replica computes the replica's micro-batches (TP: the same inputs; PP: each stage's part)
+        self._feed = MicroBatchFeed(dataloader, plan, self.replica, lambda: engine.members)
         if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
             return _Steps(0)
         return _Steps(plan.steps_per_epoch)
@@ -430,18 +503,46 @@ class UnicronMegatronStrategy(DDPStrategy):
             self._worker.progress(step, micro_batch)
         maybe_fail(rank, step, micro_batch=micro_batch, bucket=bucket, at=at)
 
-    def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
+    @contextmanager
+    def _micro_batch_rng(self, stage: int = 0) -> Iterator[None]:
+        """The RNG of the micro-batch being computed: seeded from (seed, step, micro-batch, stage).
+
+        Dropout etc. do not depend on who computes micro-batch ``j``; every
+        tensor-parallel rank of a stage draws the same numbers (like
+        megatron-core's default generator outside its model-parallel regions).
+        """
         step, j = self._current
         device = self.root_device
         cuda = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):  # dropout etc. do not depend on who computes micro-batch j
-            seed = (self.seed * 1_000_003 + step) * 65_537 + j
+        with torch.random.fork_rng(devices=cuda):
+            seed = ((self.seed * 1_000_003 + step) * 65_537 + j) * 131 + stage
             torch.default_generator.manual_seed(seed)
             if cuda:
                 torch.cuda.default_generators[device.index].manual_seed(seed)  # this rank's GPU only
-            loss = _loss_of(module.training_step(batch, j))
+            yield
+
+    def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
+        with self._micro_batch_rng():
+            loss = _loss_of(module.training_step(batch, self._current[1]))
         self._losses.append(loss.detach())
         return loss
+
+    def _stage_forward(self, module: Any, batch: Any, input_tensor: torch.Tensor | None) -> torch.Tensor:
+        """One micro-batch through this rank's pipeline stage (``module.pipeline_forward``); the loss on the last.
+
+        Raises:
+            ConfigError: The last stage's ``pipeline_forward`` returned no loss, or another stage no tensor.
+        """
+        stage = self.layout.stage(self.env.launch_rank)
+        with self._micro_batch_rng(stage):
+            output = module.pipeline_forward(batch, input_tensor)
+        if stage == self.pp - 1:
+            output = _loss_of(output)
+            self._losses.append(output.detach())
+        elif not isinstance(output, torch.Tensor):
+            raise ConfigError(f"pipeline_forward on stage {stage} must return the activations for the next stage "
+                              f"(a tensor), got {type(output).__name__}")
+        return output
 
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """This rank's micro-batches of the current step (Lightning's closure calls this)."""
@@ -472,7 +573,7 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def _snapshot(self, step: int) -> None:
         engine = self.engine
-        if self.env.launch_rank != engine.members[0]:
+        if not engine.leader:  # every shard of the leading replica saves its own part
             return
         memory_due = self._memory is not None and self._memory.due(step)
         disk_due = self._disk is not None and self._disk.due(step) and step > 0
@@ -529,7 +630,41 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.env.world_size(), "rank": self.env.global_rank()}
+        """Data-parallel replicas (every tensor/pipeline rank of a replica sees the same samples)."""
+        members = self.engine.members if self.engine is not None and self.engine.members else None
+        if members is None or self.replica not in members:
+            return {"num_replicas": self.env.world_size() // self.layout.size,
+                    "rank": self.env.global_rank() // self.layout.size}
+        return {"num_replicas": len(members), "rank": members.index(self.replica)}
+
+    # -- Lightning's checkpoints ------------------------------------------------------
+    def _shard_file(self, path: Any) -> Path:
+        return Path(path) / f"{self.layout.label(self.env.launch_rank)}.ckpt"
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's checkpoint; with TP x PP > 1 a directory ``filepath`` of one file per shard.
+
+        Each shard's file (``<filepath>/tp<t>-pp<p>.ckpt``) is written by that
+        shard's rank of the first member replica (every replica holds the same).
+        """
+        if self.layout.size == 1:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        elif not self._local_only and self.env.global_rank() < self.layout.size:
+            self.checkpoint_io.save_checkpoint(checkpoint, self._shard_file(filepath), storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's resume (``ckpt_path``); with TP x PP > 1 this rank's shard of the directory.
+
+        Raises:
+            ConfigError: With TP x PP > 1, the path is not a directory of shards (or lacks this rank's).
+        """
+        if self.layout.size == 1:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = self._shard_file(checkpoint_path)
+        if not path.is_file():
+            raise ConfigError(f"{checkpoint_path} has no shard {path.name}: a checkpoint of a model with TP x PP > 1 "
+                              "is a directory of one file per shard, as save_checkpoint writes it")
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     # -- the end -------------------------------------------------------------------
     def teardown(self) -> None:

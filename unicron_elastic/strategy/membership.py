@@ -153,7 +153,8 @@ class MembershipRecord:
         return self.members[0]
 
     def for_coordinate(self, coordinate: int) -> MembershipRecord:
-        """This record as one shard's group sees it: ``kept_buckets`` is that coordinate's.
+        """This record as one shard's group sees it: ``kept_buckets`` is that coordinate's (and no ``kept``:
+        the view equals the record that shard's protocol decided or proposed).
 
         Raises:
             MembershipError: The record keeps buckets per coordinate and has none for ``coordinate``.
@@ -163,7 +164,7 @@ class MembershipRecord:
         if not 0 <= coordinate < len(self.kept):
             raise MembershipError(f"record {self.generation} keeps buckets for {len(self.kept)} coordinates, "
                                   f"not for coordinate {coordinate}")
-        return replace(self, kept_buckets=self.kept[coordinate])
+        return replace(self, kept_buckets=self.kept[coordinate], kept=())
 
     def to_json(self) -> str:
         """The record as stored."""

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 import structlog
+import torch
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
@@ -95,23 +96,32 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
              tp=tensor_parallel, pp=pipeline_parallel, seconds=round(time.monotonic() - started, 3))
 
 
-def set_virtual_model_parallel(tensor_rank: int, tensor_parallel: int, stage: int, pipeline_parallel: int) -> None:
-    """Tell megatron-core this rank's tensor/pipeline ranks and sizes before its groups exist.
+def rebind_tensor_parallel_groups(module: torch.nn.Module) -> int:
+    """Point the megatron-core layers of ``module`` at the current world's tensor-parallel group.
 
-    A rank that joins a running group builds its model (megatron-core's
-    parallel layers ask ``parallel_state`` for the TP rank and size) before it
-    is admitted; megatron-core reads these "virtual" values first. The
-    world built at admission (:func:`build_world`) gives the same values.
-    Without megatron-core (TP = PP = 1) there is nothing to set.
+    megatron-core's parallel layers (``ColumnParallelLinear``,
+    ``RowParallelLinear``, ``VocabParallelEmbedding``) keep the ``tp_group``
+    they were built with. After :func:`build_world` made a new world, that
+    group is destroyed; each layer's ``tp_group`` is set to the new one (the
+    same ranks of this replica, renumbered). Layers that keep other groups
+    (e.g. a ``pg_collection``) are not rebound.
+
+    Returns:
+        How many layers were rebound.
     """
     if not megatron_available():
-        return
+        return 0
     from megatron.core import parallel_state
 
-    parallel_state.set_tensor_model_parallel_world_size(tensor_parallel)
-    parallel_state.set_tensor_model_parallel_rank(tensor_rank)
-    parallel_state.set_pipeline_model_parallel_world_size(pipeline_parallel)
-    parallel_state.set_pipeline_model_parallel_rank(stage)
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    group = parallel_state.get_tensor_model_parallel_group()
+    rebound = 0
+    for layer in module.modules():
+        if isinstance(getattr(layer, "tp_group", None), dist.ProcessGroup) and layer.tp_group is not group:
+            layer.tp_group = group
+            rebound += 1
+    return rebound
 
 
 def destroy_world() -> None:

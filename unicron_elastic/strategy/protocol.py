@@ -584,7 +584,9 @@ class Protocol:
             if verdict == "build":
                 return (yield BuildGroup(record))
             if verdict == "abandon":
-                self.log.warning("dp_group_abandoned", generation=record.generation, members=list(record.members))
+                self.log.warning("dp_group_abandoned", generation=record.generation, members=list(record.members),
+                                 checked_in={r: [c.step, c.done, c.broken] for r, c in checked.items()},
+                                 alive=None if alive is None else sorted(alive), deadline_passed=passed)
                 yield Abandon(record)
                 return False
             yield Sleep(0.002)

@@ -17,7 +17,10 @@ Two tiers behind the replicas:
   writing leaves the previous one.
 
 Both are written by one replica only: every data-parallel replica holds the
-same state. Both hold it in the format of :mod:`~unicron_elastic.strategy.safe_state`
+same state. With tensor/pipeline parallelism each *shard* of that replica
+(``tp<t>-pp<p>``) writes its own part (``shard=``), and a resume takes the
+newest step that every shard has (:func:`newest_common_step`): a save that
+completed for some shards only is skipped, never mixed with another step. Both hold it in the format of :mod:`~unicron_elastic.strategy.safe_state`
 (raw tensor bytes plus JSON), so reading one never unpickles anything: the
 agents' stores have no authentication, and a checkpoint directory may be
 shared.
@@ -30,7 +33,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +50,15 @@ log = structlog.get_logger(__name__)
 
 SNAPSHOT_KEY = MeetingKeys.SNAPSHOT
 _UNREACHABLE = (RuntimeError, OSError, LookupError, ValueError, StoreError)  # a store or its host is gone
+
+
+def newest_common_step(steps: Mapping[str, Iterable[int]], shards: Sequence[str]) -> int | None:
+    """The newest step every one of ``shards`` has (``steps``: shard -> its available steps), or None."""
+    common: set[int] | None = None
+    for shard in shards:
+        have = set(steps.get(shard, ()))
+        common = have if common is None else common & have
+    return max(common) if common else None
 
 
 def snapshot_targets(own_node: int, live_nodes: Sequence[int]) -> list[int]:
@@ -167,15 +179,24 @@ class MemorySnapshot:
             under ``unicron-run``), or one store that outlives workers (torch's
             agent TCPStore under plain ``torchrun``); None: no snapshots.
         every: Steps between snapshots (0: never).
+        shard: This rank's model shard (``tp<t>-pp<p>``) with tensor/pipeline
+            parallelism; None: the whole model.
+        shards: Every shard of the model (with ``shard``): a load takes the
+            newest step all of them have.
 
     Raises:
-        ConfigError: ``every`` < 0.
+        ConfigError: ``every`` < 0, or ``shard`` not among ``shards``.
     """
 
-    def __init__(self, store: dist.Store | PeerServers | None, every: int) -> None:
+    def __init__(self, store: dist.Store | PeerServers | None, every: int, shard: str | None = None,
+                 shards: Sequence[str] = ()) -> None:
         if every < 0:
             raise ConfigError(f"snapshot_every={every} must be >= 0")
+        if shard is not None and shard not in shards:
+            raise ConfigError(f"shard {shard!r} is not one of the model's shards {list(shards)}")
         self.store, self.every = store, every
+        self.shard, self.shards = shard, list(shards)
+        self.key = MeetingKeys.snapshot(shard)
         self._places = store if isinstance(store, PeerServers) or store is None else _OneStore(store)
         self._thread: threading.Thread | None = None
 
@@ -195,10 +216,11 @@ class MemorySnapshot:
         """
         self.wait()
         frozen = encode(state, copy=True)
-        self._thread = threading.Thread(target=self._upload, args=(frozen,), name="unicron-snapshot", daemon=True)
+        self._thread = threading.Thread(target=self._upload, args=(frozen, _step(state)), name="unicron-snapshot",
+                                        daemon=True)
         self._thread.start()
 
-    def _upload(self, state: EncodedState) -> None:
+    def _upload(self, state: EncodedState, step: int) -> None:
         """In the background thread: find the target(s), then write (failures are warnings: training goes on)."""
         try:
             targets = self._places.targets()
@@ -208,11 +230,13 @@ class MemorySnapshot:
         payload = pack(state) if targets else b""
         for where, store in targets:
             try:
-                store.set(SNAPSHOT_KEY, payload)
+                store.set(self.key, payload)
+                if self.shard is not None:  # after the payload: a step listed is a step there
+                    store.set(MeetingKeys.snapshot_step(self.shard), str(step))
             except _UNREACHABLE as exc:  # its host is gone: a later save may succeed
                 log.warning("snapshot_upload_failed", where=where, error=str(exc)[:200])
             else:
-                log.info("snapshot_saved", where=where, bytes=len(payload))
+                log.info("snapshot_saved", where=where, bytes=len(payload), shard=self.shard)
 
     def wait(self) -> None:
         """Wait for the snapshot being written, if any."""
@@ -223,7 +247,9 @@ class MemorySnapshot:
     def load(self) -> dict[str, Any] | None:
         """The newest snapshot (highest ``"step"``) of every store that can be reached, or None.
 
-        A store that cannot be reached is skipped with a ``snapshot_unreachable`` warning.
+        A store that cannot be reached is skipped with a ``snapshot_unreachable``
+        warning. With shards, this shard's snapshot of the newest step that
+        every shard has (the shards' snapshots may be on different servers).
 
         Raises:
             StateDecodingError: A value in a store is not a safe state document
@@ -236,31 +262,68 @@ class MemorySnapshot:
         except _UNREACHABLE as exc:
             log.warning("snapshot_unreachable", error=str(exc)[:200])
             return None
+        if self.shard is not None:
+            return self._load_shard(sources)
         newest = None
         for where, store in sources:
-            state = _read(where, store)
+            state = _read(where, store, self.key)
             if state is not None and (newest is None or _step(state) > _step(newest)):
                 newest = state
         return newest
 
+    def _load_shard(self, sources: list[tuple[str, dist.Store]]) -> dict[str, Any] | None:
+        """This shard's snapshot of the newest step every shard has, or None."""
+        steps: dict[str, dict[int, tuple[str, dist.Store]]] = {shard: {} for shard in self.shards}
+        for where, store in sources:
+            for shard in self.shards:
+                step = _read_step(where, store, shard)
+                if step is not None:
+                    steps[shard][step] = (where, store)
+        common = newest_common_step(steps, self.shards)
+        if common is None:
+            return None
+        where, store = steps[self.shard][common]
+        state = _read(where, store, self.key)
+        if state is None or _step(state) != common:  # overwritten meanwhile: a newer save is on its way
+            log.warning("snapshot_changed_while_read", where=where, shard=self.shard, step=common)
+            return None
+        return state
 
-def _read(where: str, store: dist.Store) -> dict[str, Any] | None:
-    """The snapshot in one store, or None (none there, or the store is unreachable: a warning).
+
+def _read_step(where: str, store: dist.Store, shard: str) -> int | None:
+    """The step of one shard's snapshot in one store, or None (none, unreachable, or malformed: a warning)."""
+    key = MeetingKeys.snapshot_step(shard)
+    try:
+        if not store.check([key]):
+            return None
+        raw = store.get(key)
+    except _UNREACHABLE as exc:
+        log.warning("snapshot_unreachable", where=where, error=str(exc)[:200])
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        log.warning("snapshot_step_malformed", where=where, shard=shard, value=raw[:40])
+        return None
+
+
+def _read(where: str, store: dist.Store, key: str = SNAPSHOT_KEY) -> dict[str, Any] | None:
+    """The snapshot under ``key`` in one store, or None (none there, or the store is unreachable: a warning).
 
     Raises:
         StateDecodingError: The value is not a safe state document.
     """
     try:
-        if not store.check([SNAPSHOT_KEY]):
+        if not store.check([key]):
             return None
-        payload = store.get(SNAPSHOT_KEY)
+        payload = store.get(key)
     except _UNREACHABLE as exc:  # the node holding it was lost
         log.warning("snapshot_unreachable", where=where, error=str(exc)[:200])
         return None
     try:
         return loads(payload)
     except StateDecodingError as exc:
-        raise StateDecodingError(f"in-memory snapshot ({SNAPSHOT_KEY!r} in {where}): {exc}") from None
+        raise StateDecodingError(f"in-memory snapshot ({key!r} in {where}): {exc}") from None
 
 
 def _step(state: dict[str, Any]) -> int:
@@ -271,20 +334,31 @@ def _step(state: dict[str, Any]) -> int:
 class DiskCheckpoints:
     """Asynchronous saves of the state, newest complete one named by ``latest``.
 
+    With shards (tensor/pipeline parallelism) each shard writes
+    ``step-<s>.<shard>.state`` (complete once renamed into place) and a load
+    takes this shard's file of the newest step every shard has; no ``latest``
+    file is written.
+
     Args:
         directory: Checkpoint directory (created).
         every: Steps between checkpoints (0: never).
-        keep: Complete checkpoints kept (older ones are deleted).
+        keep: Complete checkpoints kept (older ones are deleted; per shard).
+        shard: This rank's model shard (``tp<t>-pp<p>``); None: the whole model.
+        shards: Every shard of the model (with ``shard``).
 
     Raises:
-        ConfigError: ``every`` < 0 or ``keep`` < 1.
+        ConfigError: ``every`` < 0, ``keep`` < 1, or ``shard`` not among ``shards``.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], every: int, keep: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike[str], every: int, keep: int = 2, shard: str | None = None,
+                 shards: Sequence[str] = ()) -> None:
         if every < 0:
             raise ConfigError(f"checkpoint_every={every} must be >= 0")
         if keep < 1:
             raise ConfigError(f"keep={keep} must be >= 1")
+        if shard is not None and shard not in shards:
+            raise ConfigError(f"shard {shard!r} is not one of the model's shards {list(shards)}")
+        self.shard, self.shards = shard, list(shards)
         self.directory, self.every, self.keep = Path(directory), every, keep
         self.directory.mkdir(parents=True, exist_ok=True)
         self._pending: Future | None = None
@@ -303,7 +377,8 @@ class DiskCheckpoints:
                 carry (raised here, not in the background).
         """
         self.wait()
-        path = self.directory / f"step-{step:08d}.state"
+        suffix = "" if self.shard is None else f".{self.shard}"
+        path = self.directory / f"step-{step:08d}{suffix}.state"
         future = self._writer.submit(self._write_and_mark, step, path, encode(state, copy=True))
         future.add_done_callback(lambda f: self._log_failure(f, step, path))
         self._pending = future
@@ -316,6 +391,11 @@ class DiskCheckpoints:
     def _write_and_mark(self, step: int, path: Path, state: EncodedState) -> None:
         """In the writer thread: the file, then ``latest`` (so :meth:`wait` returns after both)."""
         _write(path, state)
+        if self.shard is not None:
+            log.info("checkpoint_saved", step=step, path=str(path), shard=self.shard)
+            for old in sorted(self._shard_files(self.shard).values())[: -self.keep]:
+                old.unlink(missing_ok=True)
+            return
         tmp = self.directory / "latest.tmp"
         tmp.write_text(json.dumps({"step": step, "path": path.name}))
         os.replace(tmp, self.directory / "latest")
@@ -333,13 +413,25 @@ class DiskCheckpoints:
             self._pending = None
 
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint, or None.
+        """The step of the newest complete checkpoint (with shards: that every shard has), or None.
 
         Raises:
             StateDecodingError: The ``latest`` file is malformed.
         """
+        if self.shard is not None:
+            return newest_common_step({shard: self._shard_files(shard) for shard in self.shards}, self.shards)
         latest = self._latest()
         return None if latest is None else latest[0]
+
+    def _shard_files(self, shard: str) -> dict[int, Path]:
+        """``step -> path`` of the complete checkpoints of one shard."""
+        pattern = re.compile(rf"step-(\d{{8,}})\.{re.escape(shard)}\.state")
+        found = {}
+        for path in self.directory.glob(f"step-*.{shard}.state"):
+            match = pattern.fullmatch(path.name)
+            if match:
+                found[int(match.group(1))] = path
+        return found
 
     def _latest(self) -> tuple[int, Path] | None:
         marker = self.directory / "latest"
@@ -360,13 +452,17 @@ class DiskCheckpoints:
         raise StateDecodingError(f"{marker} names {name!r} (step {step!r}): not a checkpoint of this directory; refused")
 
     def load(self) -> dict[str, Any] | None:
-        """The newest complete checkpoint, or None.
+        """The newest complete checkpoint (with shards: this shard's of the newest step every shard has), or None.
 
         Raises:
             StateDecodingError: The checkpoint (or ``latest``) is not in the safe
                 state format (e.g. a pickle); nothing in it ran.
         """
-        latest = self._latest()
+        if self.shard is not None:
+            step = self.latest_step()
+            latest = None if step is None else (step, self._shard_files(self.shard)[step])
+        else:
+            latest = self._latest()
         if latest is None:
             return None
         try:
