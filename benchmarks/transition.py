@@ -25,7 +25,15 @@ torchrun, runs alternated: failure-free step time (target overhead <= 2%), and
 kill -> next completed step vs DDP's torchrun restart-all + ``last.ckpt``
 reload (every 4 steps) + recomputation.
 
+Then tensor parallelism (``--only-tp``): TP=2 x DP=2 (4 ranks) of
+``MegatronGPT`` (megatron-core's parallel layers) through the strategy under
+``unicron-run`` vs a plain loop of the same layers under torchrun with one
+ordinary all-reduce over the data-parallel group per step and no resilience
+(``_tp_plain_worker.py``), runs alternated: failure-free step time, target
+overhead <= 2%.
+
     python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
+                                    [--only-tp] [--tp-width 256] [--tp-layers 4]
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ ELASTIC = str(ROOT.parent / "examples" / "elastic_dp_worker.py")
 PLAIN = str(ROOT / "_restart_all_worker.py")
 GPT = str(ROOT.parent / "examples" / "lightning_gpt.py")
 DDP = str(ROOT / "_lightning_ddp_worker.py")
+TP_PLAIN = str(ROOT / "_tp_plain_worker.py")
+TP_STEPS = 40
 GPT_STEPS, GPT_KILL = 80, 12
 BIN = os.path.dirname(sys.executable)
 WORLD, STEPS, KILL_STEP = 3, 10, 6
@@ -206,6 +216,38 @@ def lightning(runs: int, width: int) -> None:
     print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in free.items()})
 
 
+def tp_run(which: str, tmp: Path, width: int, layers: int) -> list[float]:
+    """One TP=2 x DP=2 run (4 ranks); rank 0's step times after the first 5 steps."""
+    common = ["--steps", str(TP_STEPS), "--width", str(width), "--layers", str(layers), "--tensor-parallel", "2",
+              "--out", str(tmp)]
+    if which == "unicron":
+        cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", GPT, "--record-times",
+               "--grad-dtype", "float32", "--snapshot-every", "50", *common]  # the strategy's defaults
+    else:
+        cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node=4", TP_PLAIN, *common]
+    subprocess.run(cmd, env=_env(tmp, []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600,
+                   check=True)
+    return lightning_step_times(_times(tmp))
+
+
+def tensor_parallel(runs: int, width: int, layers: int) -> None:
+    """Failure-free step time, TP=2 x DP=2: the strategy vs a plain loop of the same TP layers, alternated."""
+    times: dict[str, list[list[float]]] = {"unicron": [], "plain": []}
+    for _ in range(runs):
+        for which in times:
+            tmp = Path(tempfile.mkdtemp(prefix="unicron-tp-"))
+            times[which].append(tp_run(which, tmp, width, layers))
+            shutil.rmtree(tmp, ignore_errors=True)
+    ours, plain_ = (statistics.median([x for run in times[k] for x in run]) for k in ("unicron", "plain"))
+    overhead = (ours - plain_) / plain_ * 100
+    print(f"\n== TP=2 x DP=2 (4 ranks), MegatronGPT width {width}, {layers} layers, gloo, CPU, {runs} alternated "
+          f"runs; step times: median of all {TP_STEPS - 6} steps of every run ==")
+    print(f"failure-free step, strategy=unicron_megatron : {ours * 1e3:8.2f} ms   (defaults: float32 sums, snapshot every 50)")
+    print(f"failure-free step, plain loop + all-reduce   : {plain_ * 1e3:8.2f} ms   (same TP layers, no resilience)")
+    print(f"overhead                                     : {overhead:+8.1f} %  target <= 2%: {'met' if overhead <= 2 else 'NOT met'}")
+    print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in times.items()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
@@ -213,7 +255,13 @@ def main() -> None:
     parser.add_argument("--gpt-width", type=int, default=128)
     parser.add_argument("--skip-torch", action="store_true", help="only the Lightning comparison")
     parser.add_argument("--only-node-lost", action="store_true", help="only the node-lost row")
+    parser.add_argument("--only-tp", action="store_true", help="only the TP=2 x DP=2 overhead")
+    parser.add_argument("--tp-width", type=int, default=256)
+    parser.add_argument("--tp-layers", type=int, default=4)
     args = parser.parse_args()
+    if args.only_tp:
+        tensor_parallel(args.runs, args.tp_width, args.tp_layers)
+        return
     if args.only_node_lost:
         print_node_lost(args.runs, args.width)
         return
@@ -244,6 +292,7 @@ def main() -> None:
     print(f"overhead              : {overhead:+8.1f} %  (torch level; the <= 2% target is for Lightning, below)")
     print_node_lost(args.runs, args.width)
     lightning(args.runs, args.gpt_width)
+    tensor_parallel(args.runs, args.tp_width, args.tp_layers)
 
 
 def print_node_lost(runs: int, width: int) -> None:

@@ -143,14 +143,15 @@ class MeetingKeys:
     SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot (safe_state bytes; in an agent's TCPStore)
 
     @staticmethod
-    def snapshot(shard: str | None = None) -> str:
-        """The in-memory snapshot of one model shard (``tp<t>-pp<p>``; None: the whole model)."""
-        return MeetingKeys.SNAPSHOT if shard is None else f"{MeetingKeys.SNAPSHOT}/{shard}"
+    def snapshot(shard: str | None = None, slot: int = 0) -> str:
+        """The in-memory snapshot of the whole model (``shard`` None), or of one model shard (``tp<t>-pp<p>``)
+        in one of its two slots (the newest two saves are kept)."""
+        return MeetingKeys.SNAPSHOT if shard is None else f"{MeetingKeys.SNAPSHOT}/{shard}/{int(slot)}"
 
     @staticmethod
-    def snapshot_step(shard: str) -> str:
-        """The step of the in-memory snapshot of one model shard (written after it)."""
-        return f"unicron-snapshot/step/{shard}"
+    def snapshot_step(shard: str, slot: int) -> str:
+        """The step of the in-memory snapshot of one model shard in one slot (written after it)."""
+        return f"unicron-snapshot/step/{shard}/{int(slot)}"
 
     @staticmethod
     def snapshot_host(group_rank: int) -> str:

@@ -36,6 +36,7 @@ strategies).
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
@@ -62,7 +63,13 @@ from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, St
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.feed import MicroBatchFeed
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world, rebind_tensor_parallel_groups
+from unicron_elastic.strategy.parallel import (
+    build_world,
+    check_sizes,
+    destroy_world,
+    rebind_tensor_parallel_groups,
+    release_tensor_parallel_groups,
+)
 from unicron_elastic.strategy.pipeline import SCHEDULES
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot, PeerServers
@@ -358,11 +365,25 @@ class UnicronMegatronStrategy(DDPStrategy):
             get_state=self._state, set_state=self._load_state,
             on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
             pause=self._worker.set_paused,  # a regroup is a declared, bounded pause, not a hang
-            on_drop=destroy_world,  # a survivor blocked in Lightning's per-step broadcast with this rank fails too
+            on_drop=self._drop_world,  # a survivor blocked in Lightning's broadcast or a TP collective fails too
             max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
             model_parallel=self.layout, stage_fn=self._stage_forward if self.pp > 1 else None,
             pipeline_schedule=self.pipeline_schedule, transport=transport_for(self.root_device),
         )
+
+    def _drop_world(self) -> None:
+        """This rank drops its groups (a failure): destroy the world too, so peers blocked in it fail at once.
+
+        That is Lightning's per-step broadcast on the default group, and with
+        TP > 1 a collective of the model: the layers' references to the
+        tensor-parallel group are dropped first (its connections close when the
+        object goes), then a collection frees what a traceback may still hold.
+        """
+        if self.lightning_module is not None and self.layout.size > 1:
+            release_tensor_parallel_groups(self.lightning_module)
+        destroy_world()
+        if self.layout.size > 1:
+            gc.collect()
 
     def _on_group(self, members: list[int], generation: int) -> None:
         """The data-parallel members (replicas) changed: rebuild the world Lightning and megatron-core use.

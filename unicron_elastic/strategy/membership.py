@@ -214,9 +214,10 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
         The record: every previous member checked in or is known dead (or the
         deadline passed); members are the live ranks that checked in, not
         broken, from the newest step among them (the others are behind: left
-        out, they rejoin). When only broken ranks checked in, the record
-        dissolves the group (no members; everyone rejoins). None while a live
-        previous member has not checked in, or when no live member checked in at all.
+        out, they rejoin). When no member is left (every previous member is
+        dead or broken: with tensor/pipeline parallelism a replica is dead
+        when one rank of it is), the record dissolves the group (no members;
+        everyone rejoins). None while a live previous member has not checked in.
     """
     def live(rank: int) -> bool:
         return alive is None or rank in alive
@@ -224,12 +225,9 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
     waiting_for = [r for r in previous if r not in checked_in and live(r)]
     if waiting_for and not deadline_passed:
         return None
-    present = [r for r in set(previous) if r in checked_in and live(r)]
-    if not present:
-        return None
-    candidates = [r for r in present if not checked_in[r].broken]
-    if not candidates:  # every live rank's computation failed: nobody holds a step to finish
-        step = max(checked_in[r].step for r in present)
+    candidates = [r for r in set(previous) if r in checked_in and live(r) and not checked_in[r].broken]
+    if not candidates:  # every member is dead or broken: nobody holds a step to finish
+        step = max((checked_in[r].step for r in previous if r in checked_in), default=0)
         return MembershipRecord(generation, (), 0, tuple(sorted(set(previous))), step)
     step = max(checked_in[r].step for r in candidates)
     members = tuple(sorted(r for r in candidates if checked_in[r].step == step))

@@ -96,6 +96,20 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
              tp=tensor_parallel, pp=pipeline_parallel, seconds=round(time.monotonic() - started, 3))
 
 
+def release_tensor_parallel_groups(module: torch.nn.Module) -> None:
+    """Drop the megatron-core layers' references to their tensor-parallel group (before the world is destroyed).
+
+    A group object lives as long as something refers to it, and gloo closes a
+    group's connections only when the object goes: a layer still holding the
+    group would keep a tensor-parallel peer blocked in a collective with this
+    rank waiting for the collective timeout. :func:`rebind_tensor_parallel_groups`
+    gives the layers the new world's group.
+    """
+    for layer in module.modules():
+        if isinstance(getattr(layer, "tp_group", None), dist.ProcessGroup):
+            layer.tp_group = None
+
+
 def rebind_tensor_parallel_groups(module: torch.nn.Module) -> int:
     """Point the megatron-core layers of ``module`` at the current world's tensor-parallel group.
 
@@ -118,7 +132,8 @@ def rebind_tensor_parallel_groups(module: torch.nn.Module) -> int:
     group = parallel_state.get_tensor_model_parallel_group()
     rebound = 0
     for layer in module.modules():
-        if isinstance(getattr(layer, "tp_group", None), dist.ProcessGroup) and layer.tp_group is not group:
+        if hasattr(layer, "tp_group") and (layer.tp_group is None or isinstance(layer.tp_group, dist.ProcessGroup)) \
+                and layer.tp_group is not group:
             layer.tp_group = group
             rebound += 1
     return rebound

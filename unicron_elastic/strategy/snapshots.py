@@ -49,6 +49,7 @@ from unicron_elastic.strategy.safe_state import EncodedState, encode, loads, pac
 log = structlog.get_logger(__name__)
 
 SNAPSHOT_KEY = MeetingKeys.SNAPSHOT
+_SLOTS = 2  # per shard, the newest two snapshots are kept
 _UNREACHABLE = (RuntimeError, OSError, LookupError, ValueError, StoreError)  # a store or its host is gone
 
 
@@ -174,6 +175,10 @@ _CHECKPOINT_NAME = re.compile(r"step-\d{8,}\.state")
 class MemorySnapshot:
     """The latest state, serialized in the memory of an agent (not of any worker).
 
+    With shards each shard keeps its two newest snapshots (slots used in
+    turn), so a save that landed for some shards only (a writer died) still
+    leaves a step every shard has.
+
     Args:
         store: Where it lives: the agents' snapshot servers (:class:`PeerServers`,
             under ``unicron-run``), or one store that outlives workers (torch's
@@ -196,7 +201,6 @@ class MemorySnapshot:
             raise ConfigError(f"shard {shard!r} is not one of the model's shards {list(shards)}")
         self.store, self.every = store, every
         self.shard, self.shards = shard, list(shards)
-        self.key = MeetingKeys.snapshot(shard)
         self._places = store if isinstance(store, PeerServers) or store is None else _OneStore(store)
         self._thread: threading.Thread | None = None
 
@@ -220,6 +224,10 @@ class MemorySnapshot:
                                         daemon=True)
         self._thread.start()
 
+    def _slot(self, step: int) -> int:
+        """A shard's two slots alternate: a save that lands for some shards only leaves their previous step."""
+        return 0 if self.shard is None else (step // self.every) % _SLOTS
+
     def _upload(self, state: EncodedState, step: int) -> None:
         """In the background thread: find the target(s), then write (failures are warnings: training goes on)."""
         try:
@@ -228,11 +236,14 @@ class MemorySnapshot:
             log.warning("snapshot_upload_failed", error=str(exc)[:200])
             return
         payload = pack(state) if targets else b""
+        slot = self._slot(step)
         for where, store in targets:
             try:
-                store.set(self.key, payload)
-                if self.shard is not None:  # after the payload: a step listed is a step there
-                    store.set(MeetingKeys.snapshot_step(self.shard), str(step))
+                if self.shard is not None:  # the slot's step goes first and comes back last: a step listed is there
+                    store.delete_key(MeetingKeys.snapshot_step(self.shard, slot))
+                store.set(MeetingKeys.snapshot(self.shard, slot), payload)
+                if self.shard is not None:
+                    store.set(MeetingKeys.snapshot_step(self.shard, slot), str(step))
             except _UNREACHABLE as exc:  # its host is gone: a later save may succeed
                 log.warning("snapshot_upload_failed", where=where, error=str(exc)[:200])
             else:
@@ -266,33 +277,34 @@ class MemorySnapshot:
             return self._load_shard(sources)
         newest = None
         for where, store in sources:
-            state = _read(where, store, self.key)
+            state = _read(where, store, SNAPSHOT_KEY)
             if state is not None and (newest is None or _step(state) > _step(newest)):
                 newest = state
         return newest
 
     def _load_shard(self, sources: list[tuple[str, dist.Store]]) -> dict[str, Any] | None:
-        """This shard's snapshot of the newest step every shard has, or None."""
-        steps: dict[str, dict[int, tuple[str, dist.Store]]] = {shard: {} for shard in self.shards}
+        """This shard's snapshot of the newest step every shard has (in either slot, on any server), or None."""
+        steps: dict[str, dict[int, tuple[str, dist.Store, int]]] = {shard: {} for shard in self.shards}
         for where, store in sources:
             for shard in self.shards:
-                step = _read_step(where, store, shard)
-                if step is not None:
-                    steps[shard][step] = (where, store)
+                for slot in range(_SLOTS):
+                    step = _read_step(where, store, shard, slot)
+                    if step is not None:
+                        steps[shard][step] = (where, store, slot)
         common = newest_common_step(steps, self.shards)
         if common is None:
             return None
-        where, store = steps[self.shard][common]
-        state = _read(where, store, self.key)
+        where, store, slot = steps[self.shard][common]
+        state = _read(where, store, MeetingKeys.snapshot(self.shard, slot))
         if state is None or _step(state) != common:  # overwritten meanwhile: a newer save is on its way
             log.warning("snapshot_changed_while_read", where=where, shard=self.shard, step=common)
             return None
         return state
 
 
-def _read_step(where: str, store: dist.Store, shard: str) -> int | None:
-    """The step of one shard's snapshot in one store, or None (none, unreachable, or malformed: a warning)."""
-    key = MeetingKeys.snapshot_step(shard)
+def _read_step(where: str, store: dist.Store, shard: str, slot: int) -> int | None:
+    """The step of one shard's snapshot in one slot of one store, or None (none, unreachable, malformed: a warning)."""
+    key = MeetingKeys.snapshot_step(shard, slot)
     try:
         if not store.check([key]):
             return None
