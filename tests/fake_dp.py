@@ -31,6 +31,33 @@ left (every member of the last group dead, liveness keys gone), the lowest
 joiner resumes from step 0 (the engine: snapshot, checkpoint, else step 0) and
 the others join it; without liveness keys nobody can know, and the run ends
 with ``Sim.outcome == "no_replica"``; ``"all_dead"`` when every rank died.
+
+Tensor x pipeline parallel replicas (``Scenario.model_parallel``, C = TP x PP > 1):
+every simulated process is a launch rank (``replica * C + coordinate``) that runs
+the protocol in *replica space* (its protocol rank is its replica) over a
+:class:`~unicron_elastic.strategy.replicas.ReplicaMeeting` on the fake store,
+as :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` does:
+
+* each generation has one group per coordinate (that shard's K buckets, one
+  rank per member replica) and one *commit* group of every rank of the members:
+  the protocol's last pseudo-bucket (index K) is the commit all-reduce, which
+  carries the offer of coordinate 0 of the leading replica (the other
+  coordinates offer nothing; they also read no join or leave requests);
+* the model's own collectives are lockstep within a replica: a micro-batch is
+  computed when every rank of the replica reached it, and a rank waiting there
+  fails with :class:`~unicron_elastic.strategy.protocol.ReplicaBroken` when a
+  rank of its replica is dead or no longer holds that generation's groups
+  (dropped them, moved on, or was restarted); a recomputation after a failure
+  runs (with PP) only the stages :func:`~unicron_elastic.strategy.replicas.stages_to_backpropagate`
+  names, the others' sums being zeros (forward only);
+* liveness is read per incarnation (``live/<rank>`` holds ``incarnation-<n>``),
+  as the real transport does: a rank restarted since a group formed is not the
+  member that group waits for; with ``Scenario.restart_after`` a killed rank is
+  restarted (a new incarnation, a joiner) that many rounds after its death, and
+  its replica can be admitted again once every rank of it waits (a restarted
+  incarnation does not die again); without it, dead ranks stay dead and the
+  other ranks of their replica wait to join until training finishes;
+* every coordinate's gradient is :func:`gradient` (K buckets each).
 """
 
 from __future__ import annotations
@@ -46,7 +73,8 @@ from typing import Any
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy import protocol as P
 from unicron_elastic.strategy.membership import CheckIn, MembershipRecord
-from unicron_elastic.strategy.protocol import Excluded, Protocol
+from unicron_elastic.strategy.protocol import Excluded, Protocol, ReplicaBroken
+from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMeeting, live_replicas, stages_to_backpropagate
 
 BASE = 1 << 8  # micro-batch j weighs BASE**j: counts below BASE decode exactly
 
@@ -90,6 +118,10 @@ class _Failed(RuntimeError):
     """A collective failed on this rank (gloo raises a RuntimeError)."""
 
 
+class _ModelError(RuntimeError):
+    """(C > 1) The model's computation failed otherwise than by a lost peer (thrown into the protocol as is)."""
+
+
 @dataclass(frozen=True)
 class Scenario:
     """One run of the fake.
@@ -114,8 +146,12 @@ class Scenario:
             building the first group failed), no group and no members record exist.
         partial: Chance that a rank whose neighbour is down fails a bucket that
             completed (the others got it): only some members complete it.
-        partial_last: ``partial`` applies to the last bucket too.
+        partial_last: ``partial`` applies to the last bucket too (with TP x PP > 1: the commit).
         seed: The interleaving.
+        model_parallel: ``(TP, PP)``; with ``TP x PP = C > 1`` the ranks form replicas of C ranks
+            (``world`` counts launch ranks and must be a multiple of C; ``deaths``, ``together``,
+            ``slow``, ``late``, ``leaving``, ``unformed`` name launch ranks; a joiner is a whole replica).
+        restart_after: (C > 1) rounds after its death at which a killed rank starts again as a joiner.
     """
 
     world: int
@@ -135,6 +171,8 @@ class Scenario:
     partial: float = 0.0
     partial_last: bool = False
     seed: int = 0
+    model_parallel: tuple[int, int] = (1, 1)
+    restart_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +220,11 @@ class FakeStore:
     def delete_key(self, key: str) -> bool:
         return self.data.pop(key, None) is not None
 
+    def add(self, key: str, delta: int) -> int:
+        value = int(self.data.get(key, "0")) + int(delta)
+        self.data[key] = str(value)
+        return value
+
     def compare_set(self, key: str, expected_value: str, desired: str) -> str:
         current = self.data.get(key)
         if (current is None and expected_value == "") or (current is not None and current == expected_value):
@@ -201,8 +244,8 @@ class _Op:
 class FakeGroup:
     """One generation's group: collectives matched by sequence number, like gloo."""
 
-    def __init__(self, sim: Sim, generation: int, members: list[int]) -> None:
-        self.sim, self.generation, self.members = sim, generation, list(members)
+    def __init__(self, sim: Sim, generation: int, members: list[int], kind: Any = None) -> None:
+        self.sim, self.generation, self.members, self.kind = sim, generation, list(members), kind
         self.dropped: set[int] = set()
         self.ops: dict[int, _Op] = {}
         self.seq = dict.fromkeys(members, 0)
@@ -212,7 +255,9 @@ class FakeGroup:
         self.dropped.add(rank)
 
     def _down(self) -> set[int]:
-        return (self.sim.dead | self.dropped) & set(self.members)
+        # (a rank restarted since this generation: its old process, the one this group was made for, is gone)
+        defunct = {r for r, upto in self.sim.defunct.items() if self.generation <= upto}
+        return (self.sim.dead | self.dropped | defunct) & set(self.members)
 
     def broken_for(self, rank: int, any_member: bool = False) -> bool:
         """``rank`` sees the failure: a ring neighbour (any member when building the group) is down."""
@@ -239,11 +284,13 @@ class FakeGroup:
             labels = {repr(entry[0]) for entry in op.entered.values()}
             payloads = [entry[2] for entry in op.entered.values() if entry[2] is not None]
             if len(labels) > 1:
-                raise ProtocolViolation(f"generation {self.generation} collective {seq}: members disagree "
+                raise ProtocolViolation(f"generation {self.generation} {self.kind or ''} collective {seq}: members "
+                                        f"disagree "
                                         f"{ {r: e[0] for r, e in op.entered.items()} }")
             if len(payloads) > 1:
                 raise ProtocolViolation(f"generation {self.generation} collective {seq}: two leaders {payloads}")
             op.result = (sum(entry[1] for entry in op.entered.values()), payloads[0] if payloads else None)
+            self.sim.collectives.append((self.sim.tick(), self.generation, self.kind, seq))
         return seq
 
     def wait(self, rank: int, seq: int, partial: float = 0.0, build: bool = False) -> Generator[None, None, tuple]:
@@ -281,13 +328,17 @@ class _Rank:
     so the check-in deadline is ``Scenario.deadline`` polls.
     """
 
-    def __init__(self, sim: Sim, rank: int, members: list[int], joining: bool) -> None:
+    def __init__(self, sim: Sim, rank: int, members: list[int], joining: bool, incarnation: int = 0) -> None:
         sc = sim.scenario
-        self.sim, self.rank = sim, rank
-        self.protocol = Protocol(rank, members, sc.micro_batches, sc.buckets,
+        self.sim, self.rank, self.incarnation = sim, rank, incarnation
+        self.protocol = Protocol(self._protocol_rank(), members, sc.micro_batches, self._protocol_buckets(),
                                  checkin_timeout=math.inf if sc.deadline is None else sc.deadline, logger=_Quiet())
-        self.group: FakeGroup | None = None if joining else sim.group(0, list(members))
+        self.group: FakeGroup | None = None
+        if not joining:
+            self._first_groups(list(members))
         self.points = 0
+        self.step: int | None = None  # the step begun last (None: never, or joining)
+        self.was_broken = False  # (C > 1) its computation of the step failed (ReplicaBroken)
         self.joining = joining
         self.in_recovery = False
         self.last_label: Label | None = None
@@ -311,6 +362,15 @@ class _Rank:
             P.Decided: self.decided, P.Followed: self.followed, P.Reassigned: self.reassigned,
         }
 
+    def _protocol_rank(self) -> int:
+        return self.rank
+
+    def _protocol_buckets(self) -> int:
+        return self.sim.scenario.buckets
+
+    def _first_groups(self, members: list[int]) -> None:
+        self.group = self.sim.group(0, members)
+
     @property
     def members(self) -> list[int]:
         return self.protocol.members
@@ -325,7 +385,7 @@ class _Rank:
         n, self.points = self.points, self.points + 1
         self.last_label = label
         spec = self.sim.scenario.deaths.get(self.rank)
-        if spec is not None and _matches(spec, n, label):
+        if spec is not None and self.incarnation == 0 and _matches(spec, n, label):
             raise _Died(label)
         yield
 
@@ -336,6 +396,7 @@ class _Rank:
             return
         while self.protocol.next_step < sc.steps:
             s = self.protocol.next_step
+            self.step = s
             try:
                 yield from self.run(self.protocol.begin_step(s))
                 yield from self.run(self.protocol.finish_gradients())
@@ -345,8 +406,10 @@ class _Rank:
                 self.sim.retired.append((s, self.rank))
                 return
             except Excluded as exc:
-                self.sim.excluded.append((exc.record.generation, self.rank,
-                                          "behind" if s < exc.record.step else "left out"))
+                reason = "broken" if self.was_broken else "behind" if s < exc.record.step else "left out"
+                self.was_broken = False
+                self.sim.excluded.append((exc.record.generation, self.rank, reason))
+                self.sim.excluded_at.append((self.sim.round, self.rank, s))
                 self.in_recovery = False
                 if not (yield from self.join()):
                     return
@@ -354,7 +417,7 @@ class _Rank:
 
     def join(self) -> Generator[None, None, bool]:
         """Ask to join; wait for an admission (the protocol's join). False: training finished first."""
-        self.joining = True
+        self.joining, self.step = True, None
         step = yield from self.run(self.protocol.join(math.inf))
         self.joining = False
         return step is not None
@@ -373,7 +436,7 @@ class _Rank:
                 result = self.handlers[type(effect)](effect)
                 if isinstance(result, GeneratorType):
                     result = yield from result
-            except _Failed as exc:  # a collective failed: the protocol handles it
+            except (_Failed, ReplicaBroken, _ModelError) as exc:  # a collective failed: the protocol handles it
                 error = exc
 
     # -- effects -------------------------------------------------------------------------
@@ -522,6 +585,236 @@ class _Rank:
             r: list(js) for r, js in e.assignment.items()}
 
 
+class _ReplicaRank(_Rank):
+    """One launch rank of a tensor x pipeline parallel replica: the protocol in replica space.
+
+    Its store side is the real :class:`~unicron_elastic.strategy.replicas.ReplicaMeeting`;
+    its groups, its model's lockstep computation and its liveness reads are
+    those of :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`
+    with ``TP x PP > 1`` (see the module's docstring).
+    """
+
+    def __init__(self, sim: Sim, rank: int, members: list[int], joining: bool, incarnation: int = 0) -> None:
+        self.layout = sim.layout
+        self.replica, self.coordinate = self.layout.replica(rank), self.layout.coordinate(rank)
+        self.meeting = ReplicaMeeting(sim.store, self.layout, rank, sim.max_replicas)
+        self.shard: FakeGroup | None = None  # this coordinate's group of the generation held
+        self.commit: FakeGroup | None = None  # every rank of the members (the commit, the membership sync)
+        self.held: int | None = None  # the generation whose groups this rank holds
+        self.noted: dict[int, str] = {}  # the incarnations of the members' ranks its group formed with
+        self.commits: set[tuple[int, int]] = set()  # (epoch, step) whose commit it entered
+        super().__init__(sim, rank, members, joining, incarnation)
+        meeting = self.meeting
+        self.handlers.update({
+            P.CheckInFor: lambda e: meeting.check_in(e.generation, e.checkin),
+            P.ReadRecord: lambda e: meeting.read_record(e.generation),
+            P.ReadCheckIns: lambda e: meeting.checkins(e.generation, e.ranks),
+            P.FreeGeneration: lambda e: meeting.free_generation(e.generation),
+            P.ReadRequests: lambda e: ((meeting.waiting(), meeting.leaving(e.members)) if self.coordinate == 0
+                                       else ([], [])),  # (the real transport: only coordinate 0's offer counts)
+            P.ReadWaiting: lambda e: meeting.waiting(),
+        })
+
+    def _protocol_rank(self) -> int:
+        return self.replica
+
+    def _protocol_buckets(self) -> int:
+        return self.sim.scenario.buckets + 1  # the commit is the last pseudo-bucket
+
+    def _first_groups(self, members: list[int]) -> None:
+        self._hold(0, members)
+
+    def _hold(self, generation: int, members: list[int]) -> tuple[FakeGroup, FakeGroup]:
+        layout, sim = self.layout, self.sim
+        shard = sim.group(generation, [layout.rank(r, self.coordinate) for r in members], ("shard", self.coordinate))
+        commit = sim.group(generation, [rank for r in members for rank in layout.ranks(r)], "commit")
+        self.shard, self.commit, self.held = shard, commit, generation
+        return shard, commit
+
+    def _release(self) -> None:
+        for group in (self.shard, self.commit):
+            if group is not None:
+                group.drop(self.rank)
+        self.shard = self.commit = self.held = None
+
+    def note_incarnations(self) -> None:
+        self.noted = self.meeting.incarnations([rank for r in self.members for rank in self.layout.ranks(r)])
+
+    # -- the model's computation: lockstep within the replica -----------------------------------
+    def _peers_down(self) -> list[int]:
+        sim = self.sim
+        return [p for p in self.layout.ranks(self.replica)
+                if p != self.rank and (p in sim.dead or sim.ranks[p].held != self.held)]
+
+    def compute(self, e: P.Compute) -> Generator[None, None, list[int]]:
+        sc, layout = self.sim.scenario, self.layout
+        total = [0] * sc.buckets
+        backward = set(range(layout.pipeline))
+        record = self.meeting.record
+        if e.redo and layout.pipeline > 1 and record is not None and record.kept:
+            backward = stages_to_backpropagate(layout, record.kept, [sc.buckets] * layout.size)
+        if not backward or not e.micro_batches:  # (ElasticDataParallel._pipeline: nothing runs)
+            return total
+        if self.held is None:
+            if layout.pipeline > 1:  # ElasticDataParallel._pipeline: not a peer failure, raised as is
+                raise _ModelError(f"rank {self.rank}: the group failed before this stage's pipeline ran")
+            self.sim.broken.append((self.sim.round, self.rank, e.step))
+            self.was_broken = True
+            raise ReplicaBroken(f"rank {self.rank}: its model's groups are gone")
+        mine = layout.stage(self.rank) in backward
+        if not mine:
+            self.sim.forward_only.append((e.step, self.rank))
+        computing = self.sim.computing.setdefault((self.replica, self.held), {})
+        computing[self.rank] = e.step
+        if len(set(computing.values())) > 1:  # (its shards hold different steps' states: they would never meet)
+            raise ProtocolViolation(f"replica {self.replica} computes different steps {computing} "
+                                    f"(generation {self.held})")
+        try:
+            return (yield from self._lockstep(e, total, mine))
+        finally:
+            computing.pop(self.rank, None)
+
+    def _lockstep(self, e: P.Compute, total: list[int], mine: bool) -> Generator[None, None, list[int]]:
+        sc, layout = self.sim.scenario, self.layout
+        for position, j in enumerate(e.micro_batches):
+            yield from self.point("redo" if e.redo else "micro", e.step, j)
+            key = (self.replica, self.held, e.step, e.redo, position)
+            entered = self.sim.lockstep.setdefault(key, {})
+            entered[self.rank] = j
+            while len(entered) < layout.size:
+                down = self._peers_down()
+                if down:
+                    self.sim.broken.append((self.sim.round, self.rank, e.step))
+                    self.was_broken = True
+                    raise ReplicaBroken(f"rank {self.rank}: ranks {down} of replica {self.replica} are lost")
+                yield
+            if len(set(entered.values())) > 1:
+                raise ProtocolViolation(f"replica {self.replica} computes different micro-batches {entered}")
+            if mine:  # (a stage below every unreduced stage runs forward only: no gradients)
+                _add(total, gradient(e.step, j, sc.buckets))
+        return total
+
+    # -- groups ------------------------------------------------------------------------------------
+    def reduce(self, e: P.Reduce) -> Generator[None, None, tuple]:
+        sc = self.sim.scenario
+        commit = e.bucket == sc.buckets
+        if e.last != commit:
+            raise ProtocolViolation(f"step {e.step}: bucket {e.bucket} of {sc.buckets} + the commit is last={e.last}")
+        group = self.commit if commit else self.shard
+        if group is None:
+            raise _Failed
+        partial = sc.partial if (not commit or sc.partial_last) else 0.0
+        if commit:
+            seq = group.enter(self.rank, ("commit", e.step), 0, e.offer if self.coordinate == 0 else None)
+            self.commits.add((self.sim.epoch, e.step))
+        else:
+            seq = group.enter(self.rank, (e.step, e.bucket), e.local[e.bucket])
+        yield from self.point("sent", e.step, e.bucket)
+        total, agreed = yield from group.wait(self.rank, seq, partial)
+        if not commit:
+            return total, None
+        if agreed is None:
+            raise ProtocolViolation(f"step {e.step}: the commit carried no leader's proposal")
+        return 0, list(agreed)
+
+    def agree(self, e: P.AgreeMembers) -> Generator[None, None, list[int]]:
+        if self.commit is None:
+            raise _Failed
+        seq = self.commit.enter(self.rank, ("sync", e.step), 0, e.offer if self.coordinate == 0 else None)
+        _, agreed = yield from self.commit.wait(self.rank, seq)
+        if agreed is None:
+            raise ProtocolViolation(f"step {e.step}: the membership sync carried no leader's proposal")
+        return list(agreed)
+
+    def drop(self, e: P.DropGroup) -> Generator[None, None, None]:
+        self._release()
+        for _ in range(self.sim.scenario.late.get(self.rank, 0)):
+            yield
+
+    def abandon(self, e: P.Abandon) -> None:
+        self.sim.abandoned.append((e.record.generation, self.rank))
+        layout, members = self.layout, e.record.members
+        self.sim.group(e.record.generation, [layout.rank(r, self.coordinate) for r in members],
+                       ("shard", self.coordinate)).drop(self.rank)
+        self.sim.group(e.record.generation, [rank for r in members for rank in layout.ranks(r)],
+                       "commit").drop(self.rank)
+
+    def build(self, e: P.BuildGroup) -> Generator[None, None, bool]:
+        self._release()
+        groups = self._hold(e.record.generation, list(e.record.members))
+        try:
+            for group in groups:  # (ElasticDataParallel._set_groups: the shard's group, then the commit's)
+                seq = group.enter(self.rank, ("form",), 0, build=True)
+                yield from group.wait(self.rank, seq, build=True)
+        except _Failed:
+            self._release()
+            return False
+        return True
+
+    def formed(self, e: P.Formed) -> None:
+        self.note_incarnations()
+        self.sim.formed.setdefault(e.generation, {})[self.rank] = self.sim.round
+        self.sim.formed_at.setdefault(e.generation, self.sim.tick())
+        if self.replica == e.members[0] and self.coordinate == 0:
+            self.sim.store.set(K.MEMBERS, json.dumps({"generation": e.generation, "members": list(e.members)}))
+
+    def transfer(self, e: P.TransferState) -> Generator[None, None, int | None]:
+        """The same shard of the replica at ``root`` sends its state (here: its step) in the shard's group."""
+        if self.shard is None:
+            raise _Failed
+        root = self.members[e.root]
+        try:
+            seq = self.shard.enter(self.rank, ("state",), 0, self.protocol.next_step if self.replica == root else None)
+            _, sent = yield from self.shard.wait(self.rank, seq)
+        except _Failed:
+            if not e.apply:
+                self.sim.resize_failures.append((self.protocol.synced_step, self.rank))
+            raise
+        return sent if e.apply else None
+
+    # -- the store -----------------------------------------------------------------------------------
+    def alive(self, e: P.ReadAlive) -> set[int] | None:
+        """ElasticDataParallel._read_alive: replicas every rank of which is alive in the incarnation noted."""
+        if not self.meeting.liveness_kept():
+            return None
+        live = self.meeting.incarnations([rank for r in e.ranks for rank in self.layout.ranks(r)])
+        alive = live_replicas(self.layout, {r for r, seen in live.items() if self.noted.get(r, seen) == seen},
+                              e.ranks)
+        return alive - set(self.meeting.waiting()) if e.exclude_waiting else alive
+
+    def write_record(self, e: P.WriteRecord) -> MembershipRecord:
+        stored = self.meeting.write_record(e.record)
+        self.sim.written.setdefault(e.record.generation, self.sim.round)
+        return stored
+
+    def set_gradients(self, e: P.SetGradients) -> None:
+        sim = self.sim
+        sim.reduced.setdefault(e.step, {})[self.rank] = tuple(e.reduced[: sim.scenario.buckets])
+        sim.completed.append((sim.round, sim.epoch, e.step, self.rank))
+
+    def fallback(self, e: P.Fallback) -> tuple[int, str]:
+        sim = self.sim
+        last = json.loads(sim.store.get(K.MEMBERS))["members"] if sim.store.check([K.MEMBERS]) else self.members
+        # (a whole replica trains in a stale group; a replica that lost a rank is lost, its other ranks
+        # find out at their next collective)
+        if any(all(p in sim.running and not sim.ranks[p].joining for p in self.layout.ranks(r)) for r in last):
+            raise ProtocolViolation(f"rank {self.rank} found no replica while a member trains: {sim.describe()}")
+        step = sim.snapshot_step()
+        sim.fallbacks.append((sim.round, self.rank))
+        sim.epoch += 1
+        return step, "snapshot" if step else "step0"
+
+    def decided(self, e: P.Decided) -> None:
+        sim = self.sim
+        def same(p: int) -> bool:  # alive, in the incarnation this rank's group formed with
+            now = _incarnation(sim.ranks[p].incarnation)
+            return p not in sim.dead and self.noted.get(p, now) == now
+
+        whole = {r for r in e.previous if all(same(p) for p in self.layout.ranks(r))}
+        sim.polls.append(Poll(sim.round, self.rank, e.generation, e.previous, dict(e.checked_in), e.alive,
+                              e.deadline_passed, frozenset(whole), e.result))
+
+
 class Sim:
     """Runs a :class:`Scenario`; what happened is left in its attributes for the tests."""
 
@@ -547,25 +840,56 @@ class Sim:
         self.reduced: dict[int, dict[int, tuple]] = {}  # step -> rank -> reduced gradient
         self.assignments: dict[tuple[int, int], dict[int, dict[int, list[int]]]] = {}
         self.outcome = "running"
-        members = list(range(scenario.world))
+        # tensor x pipeline parallel replicas (C > 1); with C = 1 the attributes below stay empty
+        self.layout = ModelParallel(*scenario.model_parallel)
+        self.replicated = self.layout.size > 1
+        if scenario.restart_after is not None and not self.replicated:
+            raise ValueError("restart_after needs model_parallel with TP x PP > 1")
+        replicas = self.layout.replicas(scenario.world)
+        self.max_replicas = replicas + (scenario.joiner_at is not None)
+        self.lockstep: dict[tuple, dict[int, int]] = {}  # (replica, generation, step, redo, position) -> rank -> j
+        self.forward_only: list[tuple[int, int]] = []  # (step, rank): a recomputation ran its stage forward only
+        self.computing: dict[tuple[int, int], dict[int, int]] = {}  # (replica, generation) -> rank -> step it computes
+        self.broken: list[tuple[int, int, int]] = []  # (round, rank, step): its computation failed (ReplicaBroken)
+        self.excluded_at: list[tuple[int, int, int]] = []  # (round, rank, step) an Excluded ended
+        self.formed: dict[int, dict[int, int]] = {}  # generation -> launch rank -> round it formed
+        self.formed_at: dict[int, int] = {}  # generation -> tick its group first formed (a rank's Formed)
+        self.collectives: list[tuple[int, int, Any, int]] = []  # (tick, generation, kind, seq): completed
+        self._ticks = 0
+        self.completed: list[tuple[int, int, int, int]] = []  # (round, epoch, step, rank): SetGradients
+        self.losses: list[tuple[int, int, int, int, bool]] = []  # (round, rank, step, epoch, entered the commit)
+        self.epoch = 0  # fallbacks so far (each restarts the steps)
+        self.restarts: dict[int, int] = {}  # rank -> round it starts again
+        self.restarted: list[tuple[int, int]] = []  # (round, rank)
+        self.defunct: dict[int, int] = {}  # rank -> last generation its dead incarnation took part in
+        kind = _ReplicaRank if self.replicated else _Rank
+        members = list(range(replicas))
         if scenario.liveness:
             self.store.set(K.LIVENESS, "1")
         if scenario.unformed:  # the first group never formed: survivors restarted as joiners, the others gone
             self.dead |= set(scenario.unformed)
-            self.ranks = {r: _Rank(self, r, members, joining=True) for r in members if r not in scenario.unformed}
+            self.ranks = {r: kind(self, r, members, joining=True) for r in range(scenario.world)
+                          if r not in scenario.unformed}
         else:
-            self.ranks = {r: _Rank(self, r, members, joining=False) for r in members}
+            self.ranks = {r: kind(self, r, members, joining=False) for r in range(scenario.world)}
         self.running = {r: rank.main() for r, rank in self.ranks.items()}
         for r in self.ranks:
             self._set_live(r)
+        for rank in self.ranks.values():
+            if isinstance(rank, _ReplicaRank) and not rank.joining:
+                rank.note_incarnations()  # (ElasticDataParallel.__init__)
         if not scenario.unformed:
             self.store.set(K.MEMBERS, json.dumps({"generation": 0, "members": members}))
 
     # -- what ranks read ---------------------------------------------------------------
-    def group(self, generation: int, members: list[int]) -> FakeGroup:
-        g = self.groups.setdefault(generation, FakeGroup(self, generation, members))
+    def group(self, generation: int, members: list[int], kind: Any = None) -> FakeGroup:
+        """The group of ``generation`` (C > 1: of ``kind``, ``("shard", coordinate)`` or ``"commit"``)."""
+        key = generation if kind is None else (generation, kind)
+        if key not in self.groups:
+            self.groups[key] = FakeGroup(self, generation, members, kind)
+        g = self.groups[key]
         if g.members != list(members):
-            raise ProtocolViolation(f"generation {generation} built with {g.members} and {members}")
+            raise ProtocolViolation(f"generation {generation} {kind or ''} built with {g.members} and {members}")
         return g
 
     def alive_among(self, ranks: list[int]) -> set[int] | None:
@@ -578,16 +902,32 @@ class Sim:
 
     def _set_live(self, rank: int) -> None:
         if self.scenario.liveness:
-            self.store.set(K.live(rank), "incarnation-0")
+            self.store.set(K.live(rank), _incarnation(self.ranks[rank].incarnation))
 
     # -- the scheduler -----------------------------------------------------------------
     def _kill(self, rank: int, label: Label | None) -> None:
         r = self.ranks[rank]
-        leader = bool(r.members) and r.members[0] == rank and not r.joining
+        leader = bool(r.members) and r.members[0] == r.protocol.rank and not r.joining
         self.deaths.append(Death(rank, self.round, label, leader, r.in_recovery))
         self.dead.add(rank)
         self.running.pop(rank).close()
         self.vanish[rank] = self.round + self.scenario.liveness_delay
+        if isinstance(r, _ReplicaRank):
+            if r.step is not None:
+                self.losses.append((self.round, rank, r.step, self.epoch, (self.epoch, r.step) in r.commits))
+            if self.scenario.restart_after is not None:
+                self.restarts[rank] = self.round + self.scenario.restart_after
+
+    def _restart(self, rank: int) -> None:
+        """(C > 1) its agent starts the killed rank again: a new incarnation, a joiner."""
+        old = self.ranks[rank]
+        self.defunct[rank] = max(self.defunct.get(rank, -1), old.generation)
+        self.dead.discard(rank)
+        self.vanish.pop(rank, None)
+        self.ranks[rank] = _ReplicaRank(self, rank, [], joining=True, incarnation=old.incarnation + 1)
+        self.running[rank] = self.ranks[rank].main()
+        self._set_live(rank)
+        self.restarted.append((self.round, rank))
 
     def _advance(self, rank: int) -> None:
         try:
@@ -610,7 +950,7 @@ class Sim:
             ProtocolViolation: Members disagreed on a collective.
         """
         sc = self.scenario
-        while self.running:
+        while self.running or self.restarts:
             self.round += 1
             if self.round > self.max_rounds:
                 raise SimStuck(f"stuck after {self.max_rounds} rounds: {self.describe()}")
@@ -621,22 +961,53 @@ class Sim:
             for rank, when in sc.leaving.items():
                 if when == self.round and rank in self.running:
                     self.store.set(K.leave(rank), "1")  # its node's agent asks it to leave
+            for rank, when in sorted(self.restarts.items()):
+                if when <= self.round:
+                    del self.restarts[rank]
+                    self._restart(rank)
             if sc.joiner_at is not None and self.round == sc.joiner_at and sc.world not in self.ranks:
-                self.ranks[sc.world] = _Rank(self, sc.world, [], joining=True)
-                self.running[sc.world] = self.ranks[sc.world].main()
-                self._set_live(sc.world)
+                kind = _ReplicaRank if self.replicated else _Rank
+                for rank in range(sc.world, sc.world + self.layout.size):  # (C > 1: a whole replica)
+                    self.ranks[rank] = kind(self, rank, [], joining=True)
+                    self.running[rank] = self.ranks[rank].main()
+                    self._set_live(rank)
             order = sorted(self.running)
             self.rng.shuffle(order)
             for rank in order:
                 if rank in self.running and not (rank in sc.slow and self.rng.random() < 0.6):
                     self._advance(rank)
-            if self.running and all(self.ranks[r].joining for r in self.running) and not sc.liveness:
+            if self.running and all(self.ranks[r].joining for r in self.running) and \
+                    (not sc.liveness or self._no_whole_replica()):
                 if self.store.check([K.FINISHED]):
                     continue  # they see it at their next turn
-                self.outcome = "no_replica"  # only joiners are left and nobody knows the members died
+                # only joiners are left and nobody knows the members died (C > 1: or no replica can be whole again)
+                self.outcome = "no_replica"
                 return self
         self.outcome = "finished" if self.store.check([K.FINISHED]) else "all_dead"
         return self
+
+    def tick(self) -> int:
+        """An event counter (finer than rounds: orders what happens within one round)."""
+        self._ticks += 1
+        return self._ticks
+
+    def snapshot_step(self) -> int:
+        """(C > 1) The step the newest snapshot common to every shard resumes from: after the last step that
+        every coordinate completed in this epoch (0: none)."""
+        done: dict[int, set[int]] = {}
+        for _, epoch, step, rank in self.completed:
+            if epoch == self.epoch:
+                done.setdefault(step, set()).add(self.layout.coordinate(rank))
+        common = [step for step, coordinates in done.items() if len(coordinates) == self.layout.size]
+        return max(common) + 1 if common else 0
+
+    def _no_whole_replica(self) -> bool:
+        """(C > 1) No replica can be whole again: each has a rank dead for good (no restart to come)."""
+        sc = self.scenario
+        if not self.replicated or self.restarts or (sc.joiner_at is not None and self.round < sc.joiner_at):
+            return False  # (a rank restarts, or a new replica comes)
+        replicas = {self.layout.replica(r) for r in self.ranks}
+        return all(set(self.layout.ranks(r)) & self.dead for r in replicas)
 
     def describe(self) -> str:
         """Where every running rank is (for failure messages)."""
@@ -652,6 +1023,11 @@ class Sim:
                 record = MembershipRecord.from_json(value)
                 out[record.generation] = record
         return dict(sorted(out.items()))
+
+
+def _incarnation(n: int) -> str:
+    """The value of a rank's liveness key in its ``n``-th incarnation."""
+    return f"incarnation-{n}"
 
 
 def _matches(spec: DeathSpec, n: int, label: Label) -> bool:
