@@ -116,7 +116,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{rank}.json").write_text(json.dumps({
             "replica": layout.replica(rank), "coordinate": layout.coordinate(rank), "stage": stage,
-            "members": engine.members, "reports": reports}))
+            "members": engine.members, "reports": reports, "forward_only": engine.forward_only}))
         torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
     finally:
         # no gloo group may outlive the interpreter: a live one can abort a finished rank (SIGABRT)

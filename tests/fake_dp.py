@@ -290,7 +290,8 @@ class FakeGroup:
             if len(payloads) > 1:
                 raise ProtocolViolation(f"generation {self.generation} collective {seq}: two leaders {payloads}")
             op.result = (sum(entry[1] for entry in op.entered.values()), payloads[0] if payloads else None)
-            self.sim.collectives.append((self.sim.tick(), self.generation, self.kind, seq))
+            if not build:  # (forming a group trains nothing: a group that did not form whole may complete it)
+                self.sim.collectives.append((self.sim.tick(), self.generation, self.kind, seq))
         return seq
 
     def wait(self, rank: int, seq: int, partial: float = 0.0, build: bool = False) -> Generator[None, None, tuple]:
@@ -332,7 +333,8 @@ class _Rank:
         sc = sim.scenario
         self.sim, self.rank, self.incarnation = sim, rank, incarnation
         self.protocol = Protocol(self._protocol_rank(), members, sc.micro_batches, self._protocol_buckets(),
-                                 checkin_timeout=math.inf if sc.deadline is None else sc.deadline, logger=_Quiet())
+                                 checkin_timeout=math.inf if sc.deadline is None else sc.deadline, logger=_Quiet(),
+                                 **self._protocol_options())
         self.group: FakeGroup | None = None
         if not joining:
             self._first_groups(list(members))
@@ -350,6 +352,7 @@ class _Rank:
             P.CheckInFor: lambda e: sim.store.set(K.checkin(e.generation, rank), e.checkin.to_json()),
             P.ReadRecord: lambda e: self.stored_record(e.generation),
             P.ReadCheckIns: lambda e: self.checkins(e.generation, e.ranks), P.ReadAlive: self.alive,
+            P.AnyCheckedIn: lambda e: bool(self.checkins(e.generation, e.ranks)),
             P.Now: lambda e: self.clock, P.Sleep: self.sleep, P.WriteRecord: self.write_record,
             P.Abandon: self.abandon, P.BuildGroup: self.build, P.Formed: self.formed,
             P.ReadRequests: lambda e: (sim.waiting(), [r for r in e.members if sim.store.check([K.leave(r)])]),
@@ -364,6 +367,9 @@ class _Rank:
 
     def _protocol_rank(self) -> int:
         return self.rank
+
+    def _protocol_options(self) -> dict[str, bool]:
+        return {}
 
     def _protocol_buckets(self) -> int:
         return self.sim.scenario.buckets
@@ -609,14 +615,19 @@ class _ReplicaRank(_Rank):
             P.CheckInFor: lambda e: meeting.check_in(e.generation, e.checkin),
             P.ReadRecord: lambda e: meeting.read_record(e.generation),
             P.ReadCheckIns: lambda e: meeting.checkins(e.generation, e.ranks),
+            P.AnyCheckedIn: lambda e: meeting.any_checked_in(e.generation, e.ranks),
             P.FreeGeneration: lambda e: meeting.free_generation(e.generation),
-            P.ReadRequests: lambda e: ((meeting.waiting(), meeting.leaving(e.members)) if self.coordinate == 0
+            P.ReadRequests: lambda e: ((meeting.waiting(), meeting.leaving(e.members))
+                                       if self.coordinate == 0 or not e.proposal
                                        else ([], [])),  # (the real transport: only coordinate 0's offer counts)
             P.ReadWaiting: lambda e: meeting.waiting(),
         })
 
     def _protocol_rank(self) -> int:
         return self.replica
+
+    def _protocol_options(self) -> dict[str, bool]:  # (ElasticDataParallel with TP x PP > 1)
+        return {"authority": self.coordinate == 0, "compute_needs_group": True}
 
     def _protocol_buckets(self) -> int:
         return self.sim.scenario.buckets + 1  # the commit is the last pseudo-bucket
@@ -778,9 +789,9 @@ class _ReplicaRank(_Rank):
         if not self.meeting.liveness_kept():
             return None
         live = self.meeting.incarnations([rank for r in e.ranks for rank in self.layout.ranks(r)])
-        alive = live_replicas(self.layout, {r for r, seen in live.items() if self.noted.get(r, seen) == seen},
-                              e.ranks)
-        return alive - set(self.meeting.waiting()) if e.exclude_waiting else alive
+        noted = self.noted if e.trained else {}  # (a joiner judges by the keys alone)
+        alive = live_replicas(self.layout, {r for r, seen in live.items() if noted.get(r, seen) == seen}, e.ranks)
+        return alive - set(self.meeting.partly_waiting()) if e.exclude_waiting else alive
 
     def write_record(self, e: P.WriteRecord) -> MembershipRecord:
         stored = self.meeting.write_record(e.record)
@@ -794,6 +805,9 @@ class _ReplicaRank(_Rank):
 
     def fallback(self, e: P.Fallback) -> tuple[int, str]:
         sim = self.sim
+        if e.step is not None:  # another shard of this replica chose the step: this shard's state of it
+            sim.fallbacks.append((sim.round, self.rank))
+            return e.step, "snapshot" if e.step else "step0"
         last = json.loads(sim.store.get(K.MEMBERS))["members"] if sim.store.check([K.MEMBERS]) else self.members
         # (a whole replica trains in a stale group; a replica that lost a rank is lost, its other ranks
         # find out at their next collective)
@@ -897,8 +911,9 @@ class Sim:
             return None
         return {r for r in ranks if self.store.check([K.live(r)])}
 
-    def waiting(self) -> list[int]:
-        return [r for r in self.ranks if self.store.check([K.join(r)])]
+    def waiting(self) -> list[int]:  # (ReplicaMeeting.waiting_ranks: alive ones, when liveness is kept)
+        asked = [r for r in self.ranks if self.store.check([K.join(r)])]
+        return [r for r in asked if self.store.check([K.live(r)])] if self.store.check([K.LIVENESS]) else asked
 
     def _set_live(self, rank: int) -> None:
         if self.scenario.liveness:

@@ -1,4 +1,11 @@
-"""megatron-core tensor parallelism (TP=2) x resilient data parallelism (DP=2) on CPU/gloo."""
+"""megatron-core tensor x pipeline parallelism x resilient data parallelism at the torch level (CPU/gloo).
+
+``examples/megatron_parallel_worker.py`` runs ``ElasticDataParallel`` with
+``model_parallel`` for each shard of a small MLP of megatron-core's
+tensor-parallel layers, 2 replicas, no agent: the killed rank stays dead and
+its replica's other ranks leave (exit code 3); the other replica finishes
+with parameters bit-identical (float64 sums) to the failure-free run.
+"""
 
 from __future__ import annotations
 
@@ -11,36 +18,65 @@ import pytest
 import torch
 
 from conftest import EXAMPLES
-from unicron_elastic.testing import fail_at, faults_env, run_workers
+from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.testing import Fault, fail_at, faults_env, run_workers
 
 pytestmark = pytest.mark.slow
-WORKER = os.path.join(EXAMPLES, "megatron_tp_dp_worker.py")
+WORKER = os.path.join(EXAMPLES, "megatron_parallel_worker.py")
+BUCKET = 100  # 6 buckets per stage of 2 blocks
 
 
-def train(out: Path, faults) -> list[subprocess.CompletedProcess]:
+def train(out: Path, tp: int, pp: int, faults: list[Fault]) -> list[subprocess.CompletedProcess]:
     out.mkdir(parents=True, exist_ok=True)
-    return run_workers(WORKER, 4, ["--out", str(out)], faults_env(faults, str(out / "faults.log")))
+    args = ["--out", str(out), "--tp", str(tp), "--pp", str(pp), "--bucket-numel", str(BUCKET)]
+    return run_workers(WORKER, 2 * tp * pp, args, faults_env(faults, str(out / "faults.log")), timeout=150)
+
+
+def run(tmp_path: Path, tp: int, pp: int, victim: int, fault: Fault) -> dict[int, dict]:
+    """A failure-free and a faulty run; checks the replica of ``victim`` left and replica 0 is exact.
+
+    Returns:
+        Replica 0's rank -> its report of step 1 (the failed step) and its ``forward_only`` steps.
+    """
+    layout = ModelParallel(tp, pp)
+    base = train(tmp_path / "reference", tp, pp, [])
+    assert [r.returncode for r in base] == [0] * len(base), base[0].stderr[-3000:]
+    results = train(tmp_path / "faulty", tp, pp, [fault])
+    assert len((tmp_path / "faulty" / "faults.log").read_text().splitlines()) == 1  # the fault fired
+    assert results[victim].returncode == -9, results[victim].stderr[-3000:]
+    for r in layout.ranks(1):
+        if r != victim:  # its replica is lost: left out (under unicron-run it would rejoin)
+            assert results[r].returncode == 3, results[r].stderr[-3000:]
+    reports = {}
+    for r in layout.ranks(0):
+        assert results[r].returncode == 0, results[r].stderr[-3000:]
+        done = json.loads((tmp_path / "faulty" / f"rank{r}.json").read_text())
+        assert done["members"] == [0]
+        for ours, ref in zip(torch.load(tmp_path / "faulty" / f"params{r}.pt"),
+                             torch.load(tmp_path / "reference" / f"params{r}.pt")):
+            assert torch.equal(ours, ref), r
+        report = done["reports"][1]
+        assert report["recoveries"] == 1 and report["dead"] == [1] and sorted(report["micro_batches"]) == list(range(6))
+        reports[r] = {**report, "forward_only": done["forward_only"]}
+    return reports
 
 
 @pytest.mark.timeout(400)
-def test_killing_one_rank_fails_its_replica_and_the_other_replica_finishes(tmp_path: Path) -> None:
-    reference = tmp_path / "reference"
-    base = train(reference, [])
-    assert [r.returncode for r in base] == [0] * 4, base[0].stderr[-3000:]
-    layout = {r: json.loads((reference / f"rank{r}.json").read_text()) for r in range(4)}
-    assert {(v["tp"], v["dp"]) for v in layout.values()} == {(0, 0), (1, 0), (0, 1), (1, 1)}
-    # kill the TP-rank-1 member of DP replica 1 in the middle of step 1
-    victim = next(r for r, v in layout.items() if (v["tp"], v["dp"]) == (1, 1))
-    partner = next(r for r, v in layout.items() if (v["tp"], v["dp"]) == (0, 1))
-    survivors = [r for r, v in layout.items() if v["dp"] == 0]
-    out = tmp_path / "faulty"
-    results = train(out, [fail_at(rank=victim, step=1, micro_batch=1)])
-    assert len((out / "faults.log").read_text().splitlines()) == 1  # the fault fired
-    assert results[victim].returncode == -9, results[victim].stderr[-3000:]
-    assert results[partner].returncode != 0, results[partner].stderr[-3000:]  # its replica is broken: it leaves too
-    for r in survivors:
-        assert results[r].returncode == 0, results[r].stderr[-3000:]
-        reports = json.loads((out / f"rank{r}.json").read_text())["reports"]
-        assert reports[1]["recoveries"] == 1 and sorted(reports[1]["micro_batches"]) == list(range(6))
-        for ours, ref in zip(torch.load(out / f"params{r}.pt"), torch.load(reference / f"params{r}.pt")):
-            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+def test_tp2_killing_one_rank_loses_its_replica_and_the_other_replica_finishes(tmp_path: Path) -> None:
+    reports = run(tmp_path, 2, 1, victim=3, fault=fail_at(rank=3, step=1, micro_batch=1))
+    assert all(rep["kept_buckets"] == 0 for rep in reports.values())  # scenario 1
+
+
+@pytest.mark.timeout(400)
+def test_pp2_a_kill_in_the_last_stages_reduction_keeps_the_first_stage_which_runs_forward_only(tmp_path: Path) -> None:
+    reports = run(tmp_path, 1, 2, victim=3, fault=fail_at(rank=3, step=1, bucket=1))
+    assert reports[1]["kept_buckets"] == 1 and reports[1]["forward_only"] == []  # the stage that lost a rank
+    assert reports[0]["kept_buckets"] == 6 and reports[0]["forward_only"] == [1]  # reduced before: kept, no backward
+
+
+@pytest.mark.timeout(400)
+def test_pp2_a_kill_in_the_first_stages_reduction_recomputes_both_stages_keeping_the_last(tmp_path: Path) -> None:
+    reports = run(tmp_path, 1, 2, victim=2, fault=fail_at(rank=2, step=1, bucket=1))
+    assert reports[0]["kept_buckets"] == 1  # the first stage lost its reduction after one bucket
+    assert reports[1]["kept_buckets"] == 6  # the last stage reduced with replica 1's part: kept ...
+    assert reports[0]["forward_only"] == reports[1]["forward_only"] == []  # ... but runs backward for stage 0

@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.parallel import check_sizes
+from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.testing import run_workers
 
 pytestmark = pytest.mark.slow
@@ -26,9 +27,14 @@ def test_groups_for_every_tp_pp_split_of_4_ranks_and_a_rebuild(tmp_path: Path) -
         for r in range(4):
             got = seen[r][name]
             assert (got["tp"], got["pp"], got["dp"], got["world"]) == (tp, pp, 4 // (tp * pp), 4)
-        # every (tp, pp, dp) coordinate is taken by exactly one rank
+        # every (tp, pp, dp) coordinate is taken by exactly one rank, laid out replica-major like ModelParallel
         coords = {(seen[r][name]["tp_rank"], seen[r][name]["pp_rank"], seen[r][name]["dp_rank"]) for r in range(4)}
         assert len(coords) == 4
+        layout = ModelParallel(tp, pp)
+        for r in range(4):
+            got = seen[r][name]
+            assert (got["tp_rank"], got["pp_rank"], got["dp_rank"]) == \
+                (layout.tensor_rank(r), layout.stage(r), layout.replica(r)), (name, r)
     for r in (0, 1):
         after = seen[r]["after_shrink_2x1"]
         assert (after["tp"], after["dp"], after["world"], after["tp_rank"]) == (2, 1, 2, r)

@@ -153,7 +153,9 @@ class ElasticDataParallel:
             per-step broadcast would otherwise keep a survivor waiting).
         fallback: Called by a joiner when no replica is left (every member is
             waiting to join): returns the state to resume from (in-memory
-            snapshot, then persisted checkpoint) or None.
+            snapshot, then persisted checkpoint) or None. With TP/PP the
+            other shards of the resuming replica call it as ``fallback(step)``:
+            their shard's state of that step.
         pause: Called as ``pause(True, bound_s)`` when a regroup begins and
             ``pause(False, None)`` when it ends (e.g. ``Worker.set_paused``:
             a regroup is a declared pause for the hang detector, bounded so a
@@ -240,7 +242,8 @@ class ElasticDataParallel:
         self.meeting = ReplicaMeeting(store, self.layout, rank, self.max_replicas)
         self.protocol = Protocol(self.replica, list(members if members is not None else range(replicas)),
                                  plan.num_micro_batches if plan is not None else 0,  # (set with the plan)
-                                 0, schedule, checkin_timeout, timeout.total_seconds())  # (buckets: bind)
+                                 0, schedule, checkin_timeout, timeout.total_seconds(),  # (buckets: bind)
+                                 authority=self.coordinate == 0, compute_needs_group=self.committed)
         self.pg: dist.ProcessGroup | None = None  # this shard's data-parallel group
         self.world_pg: dist.ProcessGroup | None = None  # with TP/PP: every rank (commit, pipeline)
         self._incarnations: dict[int, str] = {}
@@ -353,6 +356,7 @@ class ElasticDataParallel:
             P.CheckInFor: lambda e: meeting.check_in(e.generation, e.checkin),
             P.ReadRecord: lambda e: meeting.read_record(e.generation),
             P.ReadCheckIns: lambda e: meeting.checkins(e.generation, e.ranks, self._malformed),
+            P.AnyCheckedIn: lambda e: meeting.any_checked_in(e.generation, e.ranks),
             P.ReadAlive: self._read_alive, P.Now: lambda e: time.monotonic(), P.Sleep: lambda e: time.sleep(e.seconds),
             P.WriteRecord: lambda e: meeting.write_record(e.record), P.Abandon: lambda e: None,
             P.BuildGroup: self._build, P.Formed: self._formed, P.ReadRequests: self._requests,
@@ -437,23 +441,25 @@ class ElasticDataParallel:
             gc.collect()
 
     def _read_alive(self, effect: P.ReadAlive) -> set[int] | None:
-        alive = self._alive_among(list(effect.ranks))
+        alive = self._alive_among(list(effect.ranks), effect.trained)
         if alive is None or not effect.exclude_waiting:
             return alive
-        return alive - set(self.waiting())  # a replica waiting to join will not check in as a member
+        return alive - set(self.meeting.partly_waiting())  # a rank waiting to join will not check in as a member
 
-    def _alive_among(self, replicas: list[int]) -> set[int] | None:
-        """Those of ``replicas`` whose every rank is alive in the incarnation this rank trained with; None when
-        no one keeps liveness keys.
+    def _alive_among(self, replicas: list[int], trained: bool = True) -> set[int] | None:
+        """Those of ``replicas`` whose every rank is alive (``trained``: in the incarnation this rank trained
+        with); None when no one keeps liveness keys.
 
         The liveness value names the incarnation: a rank restarted since the
-        group formed is a joiner, not the member that must check in.
+        group formed is a joiner, not the member that must check in. A joiner
+        (``trained`` False) trains with nobody: the keys alone count.
         """
         if not self.meeting.liveness_kept():
             return None
         ranks = [rank for replica in replicas for rank in self.layout.ranks(replica)]
         live = self.meeting.incarnations(ranks)
-        alive = {r for r, seen in live.items() if self._incarnations.get(r, seen) == seen}
+        noted = self._incarnations if trained else {}
+        alive = {r for r, seen in live.items() if noted.get(r, seen) == seen}
         return live_replicas(self.layout, alive, replicas)
 
     def _note_incarnations(self) -> None:
@@ -471,7 +477,7 @@ class ElasticDataParallel:
         first shard of the leading replica reads them (its offer is the one the
         commit carries); the others report none.
         """
-        if self.coordinate != 0:
+        if self.coordinate != 0 and effect.proposal:
             return [], []
         try:
             count = (self.store.read_int(K.JOIN_REQUESTS, REQUESTS_PATIENCE_S) if hasattr(self.store, "read_int")
@@ -623,7 +629,10 @@ class ElasticDataParallel:
         snapshot, no checkpoint) this rank's fresh state will be step 0's and
         ``dp_restart_from_step_0`` is logged.
         """
-        state = self.fallback()
+        state = self.fallback() if effect.step is None else self.fallback(effect.step)
+        if state is None and effect.step:
+            raise RuntimeError(f"rank {self.rank}: the replica resumes from step {effect.step}, whose snapshot or "
+                               "checkpoint of this shard is gone")
         if state is None:  # nothing persisted: this joiner's fresh state is step 0's
             log.warning("dp_restart_from_step_0", lost=self.members,
                         reason="no replica, no in-memory snapshot and no checkpoint is left")

@@ -469,17 +469,19 @@ class UnicronMegatronStrategy(DDPStrategy):
         # Lightning's _run restores optimizers and loop progress right after setup()
         self._rng = state["rng"]
 
-    def _fallback(self) -> dict[str, Any] | None:
+    def _fallback(self, step: int | None = None) -> dict[str, Any] | None:
         """No replica left: the newer of the in-memory snapshot and the newest disk checkpoint.
 
         The in-memory snapshot is the newest one of every agent's server this
-        rank reaches (an unreachable one is skipped with a warning).
+        rank reaches (an unreachable one is skipped with a warning). With
+        TP x PP > 1, the newest step every shard has; given ``step`` (the
+        resuming replica's first shard chose it), this shard's state of that step.
         """
         candidates = []
-        memory = self._memory.load() if self._memory else None
+        memory = self._memory.load(step) if self._memory else None
         if memory is not None:
             candidates.append((memory["step"], 1, {**memory, "source": "memory"}))
-        disk = self._disk.load() if self._disk else None
+        disk = self._disk.load(step) if self._disk else None
         if disk is not None:
             candidates.append((disk["step"], 0, {**disk, "source": "disk"}))
         return max(candidates, key=lambda c: c[:2])[2] if candidates else None

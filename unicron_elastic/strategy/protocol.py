@@ -141,10 +141,17 @@ class ReadCheckIns:
 @dataclass(frozen=True)
 class ReadAlive:
     """Those of ``ranks`` alive in the incarnation this rank trained with (minus ranks waiting to join when
-    ``exclude_waiting``); None when no one keeps liveness keys."""
+    ``exclude_waiting``); None when no one keeps liveness keys.
+
+    ``trained``: judged by the incarnations noted when this rank's group
+    formed (a member: a restarted peer is a joiner, not the member it trained
+    with); False, by the liveness keys alone (a joiner trains with nobody: what
+    it noted once is stale).
+    """
 
     ranks: tuple[int, ...]
     exclude_waiting: bool
+    trained: bool = True
 
 
 @dataclass(frozen=True)
@@ -191,9 +198,24 @@ class Formed:
 
 @dataclass(frozen=True)
 class ReadRequests:
-    """Ranks waiting to join and ``members`` asked to leave (cheap when there are none); returns ``(joining, leaving)``."""
+    """Ranks waiting to join and ``members`` asked to leave (cheap when there are none); returns ``(joining, leaving)``.
+
+    ``proposal``: read for the leader's proposal (with tensor/pipeline
+    parallelism only one rank of the leading replica reads them; a rank asking
+    whether it is itself asked to leave reads them whatever its coordinate).
+    """
 
     members: tuple[int, ...]
+    proposal: bool = True
+
+
+@dataclass(frozen=True)
+class AnyCheckedIn:
+    """Whether any rank of ``ranks`` checked in for ``generation`` (with tensor/pipeline parallelism: any
+    rank of those replicas, even if not all of them did yet); returns a bool."""
+
+    generation: int
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -258,8 +280,10 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Fallback:
-    """No replica is left: load the state to resume from (snapshot, checkpoint, else step 0);
-    returns ``(step, source)``."""
+    """No replica is left: fetch the state to resume from (snapshot, checkpoint, else step 0), of ``step``
+    when given (the step the resuming replica's first rank chose; else the newest); returns ``(step, source)``."""
+
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -365,7 +389,7 @@ class Protocol:
     """One rank's side of the recovery protocol; every method that acts is a generator of effects.
 
     Args:
-        rank: This rank.
+        rank: This rank (with tensor/pipeline parallelism: its replica).
         members: The group's members (empty for a rank that will join).
         micro_batches: B, micro-batches per step.
         buckets: Gradient buckets reduced in order per step.
@@ -373,12 +397,23 @@ class Protocol:
         checkin_timeout: How long (transport clock) a rank alive but not checked in is waited for.
         collective_timeout: Seconds a collective may take (bounds a declared pause).
         logger: Where the protocol logs (structlog-like).
+        authority: This rank decides for its replica what one rank must decide
+            alone (with tensor/pipeline parallelism: the replica's first shard):
+            the resume from the fallback state when no replica is left. The
+            other ranks of the replica fetch the same step's state of their shard.
+        compute_needs_group: Computing needs the group (the model's own
+            collectives, tensor/pipeline parallelism): a failed membership
+            sync regroups before computing instead of in the step's reduction.
     """
 
     def __init__(self, rank: int, members: Sequence[int], micro_batches: int, buckets: int,
                  schedule: Mapping[int, Sequence[int]] | None = None, checkin_timeout: float = 10.0,
-                 collective_timeout: float = 30.0, logger: Any = None) -> None:
+                 collective_timeout: float = 30.0, logger: Any = None, authority: bool = True,
+                 compute_needs_group: bool = False) -> None:
         self.rank = rank
+        self.authority, self.compute_needs_group = authority, compute_needs_group
+        self.joining = False  # in join(), not admitted yet
+        self.resumed: int | None = None  # the step of the fallback state this rank fetched (no replica was left)
         self.members = list(members)
         self.micro_batches, self.buckets = micro_batches, buckets
         self.schedule = {int(s): list(m) for s, m in (schedule or {}).items()}
@@ -413,9 +448,11 @@ class Protocol:
             Retired: The plan removed this rank from the group at ``step``.
             Excluded: A failure's record (during a resize) left this rank out.
         """
-        yield from self._sync_membership(step)
+        early = yield from self._sync_membership(step)
         yield Point("step", step)
         report = StepReport(step)
+        if early is not None:  # the membership sync failed and the group re-formed before computing
+            report.recoveries, report.dead = 1, list(early.dead)
         assignment = self.assignment(step)
         report.micro_batches = list(assignment[self.rank])
         try:
@@ -578,7 +615,7 @@ class Protocol:
         while True:
             yield Point("form", step, record.generation)
             checked = yield ReadCheckIns(record.generation, tuple(record.members))
-            alive = yield ReadAlive(tuple(record.members), exclude_waiting=False)
+            alive = yield ReadAlive(tuple(record.members), exclude_waiting=False, trained=not self.joining)
             passed = (yield Now()) - start >= self.checkin_timeout
             verdict = formation(record, checked, alive, passed)
             if verdict == "build":
@@ -610,11 +647,19 @@ class Protocol:
         waiting: the collective fails, the members stay as they were, and the
         failure is handled in this step's reduction like any other (scenario 1).
 
+        With ``compute_needs_group`` a failed sync regroups at once (the
+        model cannot compute without its group): the step is then dealt over
+        the members of the record followed.
+
+        Returns:
+            What that early regroup changed, else None.
+
         Raises:
             Retired: This rank is not a member from ``step`` on.
+            Excluded: (``compute_needs_group``) the record of the early regroup left this rank out.
         """
         if step == self.synced_step:  # joined at this step: the others agreed on it already
-            return
+            return None
         self.synced_step = step
         wanted = self.agreed.pop(step, None)
         if wanted is None:
@@ -624,12 +669,17 @@ class Protocol:
             except RuntimeError as exc:
                 yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
                 self.log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
+                if self.compute_needs_group:
+                    outcome = yield from self._regroup(step, 0)
+                    self.deal_base = None  # nothing computed yet: the step is dealt over the new members
+                    return outcome
                 yield DropGroup()  # peers blocked on us fail now; this step's reduction regroups
-                return
+                return None
         self.agreed.clear()
         if list(wanted) == self.members:
-            return
+            return None
         yield from self._resize(sorted(wanted), step)
+        return None
 
     def _resize(self, wanted: list[int], step: int) -> Effects:
         """Between steps: change the members to ``wanted`` (joiners admitted, the schedule's members).
@@ -687,7 +737,7 @@ class Protocol:
         yield Pause(True, self.checkin_timeout + self.collective_timeout)  # waiting for the leader: no hang
         start = yield Now()
         while (yield Now()) - start < self.checkin_timeout:
-            if (yield ReadRecord(generation)) is not None or (yield ReadCheckIns(generation, tuple(previous))):
+            if (yield ReadRecord(generation)) is not None or (yield AnyCheckedIn(generation, tuple(previous))):
                 return
             yield Sleep(0.002)
 
@@ -701,7 +751,7 @@ class Protocol:
         Raises:
             MembershipError: ``wanted`` keeps no member of ``previous`` (no replica would hold the state).
         """
-        if (yield ReadCheckIns(generation, tuple(previous))):
+        if (yield AnyCheckedIn(generation, tuple(previous))):
             self.log.info("dp_resize_deferred", generation=generation, step=step)
             return
         keep = set(previous) & set(wanted)
@@ -728,34 +778,39 @@ class Protocol:
         Raises:
             TimeoutError: Not admitted within ``timeout``.
         """
-        _, leaving = yield ReadRequests((self.rank,))
-        if leaving:
-            self.log.info("dp_join_skipped", reason="asked to leave")
-            return None
-        last = yield ReadMembers()
-        floor = last[0] if last is not None else -1  # only a newer generation can admit us (not a stale one)
-        yield RequestJoin()
-        start = yield Now()
-        while (yield Now()) - start < timeout:
-            finished = yield ReadFinished()
-            if finished is not None:
-                self.log.info("dp_join_too_late", finished_at=finished)
+        self.joining = True
+        try:
+            _, leaving = yield ReadRequests((self.rank,), proposal=False)
+            if leaving:
+                self.log.info("dp_join_skipped", reason="asked to leave")
                 return None
-            latest = yield ReadLatest()
-            if latest is not None and self.rank in latest["members"] and \
-                    latest["generation"] > max(floor, self.generation):
-                if (yield from self._enter(latest)):
-                    self.synced_step = self.next_step
-                    self.agreed.clear()  # what this rank agreed on before it was left out is stale
-                    self.deal_base = None
-                    yield Admitted(self.generation, latest.get("source", "replica"))
-                    self.log.info("dp_joined", step=self.next_step, members=self.members,
-                                  state_from=latest.get("source", "replica"))
-                    return self.next_step
-                floor = max(floor, latest["generation"])  # that group did not form: wait for the next one
-            yield from self._resume_if_no_replica()
-            yield Sleep(0.01)
-        raise TimeoutError(f"rank {self.rank} was not admitted to the data-parallel group in {timeout}s")
+            last = yield ReadMembers()
+            floor = last[0] if last is not None else -1  # only a newer generation can admit us (not a stale one)
+            yield RequestJoin()
+            start = yield Now()
+            while (yield Now()) - start < timeout:
+                finished = yield ReadFinished()
+                if finished is not None:
+                    self.log.info("dp_join_too_late", finished_at=finished)
+                    return None
+                latest = yield ReadLatest()
+                if latest is not None and self.rank in latest["members"] and \
+                        latest["generation"] > max(floor, self.generation):
+                    if (yield from self._enter(latest)):
+                        self.synced_step = self.next_step
+                        self.agreed.clear()  # what this rank agreed on before it was left out is stale
+                        self.deal_base = None
+                        yield Admitted(self.generation, latest.get("source", "replica"))
+                        self.resumed = None
+                        self.log.info("dp_joined", step=self.next_step, members=self.members,
+                                      state_from=latest.get("source", "replica"))
+                        return self.next_step
+                    floor = max(floor, latest["generation"])  # that group did not form: wait for the next one
+                yield from self._resume_if_no_replica()
+                yield Sleep(0.01)
+            raise TimeoutError(f"rank {self.rank} was not admitted to the data-parallel group in {timeout}s")
+        finally:
+            self.joining = False
 
     def _enter(self, latest: Mapping[str, Any]) -> Effects:
         """(A joiner) check in, form the announced group, receive the state from its replica.
@@ -771,6 +826,10 @@ class Protocol:
         if not (yield from self._form(record, record.step)):
             return False
         yield Formed(self.generation, tuple(self.members))
+        if latest["leader"] == self.rank and latest.get("source", "replica") != "replica" \
+                and self.resumed != record.step:  # the group resumes from this replica's fallback: fetch our part
+            step, _ = yield Fallback(record.step)
+            self.resumed = self.next_step = int(step)
         try:
             step = yield TransferState(self.members.index(latest["leader"]), apply=True)
         except RuntimeError as exc:  # the replica died while sending: wait for the next admission
@@ -786,26 +845,46 @@ class Protocol:
         With no group ever formed in this meeting space (a fresh round after
         torch's restart-all, or a node lost while the first group was being
         built), that is when every initial member waits or is known dead
-        (liveness keys: without them only all waiting will do).
+        (liveness keys: without them only all waiting will do). Only the
+        replica's :attr:`authority` decides; the other ranks of it fetch the
+        same step's state of their shard when they form the group.
+
+        A resume announced after the last group formed is under way (its
+        group may take a while to form: every rank of its replica must
+        arrive): while its replica is alive nobody else resumes - another
+        replica that became the lowest waiting one meanwhile would start a
+        second group - and only that replica resumes again if its group did
+        not form.
         """
         last = yield ReadMembers()
+        latest = yield ReadLatest()
+        resuming = None  # the replica resuming from the fallback, whose group has not formed yet
+        if latest is not None and latest.get("source", "replica") != "replica" \
+                and (last is None or latest["generation"] > last[0]):
+            resuming = latest["leader"]
+            if resuming != self.rank:
+                alive = yield ReadAlive((resuming,), exclude_waiting=False, trained=False)
+                if alive is None or resuming in alive:
+                    return  # it resumes the group: it will admit us
         waiting = yield ReadWaiting()
         if last is None:
             if not self.members:
                 return
-            alive = yield ReadAlive(tuple(self.members), exclude_waiting=False)
+            alive = yield ReadAlive(tuple(self.members), exclude_waiting=False, trained=False)
             if alive is None and not set(self.members) <= set(waiting):
                 return
             if any(r not in waiting and (alive is None or r in alive) for r in self.members):
                 return  # an initial member still starts: it builds the first group with the others
             last = (-1, list(self.members))
         last_generation, last_members = last
-        alive = yield ReadAlive(tuple(last_members), exclude_waiting=False)
+        alive = yield ReadAlive(tuple(last_members), exclude_waiting=False, trained=False)
         holders = [r for r in last_members if r not in waiting and (alive is None or r in alive)]
-        if holders or not waiting or self.rank != min(waiting):
-            return  # a member that holds the state is alive (or nobody waits to resume)
+        if holders or not waiting or not self.authority or self.rank not in waiting:
+            return  # a member that holds the state is alive (or nobody waits to resume, or another decides)
+        if self.rank != min(waiting) and resuming != self.rank:
+            return  # the lowest waiting replica resumes (or this one again, whose resume did not form)
         step, source = yield Fallback()
-        self.next_step = int(step)
+        self.resumed = self.next_step = int(step)
         generation = yield FreeGeneration(max(last_generation, self.generation) + 1)
         self.log.warning("dp_no_replica_left", lost=list(last_members), resume_step=self.next_step, source=source)
         record = resize_record(generation, last_members, waiting, self.next_step)

@@ -261,6 +261,11 @@ class ReplicaMeeting:
         per_rank = self.rank_checkins(generation, ranks, on_malformed)
         return combine_checkins(self.layout, per_rank, replicas, self.coordinate)
 
+    def any_checked_in(self, generation: int, replicas: Iterable[int]) -> bool:
+        """Whether any rank of ``replicas`` checked in for ``generation`` (even if its replica is not complete)."""
+        return any(self.store.check([K.checkin(generation, rank)])
+                   for replica in replicas for rank in self.layout.ranks(replica))
+
     def read_record(self, generation: int) -> MembershipRecord | None:
         """The stored record of ``generation`` as this coordinate sees it, or None."""
         key = K.record(generation)
@@ -306,12 +311,19 @@ class ReplicaMeeting:
         return {rank: value for rank, value in values.items() if value != _ABSENT}
 
     def waiting_ranks(self) -> list[int]:
-        """Launch ranks waiting to join."""
-        return [rank for rank in range(self.max_replicas * self.layout.size) if self.store.check([K.join(rank)])]
+        """Launch ranks waiting to join (alive, when liveness is kept: a joiner that died leaves its request)."""
+        asked = [rank for rank in range(self.max_replicas * self.layout.size) if self.store.check([K.join(rank)])]
+        if not asked or not self.liveness_kept():
+            return asked
+        return [rank for rank in asked if self.store.check([K.live(rank)])]
 
     def waiting(self) -> list[int]:
         """Replicas waiting to join (every rank of them asked)."""
         return waiting_replicas(self.layout, self.waiting_ranks(), range(self.max_replicas))
+
+    def partly_waiting(self) -> list[int]:
+        """Replicas some rank of which waits to join: none of them can check in whole as a member."""
+        return touched_replicas(self.layout, self.waiting_ranks(), range(self.max_replicas))
 
     def leaving(self, members: Iterable[int]) -> list[int]:
         """Those of the replicas ``members`` asked to leave (a rank of them is: its node leaves the task)."""

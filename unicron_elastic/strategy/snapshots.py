@@ -255,12 +255,13 @@ class MemorySnapshot:
             self._thread.join()
             self._thread = None
 
-    def load(self) -> dict[str, Any] | None:
+    def load(self, step: int | None = None) -> dict[str, Any] | None:
         """The newest snapshot (highest ``"step"``) of every store that can be reached, or None.
 
         A store that cannot be reached is skipped with a ``snapshot_unreachable``
         warning. With shards, this shard's snapshot of the newest step that
-        every shard has (the shards' snapshots may be on different servers).
+        every shard has (the shards' snapshots may be on different servers),
+        or of ``step`` when given (None when this shard has none of it).
 
         Raises:
             StateDecodingError: A value in a store is not a safe state document
@@ -274,7 +275,7 @@ class MemorySnapshot:
             log.warning("snapshot_unreachable", error=str(exc)[:200])
             return None
         if self.shard is not None:
-            return self._load_shard(sources)
+            return self._load_shard(sources, step)
         newest = None
         for where, store in sources:
             state = _read(where, store, SNAPSHOT_KEY)
@@ -282,8 +283,9 @@ class MemorySnapshot:
                 newest = state
         return newest
 
-    def _load_shard(self, sources: list[tuple[str, dist.Store]]) -> dict[str, Any] | None:
-        """This shard's snapshot of the newest step every shard has (in either slot, on any server), or None."""
+    def _load_shard(self, sources: list[tuple[str, dist.Store]], step: int | None) -> dict[str, Any] | None:
+        """This shard's snapshot of ``step`` (None: the newest step every shard has), in either slot, on any
+        server, or None."""
         steps: dict[str, dict[int, tuple[str, dist.Store, int]]] = {shard: {} for shard in self.shards}
         for where, store in sources:
             for shard in self.shards:
@@ -291,8 +293,8 @@ class MemorySnapshot:
                     step = _read_step(where, store, shard, slot)
                     if step is not None:
                         steps[shard][step] = (where, store, slot)
-        common = newest_common_step(steps, self.shards)
-        if common is None:
+        common = newest_common_step(steps, self.shards) if step is None else step
+        if common is None or common not in steps[self.shard]:
             return None
         where, store, slot = steps[self.shard][common]
         state = _read(where, store, MeetingKeys.snapshot(self.shard, slot))
@@ -463,16 +465,18 @@ class DiskCheckpoints:
                 f"unpickles files in it and so could run code: refused. Load it yourself if you trust its origin")
         raise StateDecodingError(f"{marker} names {name!r} (step {step!r}): not a checkpoint of this directory; refused")
 
-    def load(self) -> dict[str, Any] | None:
-        """The newest complete checkpoint (with shards: this shard's of the newest step every shard has), or None.
+    def load(self, step: int | None = None) -> dict[str, Any] | None:
+        """The newest complete checkpoint (with shards: this shard's of the newest step every shard has, or of
+        ``step`` when given), or None.
 
         Raises:
             StateDecodingError: The checkpoint (or ``latest``) is not in the safe
                 state format (e.g. a pickle); nothing in it ran.
         """
         if self.shard is not None:
-            step = self.latest_step()
-            latest = None if step is None else (step, self._shard_files(self.shard)[step])
+            step = self.latest_step() if step is None else step
+            path = None if step is None else self._shard_files(self.shard).get(step)
+            latest = None if path is None else (step, path)
         else:
             latest = self._latest()
         if latest is None:
