@@ -709,10 +709,14 @@ def _a_replica_finished_whole(sim: Sim) -> bool:
 
 
 def check_one_group_at_a_time(sim: Sim) -> None:
-    """Groups follow each other: once a group of generation g formed, no collective of an older generation
-    completes (two groups training at once - e.g. two replicas both resuming from the fallback - would)."""
+    """Groups follow each other: once a group of generation g formed, no step of an older generation commits
+    (two groups training at once - e.g. two replicas both resuming from the fallback - would). (A shard's
+    group of a doomed generation may still complete a bucket between two live ranks whose replicas lost
+    other ranks: nothing is applied before the commit, which then fails.)"""
     formed = sorted(sim.formed_at.items())
     for tick, generation, kind, seq in sim.collectives:
+        if kind != "commit":
+            continue
         newer = [(g, at) for g, at in formed if g > generation and at < tick]
         assert not newer, (f"generation {generation} {kind} collective {seq} completed at tick {tick} after "
                            f"generation(s) {newer} formed", sim.records())
