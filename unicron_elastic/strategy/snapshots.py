@@ -290,9 +290,9 @@ class MemorySnapshot:
         for where, store in sources:
             for shard in self.shards:
                 for slot in range(_SLOTS):
-                    step = _read_step(where, store, shard, slot)
-                    if step is not None:
-                        steps[shard][step] = (where, store, slot)
+                    found = _read_step(where, store, shard, slot)
+                    if found is not None:
+                        steps[shard][found] = (where, store, slot)
         common = newest_common_step(steps, self.shards) if step is None else step
         if common is None or common not in steps[self.shard]:
             return None
