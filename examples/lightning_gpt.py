@@ -202,7 +202,8 @@ class MegatronGPT(pl.LightningModule):
                          input_tensor: torch.Tensor | None) -> torch.Tensor:
         """This stage on one micro-batch: the activations for the next stage, or (last stage) the loss."""
         x, y = batch
-        hidden = self.tokens(x) + self.positions(torch.arange(x.shape[1])) if self.first else input_tensor
+        hidden = self.tokens(x) + self.positions(torch.arange(x.shape[1], device=x.device)) if self.first \
+            else input_tensor
         for block in self.blocks:
             hidden = block(hidden)
         if not self.last:

@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Excluded
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.parallel import build_world, destroy_world
+from unicron_elastic.strategy.parallel import destroy_world, drop_world, rebuild_world
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.testing import maybe_fail, toy_data
 
@@ -77,9 +77,10 @@ def main() -> None:
                           timeout=timedelta(seconds=60))
     members = list(range(layout.replicas(world)))
 
+    model: torch.nn.Module | None = None  # (built once the first world exists)
+
     def on_group(members: list[int], generation: int) -> None:  # the world of the model's own collectives
-        build_world(store, generation, layout.world_rank(members, rank), len(members) * layout.size,
-                    args.tp, args.pp, timedelta(seconds=30))
+        rebuild_world(store, generation, layout, members, rank, timedelta(seconds=30), module=model)
 
     on_group(members, 0)
     config = ModelParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
@@ -101,7 +102,7 @@ def main() -> None:
         stage_fn=stage_fn if stages > 1 else None,
         store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
         timeout=timedelta(seconds=30), hook=lambda _, step, **where: maybe_fail(rank, step, **where),
-        model_parallel=layout, on_group=on_group, on_drop=destroy_world, grad_dtype=torch.float64,
+        model_parallel=layout, on_group=on_group, on_drop=lambda: drop_world(model), grad_dtype=torch.float64,
     )
     code = 0
     try:

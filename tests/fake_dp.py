@@ -353,6 +353,8 @@ class _Rank:
             P.ReadRecord: lambda e: self.stored_record(e.generation),
             P.ReadCheckIns: lambda e: self.checkins(e.generation, e.ranks), P.ReadAlive: self.alive,
             P.AnyCheckedIn: lambda e: bool(self.checkins(e.generation, e.ranks)),
+            P.MarkReady: lambda e: sim.store.set(K.ready(e.generation, rank), "1"),
+            P.ReadReady: lambda e: all(sim.store.check([K.ready(e.generation, r)]) for r in e.ranks),
             P.Now: lambda e: self.clock, P.Sleep: self.sleep, P.WriteRecord: self.write_record,
             P.Abandon: self.abandon, P.BuildGroup: self.build, P.Formed: self.formed,
             P.ReadRequests: lambda e: (sim.waiting(), [r for r in e.members if sim.store.check([K.leave(r)])]),
@@ -616,6 +618,8 @@ class _ReplicaRank(_Rank):
             P.ReadRecord: lambda e: meeting.read_record(e.generation),
             P.ReadCheckIns: lambda e: meeting.checkins(e.generation, e.ranks),
             P.AnyCheckedIn: lambda e: meeting.any_checked_in(e.generation, e.ranks),
+            P.MarkReady: lambda e: meeting.mark_ready(e.generation),
+            P.ReadReady: lambda e: meeting.ready(e.generation, e.ranks),
             P.FreeGeneration: lambda e: meeting.free_generation(e.generation),
             P.ReadRequests: lambda e: ((meeting.waiting(), meeting.leaving(e.members))
                                        if self.coordinate == 0 or not e.proposal

@@ -61,6 +61,7 @@ def run(tmp_path: Path, tp: int, pp: int, victim: int, fault: Fault) -> dict[int
     return reports
 
 
+@pytest.mark.matrix  # (the Lightning tests cover TP2xDP2; this one runs with -m matrix)
 @pytest.mark.timeout(400)
 def test_tp2_killing_one_rank_loses_its_replica_and_the_other_replica_finishes(tmp_path: Path) -> None:
     reports = run(tmp_path, 2, 1, victim=3, fault=fail_at(rank=3, step=1, micro_batch=1))
@@ -74,6 +75,7 @@ def test_pp2_a_kill_in_the_last_stages_reduction_keeps_the_first_stage_which_run
     assert reports[0]["kept_buckets"] == 6 and reports[0]["forward_only"] == [1]  # reduced before: kept, no backward
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(400)
 def test_pp2_a_kill_in_the_first_stages_reduction_recomputes_both_stages_keeping_the_last(tmp_path: Path) -> None:
     reports = run(tmp_path, 1, 2, victim=2, fault=fail_at(rank=2, step=1, bucket=1))

@@ -328,7 +328,10 @@ def test_decide_record_waits_for_exactly_the_live_ranks_missing(inputs: tuple) -
     if missing and not passed:  # a live member to wait for
         assert record is None
         return
-    if not live_in:  # every member is dead (or, past the deadline, not checked in): the group dissolves
+    if not live_in and missing and alive is not None:  # past the deadline nobody else could be a member: wait
+        assert record is None
+        return
+    if not live_in:  # every member is dead: the group dissolves
         newest = max((checked[r].step for r in previous if r in checked), default=0)
         assert record == MembershipRecord(generation, (), 0, tuple(previous), newest) and record.dissolved
         return

@@ -208,6 +208,11 @@ class MeetingKeys:
         return f"unicron-dp/gen{int(generation)}/commit"
 
     @staticmethod
+    def ready(generation: int, rank: int) -> str:
+        """A joiner admitted by ``generation`` built its model: send it the state."""
+        return f"unicron-dp/gen{int(generation)}/ready/{int(rank)}"
+
+    @staticmethod
     def buckets(coordinate: int) -> str:
         """Gradient buckets of one model shard's group (its ranks write it; TP x PP > 1)."""
         return f"unicron-dp/buckets/{int(coordinate)}"

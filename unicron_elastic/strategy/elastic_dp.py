@@ -142,10 +142,11 @@ class ElasticDataParallel:
         get_state: The state a replica hands to a joiner (default: model,
             optimizer, RNG); the step is added.
         set_state: Loads what ``get_state`` returned (default: the inverse).
-        on_group: Called as ``on_group(members, generation)`` after every new
-            group (failure, resize, join), before any state moves (with TP/PP
-            it must rebuild the world the model's collectives use:
-            :func:`~unicron_elastic.strategy.parallel.build_world`).
+        on_group: Called as ``on_group(members, generation)`` when every new
+            group (failure, resize, join) is built, before any state moves
+            (with TP/PP it must rebuild the world the model's collectives use:
+            :func:`~unicron_elastic.strategy.parallel.rebuild_world`); a
+            ``RuntimeError`` there (a member gone) gives up that group.
         on_drop: Called when this rank drops its group (a failure, or
             :meth:`close`): drop every other group of the same members too,
             so a rank blocked in one of them with this rank fails at once
@@ -198,7 +199,7 @@ class ElasticDataParallel:
         get_state: Callable[[], dict[str, Any]] | None = None,
         set_state: Callable[[dict[str, Any]], None] | None = None,
         on_group: Callable[[list[int], int], None] | None = None,
-        fallback: Callable[[], dict[str, Any] | None] | None = None,
+        fallback: Callable[..., dict[str, Any] | None] | None = None,
         grad_dtype: torch.dtype = torch.float32,
         pause: Callable[[bool, float | None], None] | None = None,
         on_drop: Callable[[], None] | None = None,
@@ -226,7 +227,7 @@ class ElasticDataParallel:
         self.get_state = get_state or self._default_state
         self.set_state = set_state or self._load_default_state
         self.on_group = on_group or (lambda members, generation: None)
-        self.fallback = fallback or (lambda: None)
+        self.fallback = fallback or (lambda step=None: None)
         self.grad_dtype = grad_dtype
         self.pause = pause or (lambda paused, bound: None)
         self.on_drop = on_drop or (lambda: None)
@@ -314,8 +315,8 @@ class ElasticDataParallel:
 
     @property
     def leader(self) -> bool:
-        """This rank is the first shard of the group's leading replica (it writes snapshots for its shard
-        like every shard of that replica, and publishes the members)."""
+        """This rank is a shard of the group's leading replica (every such shard writes the snapshots and
+        checkpoints of its part; only the first shard publishes the members)."""
         return bool(self.members) and self.replica == self.members[0]
 
     # -- running the protocol --------------------------------------------------------
@@ -357,6 +358,8 @@ class ElasticDataParallel:
             P.ReadRecord: lambda e: meeting.read_record(e.generation),
             P.ReadCheckIns: lambda e: meeting.checkins(e.generation, e.ranks, self._malformed),
             P.AnyCheckedIn: lambda e: meeting.any_checked_in(e.generation, e.ranks),
+            P.MarkReady: lambda e: meeting.mark_ready(e.generation),
+            P.ReadReady: lambda e: meeting.ready(e.generation, e.ranks),
             P.ReadAlive: self._read_alive, P.Now: lambda e: time.monotonic(), P.Sleep: lambda e: time.sleep(e.seconds),
             P.WriteRecord: lambda e: meeting.write_record(e.record), P.Abandon: lambda e: None,
             P.BuildGroup: self._build, P.Formed: self._formed, P.ReadRequests: self._requests,
@@ -400,11 +403,16 @@ class ElasticDataParallel:
         self.store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
 
     def _build(self, effect: P.BuildGroup) -> bool:
+        """Build the record's groups, then ``on_group``'s world; False (all dropped) when a member is gone meanwhile."""
+        record = effect.record
         try:
-            self._set_groups(effect.record.generation, list(effect.record.members))
+            self._set_groups(record.generation, list(record.members))
+            self.on_group(list(record.members), record.generation)  # (the world the model's collectives use)
             return True
-        except (RuntimeError, LookupError) as exc:  # a member died while the group formed
-            log.warning("dp_group_build_failed", generation=effect.record.generation, error=str(exc)[:200])
+        except (RuntimeError, LookupError) as exc:  # a member died while the group or the world formed
+            log.warning("dp_group_build_failed", generation=record.generation, error=str(exc)[:200])
+            if self.pg is not None or self.world_pg is not None:
+                self.on_drop()
             self._release_groups()
             return False
 
@@ -412,7 +420,6 @@ class ElasticDataParallel:
         self._note_incarnations()
         if self._publishes():
             self._publish_members()
-        self.on_group(list(effect.members), effect.generation)
 
     def _drop_group(self) -> None:
         """Destroy the broken groups now, closing their connections.
@@ -543,9 +550,10 @@ class ElasticDataParallel:
     def start_join(self, timeout: float = 120.0) -> bool:
         """Wait until the group admits this rank and its groups are built (``on_group`` ran), without a model.
 
-        The join stops before the first step that needs the model (the state
-        from a replica, or the fallback state when no replica is left, sent once
-        the group formed); :meth:`bind` the model, then :meth:`finish_join`. A megatron-core model can only
+        The join stops once its group formed, before it says it is ready for
+        the state (from a replica, or the fallback state when no replica is
+        left): :meth:`bind` the model, then :meth:`finish_join`; the members
+        wait for that (``ready_timeout``), a declared pause. A megatron-core model can only
         be built once its world exists: the Lightning strategy admits a joiner
         before Lightning calls ``configure_model()``.
 
@@ -556,7 +564,7 @@ class ElasticDataParallel:
             TimeoutError: Not admitted within ``timeout`` seconds.
         """
         effects = self.protocol.join(timeout)
-        outcome = self._run(effects, until=(P.TransferState,))
+        outcome = self._run(effects, until=(P.MarkReady,))
         paused = isinstance(outcome, tuple) and bool(outcome) and outcome[0] is _PAUSED
         self._joining = (effects, outcome[1]) if paused else (None, outcome)
         return paused or outcome is not None
@@ -691,7 +699,8 @@ class ElasticDataParallel:
         if self.pg is None:
             raise RuntimeError("no group to send the state in")
         index = self.members.index(self.replica)
-        state = broadcast_state(self.pg, effect.root, index, self.state() if index == effect.root else None)
+        state = broadcast_state(self.pg, effect.root, index, self.state() if index == effect.root else None,
+                                device=self.transport.device)
         if not effect.apply:
             return None
         if index != effect.root:
@@ -817,6 +826,9 @@ class ElasticDataParallel:
         Raises:
             Retired: This rank leaves the group at ``step`` (the schedule, or its
                 leave request, which is then withdrawn).
+            Excluded: This rank is alive but a record left it out (with TP/PP:
+                its replica lost a rank, or the membership sync failed and the
+                regroup left it out): it must :meth:`join`.
         """
         try:
             return self._run(self.protocol.begin_step(step))

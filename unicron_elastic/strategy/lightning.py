@@ -36,7 +36,6 @@ strategies).
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import time
@@ -63,17 +62,11 @@ from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, St
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.feed import MicroBatchFeed
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.parallel import (
-    build_world,
-    check_sizes,
-    destroy_world,
-    rebind_tensor_parallel_groups,
-    release_tensor_parallel_groups,
-)
+from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world, drop_world, rebuild_world
 from unicron_elastic.strategy.pipeline import SCHEDULES
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot, PeerServers
-from unicron_elastic.strategy.transport import transport_for
+from unicron_elastic.strategy.transport import nccl_error_handling, transport_for
 from unicron_elastic.worker import get_worker
 
 log = structlog.get_logger(__name__)
@@ -197,6 +190,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.initial_members = sorted(members) if members is not None else None
         self.schedule = {int(step): sorted(ranks) for step, ranks in (schedule or {}).items()}
         self.finished_before_join = False
+        self._admission_started = False
         self.retired_at: int | None = None  # the step the schedule removed this rank at
         self.engine: ElasticDataParallel | None = None
         self.reports: list[StepReport] = []
@@ -229,8 +223,9 @@ class UnicronMegatronStrategy(DDPStrategy):
 
         (Not Lightning's ``parallel_devices[local_rank]``: under ``unicron-run`` the
         launcher, not ``devices=``, decides how many ranks a node runs.) On CUDA
-        the gradients still go through gloo (it reduces CUDA tensors); an NCCL
-        transport is not built, and the CUDA path is untested here (no GPU).
+        the world and the engine's groups are NCCL's
+        (:class:`~unicron_elastic.strategy.transport.NcclTransport`); that path
+        is untested here (no GPU).
         """
         if isinstance(self.accelerator, CUDAAccelerator):
             return torch.device("cuda", self.env.local_rank())
@@ -320,16 +315,18 @@ class UnicronMegatronStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         """Connect to the launcher's store, build the first world and the elastic engine.
 
-        A joiner is admitted here, before Lightning calls ``configure_model()``:
-        megatron-core's parallel layers take their sizes from the world's
-        tensor-parallel group, so it must exist when the model is built (the
-        state comes from a replica in :meth:`setup`, once the model exists).
+        A joiner has no world yet: it is admitted in :meth:`model_sharded_context`,
+        right before Lightning calls ``configure_model()`` (megatron-core's
+        parallel layers take their sizes from the world's tensor-parallel
+        group), or in :meth:`setup` when the module has no ``configure_model``,
+        and receives the state once its model exists.
 
         Raises:
             ConfigError: The world is not a multiple of TP x PP (or TP/PP > 1 without megatron-core).
-            TimeoutError: A joiner not admitted within ``join_timeout``.
         """
         check_sizes(self.env.launch_world_size, self.tp, self.pp)
+        if self.root_device.type == "cuda":
+            nccl_error_handling()  # before the first NCCL group: failures raise, they do not kill the worker
         self._store = self._connect_store()
         # (the exception hook is installed already); with a schedule, only the schedule changes the members
         self._worker.hello(resumable=True, leavable=not self.schedule, growable=not self.schedule)
@@ -348,11 +345,31 @@ class UnicronMegatronStrategy(DDPStrategy):
             self._disk = DiskCheckpoints(self.checkpoint_dir, self.checkpoint_every, shard=shard,
                                          shards=self.layout.labels())
         self.engine = self._engine(joining)
-        if joining:
-            self.finished_before_join = not self.engine.start_join(self.join_timeout)
+
+    def _admit(self) -> None:
+        """(A joiner, once) wait until the group admits this rank and its world is built.
+
+        Not in :meth:`setup_distributed`: Lightning's ``prepare_data`` comes
+        after it and makes a group over the world (``_InfiniteBarrier``), which
+        a joiner's world shares with members that are training.
+
+        Raises:
+            TimeoutError: Not admitted within ``join_timeout``.
+        """
+        if self.engine is None or not self.joining or self._admission_started:
+            return
+        self._admission_started = True
+        self.finished_before_join = not self.engine.start_join(self.join_timeout)
         if self.finished_before_join:  # nothing left to train: a world of its own, so the model can be built
             log.info("joined_too_late", reason="training finished before this rank was admitted")
             build_world(dist.HashStore(), 0, 0, 1)
+
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Lightning's context of ``configure_model()``: a joiner is admitted first (its world must exist)."""
+        self._admit()
+        with super().model_sharded_context():
+            yield
 
     def _engine(self, joining: bool) -> ElasticDataParallel:
         """The elastic engine, without its model yet (bound in :meth:`setup`)."""
@@ -372,18 +389,9 @@ class UnicronMegatronStrategy(DDPStrategy):
         )
 
     def _drop_world(self) -> None:
-        """This rank drops its groups (a failure): destroy the world too, so peers blocked in it fail at once.
-
-        That is Lightning's per-step broadcast on the default group, and with
-        TP > 1 a collective of the model: the layers' references to the
-        tensor-parallel group are dropped first (its connections close when the
-        object goes), then a collection frees what a traceback may still hold.
-        """
-        if self.lightning_module is not None and self.layout.size > 1:
-            release_tensor_parallel_groups(self.lightning_module)
-        destroy_world()
-        if self.layout.size > 1:
-            gc.collect()
+        """This rank drops its groups (a failure): destroy the world too, so peers blocked in it fail at once
+        (Lightning's per-step broadcast on the default group; with TP > 1 a collective of the model)."""
+        drop_world(self.lightning_module)
 
     def _on_group(self, members: list[int], generation: int) -> None:
         """The data-parallel members (replicas) changed: rebuild the world Lightning and megatron-core use.
@@ -392,13 +400,9 @@ class UnicronMegatronStrategy(DDPStrategy):
         tensor-parallel group. Called inside the engine's regroup, which is a
         declared, bounded pause for the hang detector (the engine's ``pause``).
         """
-        index = self.layout.world_rank(members, self.env.launch_rank)
-        size = len(members) * self.layout.size
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-        build_world(self._store, generation, index, size, self.tp, self.pp, self._timeout or timedelta(seconds=60),
-                    backend)
-        if self.lightning_module is not None:
-            rebind_tensor_parallel_groups(self.lightning_module)
+        index, size = rebuild_world(self._store, generation, self.layout, members, self.env.launch_rank,
+                                    self._timeout or timedelta(seconds=60), backend, self.lightning_module)
         self.env.set_global_rank(index)
         self.env.set_world_size(size)
         self.set_world_ranks()
@@ -422,6 +426,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._check_fit(trainer, module)
         if self.engine is None:
             raise ConfigError("unicron_megatron: fit() reached setup without the engine setup_distributed builds")
+        self._admit()  # (a module without configure_model)
         if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
             log.info("rank_rejoined", step=None, state_from=None, finished_before_join=True)
             return
@@ -538,7 +543,9 @@ class UnicronMegatronStrategy(DDPStrategy):
         device = self.root_device
         cuda = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
-            seed = ((self.seed * 1_000_003 + step) * 65_537 + j) * 131 + stage
+            seed = (self.seed * 1_000_003 + step) * 65_537 + j
+            if self.pp > 1:  # (each stage a stream of its own; with one stage the seeds of earlier versions)
+                seed = seed * 131 + stage
             torch.default_generator.manual_seed(seed)
             if cuda:
                 torch.cuda.default_generators[device.index].manual_seed(seed)  # this rank's GPU only

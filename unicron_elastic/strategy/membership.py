@@ -217,7 +217,9 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
         out, they rejoin). When no member is left (every previous member is
         dead or broken: with tensor/pipeline parallelism a replica is dead
         when one rank of it is), the record dissolves the group (no members;
-        everyone rejoins). None while a live previous member has not checked in.
+        everyone rejoins). None while a live previous member has not checked
+        in (with liveness keys, after the deadline too when nobody else
+        could be a member).
     """
     def live(rank: int) -> bool:
         return alive is None or rank in alive
@@ -226,9 +228,11 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
     if waiting_for and not deadline_passed:
         return None
     candidates = [r for r in set(previous) if r in checked_in and live(r) and not checked_in[r].broken]
-    if not candidates:  # every member is dead or broken: nobody holds a step to finish
+    if not candidates:
+        if waiting_for and alive is not None:  # nobody can go on without them (a stuck one is the hang
+            return None  # detector's to find); without liveness keys the deadline ends the wait
         step = max((checked_in[r].step for r in previous if r in checked_in), default=0)
-        return MembershipRecord(generation, (), 0, tuple(sorted(set(previous))), step)
+        return MembershipRecord(generation, (), 0, tuple(sorted(set(previous))), step)  # every member dead/broken
     step = max(checked_in[r].step for r in candidates)
     members = tuple(sorted(r for r in candidates if checked_in[r].step == step))
     dead = tuple(sorted(r for r in set(previous) if r not in members))

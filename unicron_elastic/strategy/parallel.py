@@ -6,6 +6,7 @@ data-parallel group is the whole world. On CPU everything runs on gloo.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.store.keys import MeetingKeys as K
+from unicron_elastic.strategy.replicas import ModelParallel
 
 log = structlog.get_logger(__name__)
 LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"  # torch reads it when a gloo group is made
@@ -96,7 +98,7 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
              tp=tensor_parallel, pp=pipeline_parallel, seconds=round(time.monotonic() - started, 3))
 
 
-def release_tensor_parallel_groups(module: torch.nn.Module) -> None:
+def release_tensor_parallel_groups(module: torch.nn.Module) -> int:
     """Drop the megatron-core layers' references to their tensor-parallel group (before the world is destroyed).
 
     A group object lives as long as something refers to it, and gloo closes a
@@ -104,10 +106,16 @@ def release_tensor_parallel_groups(module: torch.nn.Module) -> None:
     group would keep a tensor-parallel peer blocked in a collective with this
     rank waiting for the collective timeout. :func:`rebind_tensor_parallel_groups`
     gives the layers the new world's group.
+
+    Returns:
+        How many layers held one.
     """
+    released = 0
     for layer in module.modules():
         if isinstance(getattr(layer, "tp_group", None), dist.ProcessGroup):
             layer.tp_group = None
+            released += 1
+    return released
 
 
 def rebind_tensor_parallel_groups(module: torch.nn.Module) -> int:
@@ -139,6 +147,48 @@ def rebind_tensor_parallel_groups(module: torch.nn.Module) -> int:
     return rebound
 
 
+def rebuild_world(store: dist.Store, generation: int, layout: ModelParallel, members: list[int], rank: int,
+                  timeout: timedelta = timedelta(seconds=60), backend: str = "gloo",
+                  module: torch.nn.Module | None = None) -> tuple[int, int]:
+    """The world of the replicas ``members`` (:func:`build_world`), and ``module``'s layers pointed at it.
+
+    Args:
+        store: The meeting store.
+        generation: The generation of the group being formed.
+        layout: The model's tensor x pipeline parallelism.
+        members: The data-parallel members (replicas).
+        rank: This launch rank.
+        timeout: The world's collective timeout.
+        backend: ``gloo`` or ``nccl``.
+        module: The model, if built: its megatron-core layers get the new tensor-parallel group.
+
+    Returns:
+        This rank's rank and the size of the new world.
+
+    Raises:
+        RuntimeError: A member is gone while the world forms.
+        ConfigError: See :func:`check_sizes`.
+    """
+    index, size = layout.world_rank(members, rank), len(members) * layout.size
+    build_world(store, generation, index, size, layout.tensor, layout.pipeline, timeout, backend)
+    if module is not None:
+        rebind_tensor_parallel_groups(module)
+    return index, size
+
+
+def drop_world(module: torch.nn.Module | None = None) -> None:
+    """Destroy the world now so that peers blocked in it with this rank fail at once.
+
+    With tensor parallelism the layers' references to their group are
+    dropped first (its connections close only when the object goes) and a
+    collection frees what a traceback may still hold.
+    """
+    collect = module is not None and release_tensor_parallel_groups(module)
+    destroy_world()
+    if collect:
+        gc.collect()
+
+
 def destroy_world() -> None:
     """Destroy megatron-core's groups and the default process group, if any."""
     if megatron_available():
@@ -146,5 +196,14 @@ def destroy_world() -> None:
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":  # pending NCCL work would hold the destroy: abort it first (untested: no GPU)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        try:
+            if abort is not None:
+                abort()
+        except RuntimeError as exc:
+            log.warning("nccl_abort_failed", error=str(exc)[:200])
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -221,7 +221,8 @@ def run_pipeline(forward: Callable[[int, torch.Tensor | None], torch.Tensor], sc
         RuntimeError: A neighbour failed (gloo's error).
     """
     group = links.process_group()
-    wants_input_grad = links.send_gradients and any(op.kind == "B" for op in schedule)
+    backward = any(op.kind == "B" for op in schedule)
+    wants_input_grad = links.send_gradients and backward
     held: dict[int, tuple[torch.Tensor | None, Any]] = {}  # j -> (input needing its grad, output or loss)
     losses: dict[int, torch.Tensor] = {}
     pending: list[Any] = []
@@ -230,12 +231,14 @@ def run_pipeline(forward: Callable[[int, torch.Tensor | None], torch.Tensor], sc
             received = None if links.first else _recv(links.previous, group, device)
             if received is not None and wants_input_grad:
                 received.requires_grad_()
-            output = forward(op.j, received)
+            with torch.set_grad_enabled(backward):  # forward only: no graph, no activations held
+                output = forward(op.j, received)
             if links.last:
                 losses[op.j] = output.detach()
             else:
                 _send(output, links.next, group, pending)
-            held[op.j] = (received, output)
+            if backward:
+                held[op.j] = (received, output)
         else:
             received, output = held.pop(op.j)
             if links.last:

@@ -251,6 +251,21 @@ class SetGradients:
 
 
 @dataclass(frozen=True)
+class MarkReady:
+    """(A joiner admitted by ``generation``) its model is built: the members may send it the state now."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class ReadReady:
+    """Whether every rank of the replicas ``ranks`` admitted by ``generation`` said :class:`MarkReady`; a bool."""
+
+    generation: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ReadMembers:
     """The last published ``(generation, members)``, or None."""
 
@@ -404,14 +419,17 @@ class Protocol:
         compute_needs_group: Computing needs the group (the model's own
             collectives, tensor/pipeline parallelism): a failed membership
             sync regroups before computing instead of in the step's reduction.
+        ready_timeout: How long (transport clock) the members wait for newcomers
+            to build their model (:class:`MarkReady`) before sending them the state.
     """
 
     def __init__(self, rank: int, members: Sequence[int], micro_batches: int, buckets: int,
                  schedule: Mapping[int, Sequence[int]] | None = None, checkin_timeout: float = 10.0,
                  collective_timeout: float = 30.0, logger: Any = None, authority: bool = True,
-                 compute_needs_group: bool = False) -> None:
+                 compute_needs_group: bool = False, ready_timeout: float = 300.0) -> None:
         self.rank = rank
         self.authority, self.compute_needs_group = authority, compute_needs_group
+        self.ready_timeout = ready_timeout
         self.joining = False  # in join(), not admitted yet
         self.resumed: int | None = None  # the step of the fallback state this rank fetched (no replica was left)
         self.members = list(members)
@@ -597,7 +615,10 @@ class Protocol:
                 return stored
             checked = yield ReadCheckIns(generation, tuple(self.members))
             alive = yield ReadAlive(tuple(self.members), exclude_waiting=True)
-            passed = (yield Now()) - start >= self.checkin_timeout
+            # a broken rank has no stake in the record: it never leaves others out for being late (healthy
+            # replicas check in only when their own collective fails, which may be a whole compute later),
+            # unless nobody keeps liveness keys (then only the deadline ends any wait)
+            passed = (yield Now()) - start >= self.checkin_timeout and (not checkin.broken or alive is None)
             record = decide_record(generation, self.members, checked, alive, passed)
             yield Decided(generation, tuple(self.members), checked, None if alive is None else frozenset(alive),
                           passed, record)
@@ -669,10 +690,9 @@ class Protocol:
             except RuntimeError as exc:
                 yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
                 self.log.warning("dp_membership_sync_failed", step=step, error=str(exc)[:200])
-                if self.compute_needs_group:
-                    outcome = yield from self._regroup(step, 0)
-                    self.deal_base = None  # nothing computed yet: the step is dealt over the new members
-                    return outcome
+                if self.compute_needs_group:  # the model cannot compute without its group: regroup first
+                    dead = yield from self._follow_between_steps(step, list(self.members))
+                    return Regrouped(None, dead, 0)
                 yield DropGroup()  # peers blocked on us fail now; this step's reduction regroups
                 return None
         self.agreed.clear()
@@ -696,10 +716,25 @@ class Protocol:
             Excluded: A failure's record left this rank out.
         """
         previous = list(self.members)
-        if self.rank == previous[0]:
+        if self.rank == previous[0] and self.authority:
             yield from self._propose_resize(self.generation + 1, previous, wanted, step)
         else:
             yield from self._await_proposal(self.generation + 1, previous)
+        yield from self._follow_between_steps(step, previous)
+        self.log.info("dp_resized", step=step, members=self.members, generation=self.generation)
+
+    def _follow_between_steps(self, step: int, previous: list[int]) -> Effects:
+        """Regroup before ``step`` is computed (a resize, or a failed membership sync) and finish what the record
+        followed asks: the step dealt over a resize's members (a replica sends the state to newcomers once
+        they are ready) or over ``previous`` less the lost ranks.
+
+        Returns:
+            The ranks lost since ``previous``.
+
+        Raises:
+            Retired: The record followed is a resize that leaves this rank out.
+            Excluded: A failure's record left this rank out.
+        """
         base, dead = previous, []
         while True:
             try:
@@ -714,14 +749,30 @@ class Protocol:
             dead += outcome.dead
             self.deal_base = (step, base, dead)
             if outcome.base is None or set(self.members) <= set(previous):
-                break  # a failure's record, or ranks only left: no newcomer to send the state to
+                return dead  # a failure's record, or ranks only left: no newcomer to send the state to
             root = min(set(previous) & set(self.members))
-            try:  # the resize's group formed: a replica sends the state to the newcomers
+            try:  # the resize's group formed: a replica sends the state to the newcomers, once they are ready
+                yield from self._await_ready(sorted(set(self.members) - set(previous)))
                 yield TransferState(self.members.index(root), apply=False)
-                break
+                return dead
             except RuntimeError as exc:
                 self.log.warning("dp_resize_transfer_failed", step=step, error=str(exc)[:200])
-        self.log.info("dp_resized", step=step, members=self.members, generation=self.generation)
+
+    def _await_ready(self, newcomers: list[int]) -> Effects:
+        """Wait (at most :attr:`ready_timeout`, a declared pause) until the newcomers built their model.
+
+        A joiner is admitted, and its world built, before its model exists
+        (megatron-core's layers need the world); the state broadcast would
+        otherwise wait in a collective, bounded by the collective timeout.
+        """
+        yield Pause(True, self.ready_timeout + self.collective_timeout)
+        start = yield Now()
+        while not (yield ReadReady(self.generation, tuple(newcomers))):
+            if (yield Now()) - start >= self.ready_timeout:
+                self.log.warning("dp_newcomers_not_ready", generation=self.generation, newcomers=newcomers)
+                break
+            yield Sleep(0.01)
+        yield Pause(False, None)
 
     def _await_proposal(self, generation: int, previous: list[int]) -> Effects:
         """(A follower) before checking in for a resize, wait for the leader's record of ``generation``.
@@ -821,18 +872,21 @@ class Protocol:
         record = yield ReadRecord(latest["generation"])
         if record is None or self.rank not in record.members:
             return False
+        if latest["leader"] == self.rank and latest.get("source", "replica") == "replica":
+            return False  # a joiner holds no replica's state: this rank restarted while its group formed
         yield CheckInFor(record.generation, CheckIn(record.step, 0))
         self.generation, self.members = record.generation, list(record.members)
         if not (yield from self._form(record, record.step)):
             return False
         yield Formed(self.generation, tuple(self.members))
-        if latest["leader"] == self.rank and latest.get("source", "replica") != "replica" \
-                and self.resumed != record.step:  # the group resumes from this replica's fallback: fetch our part
-            step, _ = yield Fallback(record.step)
-            self.resumed = self.next_step = int(step)
         try:
+            if latest["leader"] == self.rank and latest.get("source", "replica") != "replica" \
+                    and self.resumed != record.step:  # the group resumes from this replica's fallback: our part
+                step, _ = yield Fallback(record.step)
+                self.resumed = self.next_step = int(step)
+            yield MarkReady(record.generation)
             step = yield TransferState(self.members.index(latest["leader"]), apply=True)
-        except RuntimeError as exc:  # the replica died while sending: wait for the next admission
+        except RuntimeError as exc:  # the replica died while sending (or our part of a fallback is gone): wait
             self.log.warning("dp_join_transfer_failed", generation=self.generation, error=str(exc)[:200])
             yield DropGroup()
             return False

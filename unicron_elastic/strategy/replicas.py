@@ -266,6 +266,15 @@ class ReplicaMeeting:
         return any(self.store.check([K.checkin(generation, rank)])
                    for replica in replicas for rank in self.layout.ranks(replica))
 
+    def mark_ready(self, generation: int) -> None:
+        """This joiner, admitted by ``generation``, built its model."""
+        self.store.set(K.ready(generation, self.rank), "1")
+
+    def ready(self, generation: int, replicas: Iterable[int]) -> bool:
+        """Whether every rank of ``replicas`` is ready for ``generation``'s state."""
+        return all(self.store.check([K.ready(generation, rank)])
+                   for replica in replicas for rank in self.layout.ranks(replica))
+
     def read_record(self, generation: int) -> MembershipRecord | None:
         """The stored record of ``generation`` as this coordinate sees it, or None."""
         key = K.record(generation)

@@ -407,8 +407,9 @@ class DiskCheckpoints:
         _write(path, state)
         if self.shard is not None:
             log.info("checkpoint_saved", step=step, path=str(path), shard=self.shard)
-            for old in sorted(self._shard_files(self.shard).values())[: -self.keep]:
-                old.unlink(missing_ok=True)
+            files = self._shard_files(self.shard)
+            for step_saved in sorted(files)[: -self.keep]:
+                files[step_saved].unlink(missing_ok=True)
             return
         tmp = self.directory / "latest.tmp"
         tmp.write_text(json.dumps({"step": step, "path": path.name}))

@@ -50,7 +50,8 @@ Array = torch.Tensor | np.ndarray
 
 
 def broadcast_state(pg: dist.ProcessGroup, root: int, rank_index: int, state: Any = None, *,
-                    max_bytes: int | None = None, max_header_bytes: int = MAX_HEADER_BYTES) -> Any:
+                    max_bytes: int | None = None, max_header_bytes: int = MAX_HEADER_BYTES,
+                    device: torch.device = torch.device("cpu")) -> Any:
     """Send ``state`` from the member ``root`` of ``pg`` to every other member, array by array.
 
     Every member of ``pg`` must call this with the same ``root``. Received
@@ -65,6 +66,8 @@ def broadcast_state(pg: dist.ProcessGroup, root: int, rank_index: int, state: An
         max_bytes: (receivers) Refuse a state whose arrays take more bytes than
             this; default the machine's physical memory.
         max_header_bytes: The largest skeleton the root sends and the receivers accept.
+        device: Where ``pg`` takes its tensors (NCCL: the GPU): each array is
+            staged there for its broadcast; what is received still lands on the CPU.
 
     Returns:
         On the root, ``state`` itself (not a copy); on the others, the state received.
@@ -82,6 +85,8 @@ def broadcast_state(pg: dist.ProcessGroup, root: int, rank_index: int, state: An
             alike.
         RuntimeError: The broadcast itself failed (a member left, the group's timeout).
     """
+    if device.type != "cpu":
+        pg = _Staged(pg, device)
     if rank_index == root:
         _send(pg, root, state, max_header_bytes)
         return state
@@ -212,6 +217,28 @@ def _bytes_to_fill(buffer: Array) -> torch.Tensor:
 
 def _is_bool(buffer: Array) -> bool:
     return buffer.dtype == torch.bool if isinstance(buffer, torch.Tensor) else buffer.dtype.kind == "b"
+
+
+class _Staged:
+    """A group that takes its tensors on ``device`` (NCCL): broadcasts a copy there and copies the result back."""
+
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
+        self.pg, self.device = pg, device
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        staged = [t.to(self.device) for t in tensors]
+        work = self.pg.broadcast(staged, opts)
+        return _CopyBack(work, tensors, staged)
+
+
+class _CopyBack:
+    def __init__(self, work: Any, tensors: list[torch.Tensor], staged: list[torch.Tensor]) -> None:
+        self.work, self.tensors, self.staged = work, tensors, staged
+
+    def wait(self) -> None:
+        self.work.wait()
+        for tensor, staged in zip(self.tensors, self.staged):
+            tensor.copy_(staged)
 
 
 def _broadcast(pg: dist.ProcessGroup, root: int, tensor: torch.Tensor) -> None:

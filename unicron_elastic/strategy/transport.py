@@ -11,14 +11,21 @@ once so that peers blocked on it fail within milliseconds. A
   the engine releases a dropped one at once, whose destructor closes its
   sockets (torch 2.13's ``abort()`` does not).
 * :class:`NcclTransport` (GPU): ``ProcessGroupNCCL`` whose communicators are
-  aborted (``abort()``) when dropped, which fails pending operations on the
-  peers. **Untested**: no GPU was available to this project's sessions.
+  aborted (``abort()``) when dropped, which fails this rank's pending
+  operations. NCCL has no connection reset: a peer waiting on a dead or
+  dropped rank fails only at its collective ``timeout``, as an error rather
+  than a killed process (:func:`nccl_error_handling`: blocking wait, no
+  asynchronous error handling), so on GPU a failure is found within the
+  collective timeout, not within milliseconds. The state a replica sends is
+  staged on the GPU. **Untested**: no GPU was available to this project's sessions.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import timedelta
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -76,6 +83,20 @@ class GlooTransport(CollectiveTransport):
             pass
 
 
+def nccl_error_handling() -> None:
+    """A failed NCCL collective raises in ``wait()`` instead of killing the process.
+
+    torchelastic starts workers with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``:
+    NCCL's watchdog then tears a process down when a collective fails or
+    times out, and every survivor of a failure would die with it. The engine
+    handles the error itself (it regroups), so it asks for a blocking wait and
+    no asynchronous error handling (overriding torchelastic's default). Must
+    run before the first NCCL group is made (torch reads the variables then).
+    """
+    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+
+
 class NcclTransport(CollectiveTransport):
     """NCCL groups on this rank's GPU, aborted when dropped (untested here: no GPU was available).
 
@@ -88,6 +109,7 @@ class NcclTransport(CollectiveTransport):
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" or not torch.cuda.is_available() or not dist.is_nccl_available():
             raise ConfigError(f"the NCCL transport needs a CUDA device and a torch build with NCCL (got {device})")
+        nccl_error_handling()
         super().__init__(device)
 
     def new_group(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
@@ -96,7 +118,7 @@ class NcclTransport(CollectiveTransport):
         return dist.ProcessGroupNCCL(store, rank, size, options)
 
     def abort(self, pg: dist.ProcessGroup) -> None:
-        """Abort the communicators: pending NCCL operations here and on the peers fail."""
+        """Abort the communicators: this rank's pending NCCL operations fail (the peers' at their timeout)."""
         try:
             pg.abort()
         except RuntimeError:
@@ -119,6 +141,8 @@ def is_peer_failure(exc: BaseException) -> bool:
     closed by peer``, ``Connection reset by peer``, a timeout); NCCL raises a
     ``DistBackendError``. Anything else is the model's own error and is raised as is.
     """
+    if isinstance(exc, getattr(dist, "DistStoreError", ())):
+        return False  # the meeting store, not a peer (an etcd blip while a group connects lazily)
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc)
