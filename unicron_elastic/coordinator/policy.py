@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from typing import Union
 
 from unicron_elastic.coordinator.api import ClusterPlan, Command, TaskPlan, TaskSpec
@@ -45,16 +44,11 @@ from unicron_elastic.planner.onestep import Event as TableEvent
 from unicron_elastic.planner.onestep import OneStepTable
 from unicron_elastic.planner.solver import MAX_GPUS, Problem, solve
 from unicron_elastic.planner.throughput import (
-    INFEASIBLE,
-    Estimate,
     GpuType,
     GptModel,
-    ParallelConfig,
     TabulatedThroughput,
     estimate,
     gpu_type,
-    iteration_time,
-    memory_per_gpu,
 )
 
 
@@ -246,35 +240,6 @@ def replica_sizes(slots: int, model_parallel: int, low: int, high: int) -> tuple
     return tuple(range(first, high + 1, step))
 
 
-@lru_cache(maxsize=65_536)
-def _estimate_in_unit(m: GptModel, g: GpuType, workers: int, unit: int) -> Estimate:
-    """The best Megatron configuration of ``m`` on ``workers`` GPUs with TP x PP = ``unit`` (the task's own).
-
-    :func:`~unicron_elastic.planner.throughput.estimate` with TP x PP fixed; ``workers`` is a multiple of ``unit``.
-    """
-    dp, best = workers // unit, INFEASIBLE
-    if m.global_batch % dp:
-        return best
-    for tp in range(1, min(unit, g.gpus_per_node) + 1):
-        pp = unit // tp
-        if unit % tp or m.heads % tp or m.layers % pp:
-            continue
-        for micro_batch in (1, 2, 4, 8):
-            if (m.global_batch // dp) % micro_batch:
-                continue
-            for recompute in (False, True):
-                c = ParallelConfig(tp, pp, dp, micro_batch, recompute)
-                memory = memory_per_gpu(m, c)
-                if memory > 0.95 * g.memory_bytes:
-                    continue
-                seconds = iteration_time(m, g, c)
-                flops = m.flops_per_iteration / seconds
-                if flops > best.flops:
-                    best = Estimate(flops, c, seconds, flops * (4 / 3 if recompute else 1), memory)
-                break  # recomputation only when the plain configuration does not fit
-    return best
-
-
 def _throughput_at(spec: TaskSpec, workers: int, gpu: str) -> tuple[float, str]:
     """T(t) on ``workers`` workers (a whole number of replicas) and the parallel config shown for it.
 
@@ -288,7 +253,7 @@ def _throughput_at(spec: TaskSpec, workers: int, gpu: str) -> tuple[float, str]:
         shown = f"dp={workers}" if unit == 1 else f"tp*pp={unit} dp={workers // unit}"
         return calibration.get(workers, 0.0), shown
     m, g = _model(spec), gpu_type(gpu)
-    est = estimate(m, g, workers) if unit == 1 else _estimate_in_unit(m, g, workers, unit)
+    est = estimate(m, g, workers, 0 if unit == 1 else unit)
     return est.flops, "" if est.config is None else f"tp={est.config.tp} pp={est.config.pp} dp={est.config.dp}"
 
 

@@ -253,12 +253,12 @@ def iteration_time(m: GptModel, g: GpuType, c: ParallelConfig) -> float:
     return (micro_batches + c.pp - 1) * (t_compute + t_tp + t_p2p) + t_dp
 
 
-def _configs(m: GptModel, g: GpuType, x: int):
+def _configs(m: GptModel, g: GpuType, x: int, model_parallel: int = 0):
     for tp in _divisors(m.heads):
         if tp > g.gpus_per_node or x % tp:
             continue
         for pp in _divisors(m.layers):
-            if (x // tp) % pp:
+            if (x // tp) % pp or (model_parallel and tp * pp != model_parallel):
                 continue
             dp = x // (tp * pp)
             if m.global_batch % dp:
@@ -270,8 +270,15 @@ def _configs(m: GptModel, g: GpuType, x: int):
 
 
 @lru_cache(maxsize=200_000)
-def estimate(m: GptModel, g: GpuType, x: int) -> Estimate:
+def estimate(m: GptModel, g: GpuType, x: int, model_parallel: int = 0) -> Estimate:
     """Best configuration of ``m`` on exactly ``x`` GPUs of type ``g``.
+
+    Args:
+        m: The model.
+        g: The GPU type.
+        x: GPUs.
+        model_parallel: When set, only configurations with TP x PP equal to it
+            (a task whose replica size is fixed); 0 lets TP and PP vary.
 
     Returns:
         The estimate; :data:`INFEASIBLE` when nothing fits.
@@ -279,7 +286,7 @@ def estimate(m: GptModel, g: GpuType, x: int) -> Estimate:
     if x < 1:
         return INFEASIBLE
     best = INFEASIBLE
-    for tp, pp, dp, mb in _configs(m, g, x):
+    for tp, pp, dp, mb in _configs(m, g, x, model_parallel):
         for recompute in (False, True):
             c = ParallelConfig(tp, pp, dp, mb, recompute)
             mem = memory_per_gpu(m, c)
