@@ -9,10 +9,11 @@ replica 1's micro-batches, and the whole replica comes back with the state of
 the matching shard of replica 0. With float64 gradient sums every shard ends
 bit-identical to the failure-free run.
 
-The default run covers a kill in a stage's reduction on TP2xPP2xDP2 and one in a
-micro-batch on TP2xDP2 (with DataLoader workers), scale-in, the equality with no
-parallelism and the per-shard snapshot; ``-m matrix`` runs every kill point on
-every configuration, scale-out and the per-shard disk checkpoint (see
+The default run covers a kill in a stage's reduction on TP2xPP2xDP2, scale-in,
+the equality with no parallelism and the per-shard snapshot; ``-m matrix`` runs
+every kill point on every configuration, the DataLoader's workers feeding every
+rank of a replica (the default DataLoader case is in test_lightning_strategy.py),
+scale-out and the per-shard disk checkpoint (see
 docs/strategy.md for the figures).
 """
 
@@ -138,7 +139,7 @@ def kill_at(point: str):
 
 KILLS = {"micro-batch": kill_in_a_micro_batch, "stage-reduction": kill_in_a_stage_reduction,
          "before-step": kill_at("before_optimizer_step"), "after-step": kill_at("after_optimizer_step")}
-DEFAULT = {("tp2-pp2-dp2", "stage-reduction")}  # (TP2xDP2 in a micro-batch: the DataLoader test below)
+DEFAULT = {("tp2-pp2-dp2", "stage-reduction")}
 CASES = [pytest.param(config, kill, id=f"{config}-{kill}",
                       marks=[] if (config, kill) in DEFAULT else [pytest.mark.matrix])
          for config in CONFIGS for kill in KILLS]
@@ -240,6 +241,7 @@ def test_dp_scale_out_2_to_3_with_tp2_new_replica_gets_its_shards_from_a_replica
 
 
 # -- the DataLoader and the per-shard snapshot ---------------------------------------------------------------
+@pytest.mark.matrix  # the default DataLoader case: tests/test_lightning_strategy.py
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_dataloader_workers_feed_every_rank_of_a_replica_and_a_kill_keeps_the_trajectory(tmp_path: Path,
                                                                                          reference) -> None:
