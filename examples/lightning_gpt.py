@@ -19,11 +19,13 @@ Eight ranks, TP=2 x PP=2 x DP=2, killing rank 5 (replica 1, stage 0, tensor
 rank 1) in its second micro-batch of step 3::
 
     unicron-run --standalone --nproc-per-node=8 examples/lightning_gpt.py --tensor-parallel 2 \
-        --pipeline-parallel 2 --steps 6 --out /tmp/gpt3d --kill-rank 5 --kill-step 3 --kill-micro-batch 1
+        --pipeline-parallel 2 --steps 8 --hold-for-joiner 6 --out /tmp/gpt3d \
+        --kill-rank 5 --kill-step 3 --kill-micro-batch 1
 
 Replica 0 computes replica 1's micro-batches; the agent restarts rank 5 and
-its replica's three other ranks leave and rejoin; each receives the state of
-its shard from replica 0. ``OUT/shards<R>.pt`` holds each rank's parameters
+its replica's three other ranks leave and rejoin (``--hold-for-joiner 6``
+keeps the run open until they are back); each receives the state of its shard
+from replica 0. ``OUT/shards<R>.pt`` holds each rank's parameters
 by name with their tensor-parallel partition (to assemble the whole model).
 """
 

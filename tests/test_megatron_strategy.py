@@ -38,6 +38,7 @@ GPT = os.path.join(EXAMPLES, "lightning_gpt.py")
 STEPS, HOLD, B, BUCKET = 6, 4, 6, 1500  # global batch 24 in micro-batches of 4; ~7000 parameters per shard
 CONFIGS = {"tp2-dp2": (2, 1), "pp2-dp2": (1, 2), "tp2-pp2-dp2": (2, 2)}
 TIMEOUT = 420
+SURVIVED_WITHIN_S = 30  # kill -> replica 0's step done: half the collective timeout, on a loaded machine too
 
 
 def launch(out: Path, tp: int, pp: int, faults: list[Fault], *args: str, replicas: int = 2,
@@ -152,10 +153,14 @@ def test_a_killed_rank_loses_its_replica_which_rejoins_with_its_shards_state(tmp
     tp, pp = CONFIGS[config]
     layout = ModelParallel(tp, pp)
     victim, fault = KILLS[kill](layout)
-    proc = launch(tmp_path, tp, pp, [fault], "--hold-for-joiner", str(HOLD))
+    proc = launch(tmp_path, tp, pp, [fault], "--hold-for-joiner", str(HOLD), "--record-times")
     noticed = check_recovery(tmp_path, proc, reference(tp, pp), layout, victim)
     failed_step = 3 if kill in ("before-step", "after-step") else 2  # after the step: noticed in the next one
     assert {rep["step"] for rep in noticed.values()} == {failed_step}
+    killed_at = the_fault_fired(tmp_path, victim)["time"]
+    for r in layout.ranks(0):  # not held until a collective's timeout (60 s) by a live rank that gave up the step
+        done = {t["step"]: t["t"] for t in map(json.loads, (tmp_path / f"times{r}.jsonl").read_text().splitlines())}
+        assert done[failed_step] - killed_at < SURVIVED_WITHIN_S, (r, done[failed_step] - killed_at)
     if kill != "stage-reduction":
         assert all(rep["kept_buckets"] == 0 for rep in noticed.values())  # scenario 1: nothing reduced yet
         return

@@ -713,12 +713,22 @@ class ElasticDataParallel:
             self.hook(self.rank, effect.step, bucket=effect.index)
 
     def _compute_effect(self, effect: P.Compute) -> torch.Tensor:
+        """Compute this rank's micro-batches of a step.
+
+        Raises:
+            ReplicaBroken: A collective of the model failed (a peer of this
+                replica was lost). It carries the message only: the failed
+                call's frames, which hold the groups, are freed, so that
+                dropping the groups closes their connections at once and
+                peers blocked on this rank fail now, not at their timeout.
+        """
         try:
             return self._compute(effect.step, list(effect.micro_batches), effect.redo)
         except RuntimeError as exc:
-            if self.committed and is_peer_failure(exc):  # the model's own collectives: a peer of this replica
-                raise ReplicaBroken(f"rank {self.rank}: a collective of its model failed: {exc}") from exc
-            raise
+            if not (self.committed and is_peer_failure(exc)):
+                raise
+            message = f"rank {self.rank}: a collective of its model failed: {exc}"
+        raise ReplicaBroken(message)  # outside the handler: no __context__ keeps the frames
 
     def _zeros(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A gradient sum of this shard and its per-parameter views."""
