@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
-from unicron_elastic.agent.detectors import ExceptionDetector, HangDetector
+from unicron_elastic.agent.detectors import ExceptionDetector, HangDetector, ProcessDetector
 from unicron_elastic.api import ConfigError, MalformedValueError
 from unicron_elastic.detection.hang import HangThresholds, IterationMonitor
 from unicron_elastic.detection.severity import SEVERITY_TABLE, classify
@@ -243,3 +247,78 @@ def test_the_exception_detector_ignores_ranks_that_are_not_its_workers() -> None
         report = {"t": "exc", "rank": rank, "type": "ValueError", "msg": "m", "step": 1, "fatal": False}
         detector.on_message(report, 1.0)
     assert ctx.exceptions == [4] and detector.dropped == 2
+
+
+class _ProcessContext:
+    """Two real child processes as local workers 0 and 1 (global ranks 4, 5); exits are recorded."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs, self.exited, self.seen = procs, [], threading.Event()
+
+    def workers(self) -> dict:
+        return {i: (4 + i, p) for i, p in enumerate(self.procs)}
+
+    def worker_exited(self, local_rank, pid, exitcode, detected_at) -> None:
+        self.exited.append((local_rank, pid, exitcode))
+        self.seen.set()
+
+
+def _child(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_the_process_detector_is_woken_by_an_exit_and_follows_restarted_workers() -> None:
+    healthy, failing = _child("import time; time.sleep(60)"), _child("import sys, time; time.sleep(0.3); sys.exit(3)")
+    ctx, detector = _ProcessContext([healthy, failing]), ProcessDetector()
+    detector.start(ctx)
+    try:
+        detector.on_workers_started([0, 1], "g0")
+        assert ctx.seen.wait(30), "the exit was not reported"
+        assert ctx.exited == [(1, failing.pid, 3)]
+        ctx.seen.clear()
+        restarted = _child("import sys; sys.exit(7)")  # a restart: a new process for local rank 1
+        ctx.procs[1] = restarted
+        detector.on_workers_started([1], "g1")
+        assert ctx.seen.wait(30), "the restarted worker's exit was not reported"
+        assert ctx.exited[1:] == [(1, restarted.pid, 7)] and healthy.poll() is None
+        healthy.terminate()  # SIGTERM: exit code -15, reported too (every non-zero code is)
+        deadline = time.monotonic() + 30
+        while len(ctx.exited) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ctx.exited[2:] == [(0, healthy.pid, -15)]
+    finally:
+        detector.stop()
+        for p in ctx.procs + [healthy, failing]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_the_process_detector_polls_where_there_are_no_pidfds() -> None:
+    failing = _child("import sys; sys.exit(2)")
+    ctx, detector = _ProcessContext([failing]), ProcessDetector(interval=0.01)
+    detector.pidfds = False
+    detector.start(ctx)
+    try:
+        detector.on_workers_started([0], "g0")
+        assert ctx.seen.wait(30) and ctx.exited == [(0, failing.pid, 2)]
+    finally:
+        detector.stop()
+
+
+def test_the_hang_detector_wakes_at_the_deadline_not_on_a_tick() -> None:
+    # interval 60 s: only the deadline (3 x 0.1 s mean, floor 0) can wake it in time
+    detector = HangDetector(HangThresholds(warmup=1, min_silence=0.0), interval=60.0)
+    ctx = _Context()
+    detector.start(ctx)
+    try:
+        detector.on_workers_started([0, 1], "g0")
+        now = time.monotonic()
+        detector.on_message({"t": "beat", "rank": 4, "step": 0, "dur": 0.1}, now)  # rank 5 never beats: no alarm
+        deadline = time.monotonic() + 30
+        while not ctx.hangs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(rank, f.kind) for rank, f in ctx.hangs] == [(4, "task_hang")]
+        assert time.monotonic() - now < 20  # long before the 60 s interval
+    finally:
+        detector.stop()

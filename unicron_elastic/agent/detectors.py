@@ -9,6 +9,7 @@ provided through the ``unicron_detectors`` hook; these are the default plugin's.
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 from abc import ABC
@@ -99,30 +100,72 @@ class Detector(ABC):  # noqa: B024 - every method has a sensible default
 
 
 class ProcessDetector(Detector):
-    """Process supervision: one thread per local worker, polling every ``interval`` s."""
+    """Process supervision: one thread woken by the exit of any local worker.
+
+    On Linux (5.3+) the thread blocks on every worker's pidfd: an exit wakes it
+    at once and a healthy run costs no CPU. Where pidfds are unavailable it
+    polls the workers every ``interval`` s instead.
+    """
 
     name = "process"
 
     def __init__(self, interval: float = 0.01) -> None:
         self.interval = interval
         self._stop = threading.Event()
-        self._threads: dict[int, threading.Thread] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread: threading.Thread | None = None
         self._reported: set[int] = set()
+        self.pidfds = hasattr(os, "pidfd_open")  # False where the platform has none (then: polling)
 
     def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
-        for local_rank in local_ranks:
-            if local_rank not in self._threads:
-                thread = threading.Thread(target=self._watch, args=(local_rank,), daemon=True,
-                                          name=f"unicron-supervise-{local_rank}")
-                self._threads[local_rank] = thread
-                thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, daemon=True, name="unicron-supervise")
+            self._thread.start()
+        self._wake()
 
-    def _watch(self, local_rank: int) -> None:
-        while not self._stop.wait(self.interval):
-            entry = self.ctx.workers().get(local_rank)
-            if entry is None:
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:  # closed by stop(): nothing to wake
+            pass
+
+    def _watch(self) -> None:
+        poller, opened = select.poll(), {}  # pid -> pidfd
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while not self._stop.is_set():
+                workers = self.ctx.workers()
+                self._check(workers)
+                self._follow(poller, opened, {proc.pid for _, proc in workers.values() if proc.returncode is None})
+                for fd, _ in poller.poll(None if self.pidfds else self.interval * 1000):
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+        finally:
+            for fd in opened.values():
+                os.close(fd)
+
+    def _follow(self, poller: select.poll, opened: dict[int, int], running: set[int]) -> None:
+        """Watch the pidfds of ``running`` (opened as needed), close the others."""
+        if not self.pidfds:
+            return
+        for pid in set(opened) - running:
+            poller.unregister(opened[pid])
+            os.close(opened.pop(pid))
+        for pid in running - set(opened):
+            try:
+                opened[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:  # reaped already: _check saw (or the next pass sees) its code
+                self._wake()
                 continue
-            proc = entry[1]
+            except OSError as exc:  # e.g. a kernel without pidfds: poll instead
+                log.warning("pidfd_unavailable_polling", error=str(exc), interval=self.interval)
+                self.pidfds = False
+                return
+            poller.register(opened[pid], select.POLLIN)
+
+    def _check(self, workers: dict[int, tuple[int, Popen]]) -> None:
+        """Report every worker that ended with a non-zero code (once per process)."""
+        for local_rank, (_, proc) in workers.items():
             code = proc.poll()
             if code is not None and code != 0 and proc.pid not in self._reported:
                 self._reported.add(proc.pid)
@@ -130,6 +173,7 @@ class ProcessDetector(Detector):
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake()
 
 
 class ExceptionDetector(Detector):
@@ -161,12 +205,13 @@ class HangDetector(Detector):
 
     name = "hang"
 
-    def __init__(self, thresholds: HangThresholds | None = None, interval: float = 0.02) -> None:
+    def __init__(self, thresholds: HangThresholds | None = None, interval: float = 1.0) -> None:
         self.thresholds = thresholds or HangThresholds()
-        self.interval = interval
+        self.interval = interval  # the longest sleep between checks (the thread wakes at the next deadline)
         self.monitors: dict[int, IterationMonitor] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._changed = threading.Event()  # a deadline moved earlier (or a worker appeared): recompute the sleep
         self._thread: threading.Thread | None = None
 
     def start(self, ctx: DetectorContext) -> None:
@@ -184,6 +229,7 @@ class HangDetector(Detector):
                 rank = ranks.get(local_rank)
                 if rank is not None:
                     self.monitors.setdefault(rank, IterationMonitor(self.thresholds)).reset(generation, now)
+        self._changed.set()
 
     def on_message(self, msg: dict[str, Any], received: float) -> None:
         if msg["t"] not in ("beat", "state"):
@@ -193,14 +239,14 @@ class HangDetector(Detector):
             return
         with self._lock:
             monitor = self.monitors.setdefault(msg["rank"], IterationMonitor(self.thresholds))
+            before = monitor.deadline()
             if msg["t"] == "beat":
                 finding = monitor.heartbeat(received, float(msg["dur"]))
-            elif msg["t"] == "state":
+            else:
                 monitor.set_state(received, paused=msg.get("paused"), in_collective=msg.get("collective"),
                                   pause_for=msg.get("pause_for"))
                 finding = None
-            else:
-                return
+            self._note_deadline(before, monitor.deadline())
         if finding is not None:
             self.ctx.hang(msg["rank"], finding)
 
@@ -211,17 +257,28 @@ class HangDetector(Detector):
                 if other != rank:
                     monitor.peer_failed(now)
 
+    def _note_deadline(self, before: float | None, after: float | None) -> None:
+        """Wake the thread when a worker's deadline came earlier (heartbeats only push it later)."""
+        if after is not None and (before is None or after < before):
+            self._changed.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        """Check every monitor, then sleep until the earliest deadline (or ``interval``, or a change)."""
+        while not self._stop.is_set():
+            self._changed.clear()
             now = time.monotonic()
             with self._lock:
                 found = [(rank, m.check(now)) for rank, m in self.monitors.items()]
+                deadlines = [d for d in (m.deadline() for m in self.monitors.values()) if d is not None]
             for rank, finding in found:
                 if finding is not None:
                     self.ctx.hang(rank, finding)
+            sleep = self.interval if not deadlines else min(self.interval, max(min(deadlines) - now, 0.0) + 0.001)
+            self._changed.wait(sleep)
 
     def stop(self) -> None:
         self._stop.set()
+        self._changed.set()
 
 
 class NodeHealthDetector(Detector):

@@ -248,6 +248,7 @@ class ElasticDataParallel:
         self.pg: dist.ProcessGroup | None = None  # this shard's data-parallel group
         self.world_pg: dist.ProcessGroup | None = None  # with TP/PP: every rank (commit, pipeline)
         self._incarnations: dict[int, str] = {}
+        self._sum: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # the step's local gradient sum (reused)
         self._shard_buckets: list[int] | None = None  # buckets of every shard (read once, for recomputations)
         self.forward_only: list[int] = []  # steps whose recomputation ran this stage forward only (PP, scenario 2)
         self._joining: Any = None  # start_join's outcome: (generator, effect) paused for the model, or the step
@@ -730,9 +731,26 @@ class ElasticDataParallel:
             message = f"rank {self.rank}: a collective of its model failed: {exc}"
         raise ReplicaBroken(message)  # outside the handler: no __context__ keeps the frames
 
-    def _zeros(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A gradient sum of this shard and its per-parameter views."""
-        total = torch.zeros(sum(p.numel() for p in self.params), dtype=self.grad_dtype, device=self.params[0].device)
+    def _zeros(self, reuse: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A gradient sum of this shard, zeroed, and its per-parameter views.
+
+        ``reuse``: the step's first computation sums into the engine's own
+        buffer (kept between steps: no fresh allocation per step); a
+        recomputation after a failure gets a new one, since the first sum is
+        still needed beside it.
+        """
+        numel = sum(p.numel() for p in self.params)
+        if not reuse:
+            return self._views(torch.zeros(numel, dtype=self.grad_dtype, device=self.params[0].device))
+        cached = self._sum
+        if cached is None or cached[0].numel() != numel or cached[0].dtype != self.grad_dtype \
+                or cached[0].device != self.params[0].device:
+            cached = self._sum = self._views(torch.empty(numel, dtype=self.grad_dtype, device=self.params[0].device))
+        cached[0].zero_()
+        return cached
+
+    def _views(self, total: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``total`` and its per-parameter views."""
         views, offset = [], 0
         for p in self.params:
             views.append(total[offset : offset + p.numel()].view_as(p))
@@ -747,7 +765,7 @@ class ElasticDataParallel:
             p.grad = None
 
     def _compute(self, step: int, micro_batches: list[int], redo: bool = False) -> torch.Tensor:
-        total, views = self._zeros()
+        total, views = self._zeros(reuse=not redo)
         if self.layout.pipeline > 1:
             self._pipeline(step, micro_batches, redo, views)
             return total
@@ -821,10 +839,13 @@ class ElasticDataParallel:
         return buf[: end - start], self._decode(buf[end - start :])
 
     def _set_gradients(self, effect: P.SetGradients) -> None:
-        grad = torch.cat(list(effect.reduced)) / self._plan.num_micro_batches
+        """``p.grad`` = the reduced sum / B: views of one buffer (a copy only where the dtypes differ)."""
+        reduced = list(effect.reduced)
+        grad = reduced[0] if len(reduced) == 1 else torch.cat(reduced)  # each bucket is a copy already
+        grad.div_(self._plan.num_micro_batches)
         offset = 0
         for p in self.params:
-            p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
+            p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
 
     def begin_step(self, step: int) -> StepReport:
