@@ -33,7 +33,7 @@ ordinary all-reduce over the data-parallel group per step and no resilience
 overhead <= 2%.
 
     python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
-                                    [--only-tp] [--tp-width 256] [--tp-layers 4]
+                                    [--only-tp [--breakdown]] [--tp-width 256] [--tp-layers 4]
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ PLAIN = str(ROOT / "_restart_all_worker.py")
 GPT = str(ROOT.parent / "examples" / "lightning_gpt.py")
 DDP = str(ROOT / "_lightning_ddp_worker.py")
 TP_PLAIN = str(ROOT / "_tp_plain_worker.py")
+BREAKDOWN = str(ROOT / "_step_breakdown.py")
+BREAKDOWN_KEYS = ("forward", "backward", "reduce", "commit", "set_grads", "sigterm", "optimizer")
 TP_STEPS = 40
 GPT_STEPS, GPT_KILL = 80, 12
 BIN = os.path.dirname(sys.executable)
@@ -216,18 +218,54 @@ def lightning(runs: int, width: int) -> None:
     print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in free.items()})
 
 
-def tp_run(which: str, tmp: Path, width: int, layers: int) -> list[float]:
-    """One TP=2 x DP=2 run (4 ranks); rank 0's step times after the first 5 steps."""
+def tp_run(which: str, tmp: Path, width: int, layers: int, breakdown: bool = False) -> list[float]:
+    """One TP=2 x DP=2 run (4 ranks); rank 0's step times after the first 5 steps.
+
+    ``breakdown``: the worker runs under ``_step_breakdown.py`` (timers, calls<R>.json in ``tmp``).
+    """
     common = ["--steps", str(TP_STEPS), "--width", str(width), "--layers", str(layers), "--tensor-parallel", "2",
               "--out", str(tmp)]
+    timers = [BREAKDOWN] if breakdown else []
     if which == "unicron":
-        cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", GPT, "--record-times",
+        cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", *timers, GPT, "--record-times",
                "--grad-dtype", "float32", "--snapshot-every", "50", *common]  # the strategy's defaults
     else:
-        cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node=4", TP_PLAIN, *common]
-    subprocess.run(cmd, env=_env(tmp, []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600,
-                   check=True)
+        cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node=4", *timers, TP_PLAIN, *common]
+    subprocess.run(cmd, env=dict(_env(tmp, []), BREAKDOWN_OUT=str(tmp)), stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=600, check=True)
     return lightning_step_times(_times(tmp))
+
+
+def step_breakdown(tmp: Path) -> dict[str, float]:
+    """Per step (median over ranks of the median over steps 6..): ms in each timed part, and the rest."""
+    ends = [s["t"] for s in _times(tmp)]
+    per_rank = []
+    for rank in range(4):
+        calls = json.loads((tmp / f"calls{rank}.json").read_text())
+        rows = []
+        for a, b in zip(ends[5:], ends[6:]):
+            row = {k: sum(d for key, start, d in calls if key == k and a <= start < b) for k in BREAKDOWN_KEYS}
+            row["step"] = b - a
+            rows.append(row)
+        per_rank.append({k: statistics.median(r[k] for r in rows) for k in rows[0]})
+    return {k: statistics.median(r[k] for r in per_rank) * 1e3 for k in per_rank[0]}
+
+
+def print_breakdown(width: int, layers: int) -> None:
+    """One run of each under timers: where the step's time goes, side by side."""
+    parts = {}
+    for which in ("unicron", "plain"):
+        tmp = Path(tempfile.mkdtemp(prefix="unicron-tp-breakdown-"))
+        tp_run(which, tmp, width, layers, breakdown=True)
+        parts[which] = step_breakdown(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("\n== where a TP=2 x DP=2 step goes (one run each under timers; ms per step, median over steps and ranks) ==")
+    print(f"{'part':58s} {'unicron':>9s} {'plain':>9s}")
+    for key in (*BREAKDOWN_KEYS, "step"):
+        print(f"{key:58s} " + " ".join(f"{parts[w][key]:9.1f}" for w in ("unicron", "plain")))
+    rest = {w: parts[w]["step"] - sum(parts[w][k] for k in BREAKDOWN_KEYS) for w in parts}
+    print(f"{'rest (data, gradient sums and copies, Lightning loop, hooks)':58s} {rest['unicron']:9.1f} {rest['plain']:9.1f}")
+    print("(medians of each part: the parts need not add up to the step)")
 
 
 def tensor_parallel(runs: int, width: int, layers: int) -> None:
@@ -258,9 +296,13 @@ def main() -> None:
     parser.add_argument("--only-tp", action="store_true", help="only the TP=2 x DP=2 overhead")
     parser.add_argument("--tp-width", type=int, default=256)
     parser.add_argument("--tp-layers", type=int, default=4)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="with --only-tp: also one run of each under timers, where the step goes")
     args = parser.parse_args()
     if args.only_tp:
         tensor_parallel(args.runs, args.tp_width, args.tp_layers)
+        if args.breakdown:
+            print_breakdown(args.tp_width, args.tp_layers)
         return
     if args.only_node_lost:
         print_node_lost(args.runs, args.width)
