@@ -134,9 +134,14 @@ class ProcessDetector(Detector):
         poller.register(self._wake_r, select.POLLIN)
         try:
             while not self._stop.is_set():
-                workers = self.ctx.workers()
-                self._check(workers)
-                self._follow(poller, opened, {proc.pid for _, proc in workers.values() if proc.returncode is None})
+                try:
+                    workers = self.ctx.workers()
+                    self._check(workers)
+                    self._follow(poller, opened, {p.pid for _, p in workers.values() if p.returncode is None})
+                except Exception:  # noqa: BLE001 - one bad pass must not end supervision
+                    log.exception("process_detector_pass_failed")
+                    self._stop.wait(self.interval)
+                    continue
                 for fd, _ in poller.poll(None if self.pidfds else self.interval * 1000):
                     if fd == self._wake_r:
                         os.read(self._wake_r, 4096)
