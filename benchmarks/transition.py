@@ -30,7 +30,8 @@ Then tensor parallelism (``--only-tp``): TP=2 x DP=2 (4 ranks) of
 ``unicron-run`` vs a plain loop of the same layers under torchrun with one
 ordinary all-reduce over the data-parallel group per step and no resilience
 (``_tp_plain_worker.py``), runs alternated: failure-free step time, target
-overhead <= 2%.
+overhead <= 2%. ``--breakdown`` adds one run of each under timers
+(``_step_breakdown.py``): where the step's time goes, part by part.
 
     python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
                                     [--only-tp [--breakdown]] [--tp-width 256] [--tp-layers 4]
