@@ -68,7 +68,7 @@ def _check(out: Path, results, victim: int, baseline: list[torch.Tensor], recomp
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("micro_batch", [0, 1])
+@pytest.mark.parametrize("micro_batch", [0, pytest.param(1, marks=pytest.mark.matrix)])
 def test_failure_at_each_micro_batch_scenario_1(tmp_path: Path, baseline, micro_batch: int) -> None:
     # rank 2 owns micro-batches 2 and 5 of each step (round-robin over 3 ranks)
     j = [2, 5][micro_batch]
@@ -90,7 +90,8 @@ def test_failure_after_the_optimizer_step(tmp_path: Path, baseline) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("bucket", [0, 1, 2])
+@pytest.mark.parametrize("bucket", [pytest.param(0, marks=pytest.mark.matrix), 1,
+                                    pytest.param(2, marks=pytest.mark.matrix)])
 def test_failure_during_each_gradient_bucket_scenario_2(tmp_path: Path, baseline, bucket: int) -> None:
     results = train(tmp_path, [fail_at(rank=1, step=1, bucket=bucket)], bucket_numel=64)
     recovery = _check(tmp_path, results, 1, baseline, recomputed=True)
@@ -205,10 +206,18 @@ def baseline_f64(tmp_path_factory) -> list[torch.Tensor]:
     return torch.load(out / "params0.pt")
 
 
+POINT_IDS = ["micro-batch", "bucket0", "bucket2", "before-step", "after-step"]
+
+
+def _victim_point_params() -> list:
+    """Every (point, victim); the default suite runs each point once, with the victims in turn (the rest: -m matrix)."""
+    return [pytest.param(point, victim, id=f"{POINT_IDS[point]}-{victim}",
+                         marks=() if victim == point % 4 else pytest.mark.matrix)
+            for point in range(len(POINTS4)) for victim in range(4)]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("victim", range(4))
-@pytest.mark.parametrize("point", range(len(POINTS4)), ids=["micro-batch", "bucket0", "bucket2", "before-step",
-                                                            "after-step"])
+@pytest.mark.parametrize(("point", "victim"), _victim_point_params())
 def test_four_ranks_any_victim_any_point_survivors_bit_identical(tmp_path: Path, baseline_f64, victim: int,
                                                                   point: int) -> None:
     where = dict(POINTS4[point])

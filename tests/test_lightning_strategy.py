@@ -81,7 +81,7 @@ def covered_once(reports: list[dict]) -> bool:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("micro_batch", [2, 5])  # rank 2's first and second micro-batch of the step
+@pytest.mark.parametrize("micro_batch", [pytest.param(2, marks=pytest.mark.matrix), 5])  # rank 2's first, second
 def test_kill_at_each_micro_batch(tmp_path: Path, baseline, micro_batch: int) -> None:
     proc = launch(tmp_path, [fail_at(rank=2, step=2, micro_batch=micro_batch)])
     reports = check_survivors(tmp_path, proc, 2, baseline)
@@ -90,7 +90,8 @@ def test_kill_at_each_micro_batch(tmp_path: Path, baseline, micro_batch: int) ->
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("bucket", [0, 1, 2])
+@pytest.mark.parametrize("bucket", [pytest.param(0, marks=pytest.mark.matrix), 1,
+                                    pytest.param(2, marks=pytest.mark.matrix)])  # all three: -m matrix
 def test_kill_during_each_gradient_bucket(tmp_path: Path, baseline, bucket: int) -> None:
     proc = launch(tmp_path, [fail_at(rank=1, step=3, bucket=bucket)], "--bucket-numel", str(BUCKET))
     reports = check_survivors(tmp_path, proc, 1, baseline)

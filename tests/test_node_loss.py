@@ -156,6 +156,7 @@ def test_a_lost_node_leaves_the_survivors_on_the_failure_free_trajectory(
           f"{recovered:.2f} s after the kill")
 
 
+@pytest.mark.matrix  # by default through Lightning: test_lightning_lost_node_started_again_rejoins_...
 @pytest.mark.timeout(300)
 def test_the_lost_node_started_again_rejoins_without_restarting_anyone(etcd: EmbeddedEtcd, tmp_path: Path,
                                                                        baseline) -> None:
