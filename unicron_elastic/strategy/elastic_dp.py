@@ -840,7 +840,7 @@ class ElasticDataParallel:
 
     def _set_gradients(self, effect: P.SetGradients) -> None:
         """``p.grad`` = the reduced sum / B: views of one buffer (a copy only where the dtypes differ)."""
-        reduced = list(effect.reduced)
+        reduced = list(effect.reduced[: len(self.bounds)])  # the gradient buckets (not the commit's empty slot)
         grad = reduced[0] if len(reduced) == 1 else torch.cat(reduced)  # each bucket is a copy already
         grad.div_(self._plan.num_micro_batches)
         offset = 0
