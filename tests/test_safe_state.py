@@ -34,7 +34,8 @@ from unicron_elastic.api import StateDecodingError, StateEncodingError
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
 from unicron_elastic.strategy.protocol import TransferState
 from unicron_elastic.strategy.safe_state import MAGIC, dumps, encode, loads, pack
-from unicron_elastic.strategy.snapshots import SNAPSHOT_KEY, DiskCheckpoints, MemorySnapshot
+from unicron_elastic.store.keys import MeetingKeys
+from unicron_elastic.strategy.snapshots import PIECE_BYTES, SNAPSHOT_KEY, DiskCheckpoints, MemorySnapshot
 
 
 class _Evil:
@@ -233,6 +234,60 @@ def test_memory_snapshot_round_trips_through_the_tcpstore() -> None:
     snapshot.save(state)
     snapshot.wait()
     assert same(snapshot.load(), state)
+
+
+def _agent_and_worker_stores() -> tuple[dist.TCPStore, dist.TCPStore]:
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return agent, dist.TCPStore("127.0.0.1", agent.port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def test_a_snapshot_over_the_stores_message_limit_is_written_in_pieces_and_the_connection_survives() -> None:
+    """torch's TCPStore server closes a client that sends more than 8 MiB at once: a 20 MiB state
+    (a width-512 GPT with AdamW) used to lose the snapshot and, sharing the worker's connection, the store."""
+    agent, worker = _agent_and_worker_stores()
+    state = {"w": torch.arange(5 * (1 << 20), dtype=torch.float32), "step": 3}  # 20 MiB
+    snapshot = MemorySnapshot(worker, every=1)
+    snapshot.save(state)
+    snapshot.wait()
+    head = json.loads(agent.get(SNAPSHOT_KEY))
+    assert head["pieces"] == -(-head["bytes"] // PIECE_BYTES) >= 5
+    worker.set("still-connected", "yes")  # the worker's own connection is intact
+    assert same(MemorySnapshot(agent, every=1).load(), state)
+
+
+def test_a_new_snapshot_deletes_the_previous_ones_pieces_after_replacing_its_head() -> None:
+    agent, worker = _agent_and_worker_stores()
+    snapshot = MemorySnapshot(worker, every=1)
+    heads = []
+    for step in (1, 2):
+        snapshot.save({"w": torch.full((PIECE_BYTES // 4 + 1,), float(step)), "step": step})  # two pieces
+        snapshot.wait()
+        heads.append(json.loads(agent.get(SNAPSHOT_KEY)))
+    first, second = (lambda h: [MeetingKeys.snapshot_piece(SNAPSHOT_KEY, h["tag"], i) for i in range(h["pieces"])]
+                     for h in heads)
+    assert heads[0]["pieces"] == 2 and not any(agent.check([key]) for key in first(heads[0]))
+    assert agent.check(second(heads[1])) and MemorySnapshot(agent, every=1).load()["step"] == 2
+
+
+def test_a_snapshot_whose_pieces_vanished_while_read_is_skipped_with_a_warning(capsys) -> None:
+    agent, worker = _agent_and_worker_stores()
+    snapshot = MemorySnapshot(worker, every=1)
+    snapshot.save({"w": torch.ones(4), "step": 1})
+    snapshot.wait()
+    head = json.loads(agent.get(SNAPSHOT_KEY))
+    agent.delete_key(MeetingKeys.snapshot_piece(SNAPSHOT_KEY, head["tag"], 0))  # a newer upload's clean-up
+    assert MemorySnapshot(agent, every=1).load() is None
+    assert "snapshot_changed_while_read" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("head", [b'{"pieces": 1, "bytes": 99, "tag": "t"}', b'{"pieces": 0, "bytes": 0, "tag": "t"}',
+                                  b'{"pieces": 1, "bytes": 1, "tag": "../x"}', b'[1]', b"\x80\x04K\x01."])
+def test_a_malformed_snapshot_head_is_refused(head: bytes) -> None:
+    agent, attacker = _agent_and_worker_stores()
+    attacker.set(MeetingKeys.snapshot_piece(SNAPSHOT_KEY, "t", 0), dumps({"step": 1}))
+    attacker.set(SNAPSHOT_KEY, head)
+    with pytest.raises(StateDecodingError, match="refused"):
+        MemorySnapshot(agent, every=1).load()
 
 
 @pytest.mark.parametrize("layout", ["dcp-directory", "state-file"])

@@ -140,13 +140,18 @@ class MeetingKeys:
     JOIN_REQUESTS = "unicron-dp/join-requests"  # counter of ranks waiting to join or asked to leave
     FINISHED = "unicron-dp/finished"  # the step training ended at
     LIVENESS = "unicron-dp/liveness"  # present when live/<rank> keys are kept
-    SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot (safe_state bytes; in an agent's TCPStore)
+    SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot's head (JSON naming its pieces; an agent's TCPStore)
 
     @staticmethod
     def snapshot(shard: str | None = None, slot: int = 0) -> str:
         """The in-memory snapshot of the whole model (``shard`` None), or of one model shard (``tp<t>-pp<p>``)
         in one of its two slots (the newest two saves are kept)."""
         return MeetingKeys.SNAPSHOT if shard is None else f"{MeetingKeys.SNAPSHOT}/{shard}/{int(slot)}"
+
+    @staticmethod
+    def snapshot_piece(key: str, tag: str, index: int) -> str:
+        """Piece ``index`` of the snapshot upload ``tag`` whose head is ``key`` (one of :meth:`snapshot`)."""
+        return f"{key}/pieces/{tag}/{int(index)}"
 
     @staticmethod
     def snapshot_step(shard: str, slot: int) -> str:

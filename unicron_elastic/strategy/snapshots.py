@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import threading
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -44,13 +45,18 @@ import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, StateDecodingError, StoreError
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.strategy.safe_state import EncodedState, encode, loads, pack, pack_parts
+from unicron_elastic.strategy.safe_state import EncodedState, encode, load_json, loads, looks_like, pack, pack_parts
 
 log = structlog.get_logger(__name__)
 
 SNAPSHOT_KEY = MeetingKeys.SNAPSHOT
 _SLOTS = 2  # per shard, the newest two snapshots are kept
 _UNREACHABLE = (RuntimeError, OSError, LookupError, ValueError, StoreError)  # a store or its host is gone
+#: Largest piece of a snapshot written to a store in one message. torch's TCPStore server (libuv)
+#: refuses a message over 8 MiB by closing the client's connection: a whole snapshot in one value
+#: was lost for any state over 8 MiB and, under plain torchrun, broke the worker's own store.
+PIECE_BYTES = 4 << 20
+_MAX_PIECES = 1 << 20  # a head naming more is malformed (4 TiB)
 
 
 def newest_common_step(steps: Mapping[str, Iterable[int]], shards: Sequence[str]) -> int | None:
@@ -241,7 +247,7 @@ class MemorySnapshot:
             try:
                 if self.shard is not None:  # the slot's step goes first and comes back last: a step listed is there
                     store.delete_key(MeetingKeys.snapshot_step(self.shard, slot))
-                store.set(MeetingKeys.snapshot(self.shard, slot), payload)
+                _put(store, MeetingKeys.snapshot(self.shard, slot), payload, f"{step}-{uuid.uuid4().hex[:12]}")
                 if self.shard is not None:
                     store.set(MeetingKeys.snapshot_step(self.shard, slot), str(step))
             except _UNREACHABLE as exc:  # its host is gone: a later save may succeed
@@ -321,19 +327,79 @@ def _read_step(where: str, store: dist.Store, shard: str, slot: int) -> int | No
         return None
 
 
-def _read(where: str, store: dist.Store, key: str = SNAPSHOT_KEY) -> dict[str, Any] | None:
-    """The snapshot under ``key`` in one store, or None (none there, or the store is unreachable: a warning).
+def _put(store: dist.Store, key: str, payload: bytes, tag: str) -> None:
+    """Write ``payload`` under ``key`` in pieces of at most :data:`PIECE_BYTES` bytes.
+
+    The pieces go first (under ``tag``, unique to this upload), then the head
+    ``key`` naming them, which replaces the previous head in one write; the
+    previous upload's pieces are deleted last. A reader sees the old snapshot
+    or the new one, never a mix.
 
     Raises:
-        StateDecodingError: The value is not a safe state document.
+        RuntimeError: The store failed (its host is gone): the caller warns.
+    """
+    count = max(1, -(-len(payload) // PIECE_BYTES))
+    previous = _old_head(store, key)
+    for index in range(count):
+        store.set(MeetingKeys.snapshot_piece(key, tag, index), payload[index * PIECE_BYTES:(index + 1) * PIECE_BYTES])
+    store.set(key, json.dumps({"pieces": count, "bytes": len(payload), "tag": tag}))
+    if previous is not None and previous["tag"] != tag:
+        for index in range(previous["pieces"]):
+            store.delete_key(MeetingKeys.snapshot_piece(key, previous["tag"], index))
+
+
+def _old_head(store: dist.Store, key: str) -> dict[str, Any] | None:
+    """The head now under ``key`` (its pieces are deleted after the next upload), or None (none, or malformed)."""
+    if not store.check([key]):
+        return None
+    try:
+        return _head(store.get(key))
+    except StateDecodingError:
+        return None
+
+
+def _head(value: bytes) -> dict[str, Any]:
+    """A snapshot's head: ``{"pieces": n, "bytes": total, "tag": upload}``.
+
+    Raises:
+        StateDecodingError: ``value`` is not such a head (e.g. a pickle planted under the key).
+    """
+    if not value.startswith(b"{"):
+        raise StateDecodingError(f"not a unicron snapshot head ({looks_like(memoryview(value))}); refused")
+    head = load_json(value)
+    if (not isinstance(head, dict) or set(head) != {"pieces", "bytes", "tag"} or type(head["pieces"]) is not int
+            or not 1 <= head["pieces"] <= _MAX_PIECES or type(head["bytes"]) is not int
+            or not 0 <= head["bytes"] <= head["pieces"] * PIECE_BYTES or not isinstance(head["tag"], str)
+            or not re.fullmatch(r"[0-9a-z-]{1,64}", head["tag"])):
+        raise StateDecodingError(f"malformed unicron snapshot head {bytes(value[:200])!r}; refused")
+    return head
+
+
+def _read(where: str, store: dist.Store, key: str = SNAPSHOT_KEY) -> dict[str, Any] | None:
+    """The snapshot under ``key`` in one store, or None (none there, replaced while read, or the store is
+    unreachable: a warning).
+
+    Raises:
+        StateDecodingError: The head or the document it names is not a safe
+            state document (nothing in it ran).
     """
     try:
         if not store.check([key]):
             return None
-        payload = store.get(key)
+        head = _head(store.get(key))
+        pieces = [MeetingKeys.snapshot_piece(key, head["tag"], index) for index in range(head["pieces"])]
+        if not store.check(pieces):  # a newer upload replaced it (and deleted its pieces) meanwhile
+            log.warning("snapshot_changed_while_read", where=where, key=key)
+            return None
+        payload = b"".join(store.get(piece) for piece in pieces)
+    except StateDecodingError as exc:  # (a ValueError: before the unreachable store's)
+        raise StateDecodingError(f"in-memory snapshot ({key!r} in {where}): {exc}") from None
     except _UNREACHABLE as exc:  # the node holding it was lost
         log.warning("snapshot_unreachable", where=where, error=str(exc)[:200])
         return None
+    if len(payload) != head["bytes"]:
+        raise StateDecodingError(f"in-memory snapshot ({key!r} in {where}): {len(payload)} bytes in its pieces, "
+                                 f"its head says {head['bytes']}; refused")
     try:
         return loads(payload)
     except StateDecodingError as exc:
