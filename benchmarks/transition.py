@@ -30,11 +30,13 @@ Then tensor parallelism (``--only-tp``): TP=2 x DP=2 (4 ranks) of
 ``unicron-run`` vs a plain loop of the same layers under torchrun with one
 ordinary all-reduce over the data-parallel group per step and no resilience
 (``_tp_plain_worker.py``), runs alternated: failure-free step time, target
-overhead <= 2%. ``--breakdown`` adds one run of each under timers
+overhead <= 2%, at each ``--tp-width`` (default 256 and 512: the strategy's
+cost is roughly fixed per step, so its share falls as the step grows).
+``--breakdown`` adds one run of each under timers
 (``_step_breakdown.py``): where the step's time goes, part by part.
 
     python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
-                                    [--only-tp [--breakdown]] [--tp-width 256] [--tp-layers 4]
+                                    [--only-tp [--breakdown]] [--tp-width 256,512] [--tp-layers 4]
 """
 
 from __future__ import annotations
@@ -283,6 +285,7 @@ def tensor_parallel(runs: int, width: int, layers: int) -> None:
           f"runs; step times: median of all {TP_STEPS - 6} steps of every run ==")
     print(f"failure-free step, strategy=unicron_megatron : {ours * 1e3:8.2f} ms   (defaults: float32 sums, snapshot every 50)")
     print(f"failure-free step, plain loop + all-reduce   : {plain_ * 1e3:8.2f} ms   (same TP layers, no resilience)")
+    print(f"difference                                   : {(ours - plain_) * 1e3:+8.2f} ms per step")
     print(f"overhead                                     : {overhead:+8.1f} %  target <= 2%: {'met' if overhead <= 2 else 'NOT met'}")
     print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in times.items()})
 
@@ -295,15 +298,17 @@ def main() -> None:
     parser.add_argument("--skip-torch", action="store_true", help="only the Lightning comparison")
     parser.add_argument("--only-node-lost", action="store_true", help="only the node-lost row")
     parser.add_argument("--only-tp", action="store_true", help="only the TP=2 x DP=2 overhead")
-    parser.add_argument("--tp-width", type=int, default=256)
+    parser.add_argument("--tp-width", type=_widths, default=[256, 512],
+                        help="model width(s) of the TP comparison, comma-separated: one block each")
     parser.add_argument("--tp-layers", type=int, default=4)
     parser.add_argument("--breakdown", action="store_true",
                         help="with --only-tp: also one run of each under timers, where the step goes")
     args = parser.parse_args()
     if args.only_tp:
-        tensor_parallel(args.runs, args.tp_width, args.tp_layers)
+        for width in args.tp_width:
+            tensor_parallel(args.runs, width, args.tp_layers)
         if args.breakdown:
-            print_breakdown(args.tp_width, args.tp_layers)
+            print_breakdown(args.tp_width[0], args.tp_layers)
         return
     if args.only_node_lost:
         print_node_lost(args.runs, args.width)
@@ -335,7 +340,23 @@ def main() -> None:
     print(f"overhead              : {overhead:+8.1f} %  (torch level; the <= 2% target is for Lightning, below)")
     print_node_lost(args.runs, args.width)
     lightning(args.runs, args.gpt_width)
-    tensor_parallel(args.runs, args.tp_width, args.tp_layers)
+    for width in args.tp_width:
+        tensor_parallel(args.runs, width, args.tp_layers)
+
+
+def _widths(text: str) -> list[int]:
+    """``"256,512"`` -> ``[256, 512]``.
+
+    Raises:
+        argparse.ArgumentTypeError: Not positive integers separated by commas.
+    """
+    try:
+        widths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: widths are integers separated by commas") from None
+    if not widths or min(widths) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: widths must be positive")
+    return widths
 
 
 def print_node_lost(runs: int, width: int) -> None:
