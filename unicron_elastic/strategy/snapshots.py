@@ -349,7 +349,11 @@ def _put(store: dist.Store, key: str, payload: bytes, tag: str) -> None:
 
 
 def _old_head(store: dist.Store, key: str) -> dict[str, Any] | None:
-    """The head now under ``key`` (its pieces are deleted after the next upload), or None (none, or malformed)."""
+    """The head under ``key`` before an upload (whose pieces that upload deletes), or None (none, or malformed).
+
+    Raises:
+        RuntimeError: The store failed (its host is gone).
+    """
     if not store.check([key]):
         return None
     try:
