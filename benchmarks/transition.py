@@ -31,7 +31,7 @@ Then tensor parallelism (``--only-tp``): TP=2 x DP=2 (4 ranks) of
 ordinary all-reduce over the data-parallel group per step and no resilience
 (``_tp_plain_worker.py``), runs alternated: failure-free step time, target
 overhead <= 2%, at each ``--tp-width`` (default 256 and 512: the strategy's
-cost is roughly fixed per step, so its share falls as the step grows).
+share of the step falls as the step grows; its cost per step is not fixed).
 ``--breakdown`` adds one run of each under timers
 (``_step_breakdown.py``): where the step's time goes, part by part.
 
