@@ -83,6 +83,7 @@ import torch.distributed as dist
 from unicron_elastic.api import ConfigError, StoreUnavailableError
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy import protocol as P
+from unicron_elastic.strategy.bootstrap import watch_members
 from unicron_elastic.strategy.membership import MembershipError
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.pipeline import StageLinks, forward_only, run_pipeline, schedule_for
@@ -248,6 +249,7 @@ class ElasticDataParallel:
         self.pg: dist.ProcessGroup | None = None  # this shard's data-parallel group
         self.world_pg: dist.ProcessGroup | None = None  # with TP/PP: every rank (commit, pipeline)
         self._incarnations: dict[int, str] = {}
+        self._bootstrap_stores: list[dist.Store] = []  # where each generation's groups bootstrapped (one small each)
         self._sum: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # the step's local gradient sum (reused)
         self._shard_buckets: list[int] | None = None  # buckets of every shard (read once, for recomputations)
         self.forward_only: list[int] = []  # steps whose recomputation ran this stage forward only (PP, scenario 2)
@@ -382,18 +384,24 @@ class ElasticDataParallel:
     def _set_groups(self, generation: int, members: list[int]) -> None:
         """Build this generation's groups: the shard's data-parallel group and, with TP/PP, the world's.
 
+        They bootstrap in a store that stops waiting for a member whose
+        liveness key is gone (:func:`~unicron_elastic.strategy.bootstrap.watch_members`).
+
         Raises:
-            RuntimeError: A member is gone while they form.
+            RuntimeError: A member is gone while they form (:class:`~unicron_elastic.strategy.bootstrap.MemberGoneError`
+                as soon as its liveness key is gone, else a gloo error or the timeout).
             LookupError: Its bootstrap keys are gone (a store outage).
         """
         layout = self.layout
+        store = watch_members(self.store, [rank for replica in members for rank in layout.ranks(replica)])
+        self._bootstrap_stores.append(store)  # (groups call the Python store: it must outlive them)
         if not self.committed:
-            self.pg = self.transport.new_group(dist.PrefixStore(K.group(generation), self.store),
+            self.pg = self.transport.new_group(dist.PrefixStore(K.group(generation), store),
                                                members.index(self.replica), len(members), self.timeout)
             return
-        shard = dist.PrefixStore(K.shard_group(generation, self.coordinate), self.store)
+        shard = dist.PrefixStore(K.shard_group(generation, self.coordinate), store)
         self.pg = self.transport.new_group(shard, members.index(self.replica), len(members), self.timeout)
-        world = dist.PrefixStore(K.commit_group(generation), self.store)
+        world = dist.PrefixStore(K.commit_group(generation), store)
         self.world_pg = self.transport.new_group(world, layout.world_rank(members, self.rank),
                                                  len(members) * layout.size, self.timeout)
 

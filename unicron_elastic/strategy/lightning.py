@@ -58,6 +58,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from unicron_elastic.api import ConfigError
 from unicron_elastic.faults import maybe_fail
 from unicron_elastic.meeting import MEETING_ENV, connect_meeting_store
+from unicron_elastic.strategy.bootstrap import watch_members
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, StepReport
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.feed import MicroBatchFeed
@@ -196,6 +197,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.reports: list[StepReport] = []
         self.joined_at: int | None = None  # the step a restarted rank joined at
         self._store: dist.Store | None = None
+        self._world_stores: list[dist.Store] = []  # where each world bootstrapped (one small object each)
         self._local_only = False  # a joiner until its first step: Lightning's collectives stay local
         self._last_beat: float | None = None
         self._current = (0, 0)
@@ -398,10 +400,19 @@ class UnicronMegatronStrategy(DDPStrategy):
 
         megatron-core's layers of the model are pointed at the new world's
         tensor-parallel group. Called inside the engine's regroup, which is a
-        declared, bounded pause for the hang detector (the engine's ``pause``).
+        declared, bounded pause for the hang detector (the engine's ``pause``),
+        and once before the engine exists (the first world). The world
+        bootstraps in a store that stops waiting for a member whose liveness
+        key is gone (:func:`~unicron_elastic.strategy.bootstrap.watch_members`).
+
+        Raises:
+            MemberGoneError: A member is gone while the world forms (a
+                :class:`torch.distributed.DistNetworkError`; the engine regroups).
         """
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-        index, size = rebuild_world(self._store, generation, self.layout, members, self.env.launch_rank,
+        store = watch_members(self._store, [rank for replica in members for rank in self.layout.ranks(replica)])
+        self._world_stores.append(store)  # (the world's groups call the Python store: it must outlive them)
+        index, size = rebuild_world(store, generation, self.layout, members, self.env.launch_rank,
                                     self._timeout or timedelta(seconds=60), backend, self.lightning_module)
         self.env.set_global_rank(index)
         self.env.set_world_size(size)
