@@ -393,7 +393,7 @@ class ElasticDataParallel:
             LookupError: Its bootstrap keys are gone (a store outage).
         """
         layout = self.layout
-        store = watch_members(self.store, [rank for replica in members for rank in layout.ranks(replica)])
+        store = watch_members(self.store, layout.ranks_of(members))
         self._bootstrap_stores.append(store)  # (groups call the Python store: it must outlive them)
         if not self.committed:
             self.pg = self.transport.new_group(dist.PrefixStore(K.group(generation), store),
@@ -472,7 +472,7 @@ class ElasticDataParallel:
         """
         if not self.meeting.liveness_kept():
             return None
-        ranks = [rank for replica in replicas for rank in self.layout.ranks(replica)]
+        ranks = self.layout.ranks_of(replicas)
         live = self.meeting.incarnations(ranks)
         noted = self._incarnations if trained else {}
         alive = {r for r, seen in live.items() if noted.get(r, seen) == seen}
@@ -480,8 +480,7 @@ class ElasticDataParallel:
 
     def _note_incarnations(self) -> None:
         """Remember which incarnation of each member's ranks this group was formed with."""
-        self._incarnations = self.meeting.incarnations(
-            [rank for replica in self.members for rank in self.layout.ranks(replica)])
+        self._incarnations = self.meeting.incarnations(self.layout.ranks_of(self.members))
 
     # -- membership ----------------------------------------------------------------
     def _requests(self, effect: P.ReadRequests) -> tuple[list[int], list[int]]:

@@ -410,7 +410,7 @@ class UnicronMegatronStrategy(DDPStrategy):
                 :class:`torch.distributed.DistNetworkError`; the engine regroups).
         """
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-        store = watch_members(self._store, [rank for replica in members for rank in self.layout.ranks(replica)])
+        store = watch_members(self._store, self.layout.ranks_of(members))
         self._world_stores.append(store)  # (the world's groups call the Python store: it must outlive them)
         index, size = rebuild_world(store, generation, self.layout, members, self.env.launch_rank,
                                     self._timeout or timedelta(seconds=60), backend, self.lightning_module)

@@ -109,6 +109,10 @@ class ModelParallel:
         """The launch ranks of ``replica``."""
         return [self.rank(replica, c) for c in range(self.size)]
 
+    def ranks_of(self, replicas: Iterable[int]) -> list[int]:
+        """The launch ranks of every one of ``replicas``, replica by replica."""
+        return [rank for replica in replicas for rank in self.ranks(replica)]
+
     def world_rank(self, members: Sequence[int], rank: int) -> int:
         """Rank of launch rank ``rank`` in the world of the replicas ``members`` (same layout, renumbered).
 
@@ -257,14 +261,13 @@ class ReplicaMeeting:
     def checkins(self, generation: int, replicas: Iterable[int], on_malformed: Any = None) -> dict[int, CheckIn]:
         """The replicas' check-ins for ``generation`` as this rank's coordinate sees them (:func:`combine_checkins`)."""
         replicas = list(replicas)
-        ranks = [rank for replica in replicas for rank in self.layout.ranks(replica)]
+        ranks = self.layout.ranks_of(replicas)
         per_rank = self.rank_checkins(generation, ranks, on_malformed)
         return combine_checkins(self.layout, per_rank, replicas, self.coordinate)
 
     def any_checked_in(self, generation: int, replicas: Iterable[int]) -> bool:
         """Whether any rank of ``replicas`` checked in for ``generation`` (even if its replica is not complete)."""
-        return any(self.store.check([K.checkin(generation, rank)])
-                   for replica in replicas for rank in self.layout.ranks(replica))
+        return any(self.store.check([K.checkin(generation, rank)]) for rank in self.layout.ranks_of(replicas))
 
     def mark_ready(self, generation: int) -> None:
         """This joiner, admitted by ``generation``, built its model."""
@@ -272,8 +275,7 @@ class ReplicaMeeting:
 
     def ready(self, generation: int, replicas: Iterable[int]) -> bool:
         """Whether every rank of ``replicas`` is ready for ``generation``'s state."""
-        return all(self.store.check([K.ready(generation, rank)])
-                   for replica in replicas for rank in self.layout.ranks(replica))
+        return all(self.store.check([K.ready(generation, rank)]) for rank in self.layout.ranks_of(replicas))
 
     def read_record(self, generation: int) -> MembershipRecord | None:
         """The stored record of ``generation`` as this coordinate sees it, or None."""
@@ -295,7 +297,7 @@ class ReplicaMeeting:
             if record.resize:
                 kept = (0,) * self.layout.size
             else:
-                ranks = [rank for replica in record.members for rank in self.layout.ranks(replica)]
+                ranks = self.layout.ranks_of(record.members)
                 kept = kept_per_coordinate(self.layout, self.rank_checkins(record.generation, ranks), record.members)
             full = MembershipRecord(record.generation, record.members, min(kept), record.dead, record.step,
                                     record.resize, kept)
@@ -337,5 +339,5 @@ class ReplicaMeeting:
     def leaving(self, members: Iterable[int]) -> list[int]:
         """Those of the replicas ``members`` asked to leave (a rank of them is: its node leaves the task)."""
         members = list(members)
-        ranks = [rank for replica in members for rank in self.layout.ranks(replica)]
+        ranks = self.layout.ranks_of(members)
         return touched_replicas(self.layout, [r for r in ranks if self.store.check([K.leave(r)])], members)
