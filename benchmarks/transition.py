@@ -31,7 +31,9 @@ Then tensor parallelism (``--only-tp``): TP=2 x DP=2 (4 ranks) of
 ordinary all-reduce over the data-parallel group per step and no resilience
 (``_tp_plain_worker.py``), runs alternated: failure-free step time, target
 overhead <= 2%, at each ``--tp-width`` (default 256 and 512: the strategy's
-share of the step falls as the step grows; its cost per step is not fixed).
+share of the step falls as the step grows; its cost per step is not fixed),
+with the CPU each part of the launcher's process tree used per step (the workers,
+the launcher, the embedded etcd), sampled from ``/proc``.
 ``--breakdown`` adds one run of each under timers
 (``_step_breakdown.py``): where the step's time goes, part by part.
 
@@ -49,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -221,10 +224,77 @@ def lightning(runs: int, width: int) -> None:
     print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in free.items()})
 
 
-def tp_run(which: str, tmp: Path, width: int, layers: int, breakdown: bool = False) -> list[float]:
+CPU_PARTS = ("workers", "launcher", "etcd")
+
+
+class TreeCpu:
+    """CPU seconds used by a launcher's process tree, sampled every ``every`` seconds while it runs.
+
+    Each sample maps every process of the tree to its part (``launcher``: the
+    launcher itself; ``etcd``: the embedded etcd ``unicron-run`` starts;
+    ``workers``: the rest) and its user + system CPU so far (``/proc``).
+    Benchmark-only, Linux only.
+    """
+
+    HZ = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, root: int, every: float = 0.5) -> None:
+        self.root, self.every = root, every
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _part(self, pid: int) -> str:
+        if pid == self.root:
+            return "launcher"
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return "etcd" if b"etcdbin" in f.read().split(b"\0", 1)[0] else "workers"
+
+    def _cpu(self, pid: int) -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / self.HZ  # utime + stime
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now, seen = time.time(), {}
+            for pid in [self.root, *process_tree(self.root)]:
+                try:
+                    seen[pid] = (self._part(pid), self._cpu(pid))
+                except OSError:  # exited meanwhile
+                    continue
+            self.samples.append((now, seen))
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def per_step(self, ends: list[float]) -> dict[str, float]:
+        """ms of CPU per step of each part, between the samples nearest the 6th and the last step end.
+
+        Raises:
+            ValueError: Too few samples or steps in the window.
+        """
+        first = min(self.samples, key=lambda s: abs(s[0] - ends[5]))
+        last = min(self.samples, key=lambda s: abs(s[0] - ends[-1]))
+        steps = sum(1 for t in ends if first[0] < t <= last[0])
+        if steps < 5:
+            raise ValueError(f"only {steps} steps between two CPU samples")
+        used = dict.fromkeys(CPU_PARTS, 0.0)
+        for pid, (part, cpu) in last[1].items():
+            if pid in first[1]:
+                used[part] += cpu - first[1][pid][1]
+        return {part: seconds / steps * 1e3 for part, seconds in used.items()}
+
+
+def tp_run(which: str, tmp: Path, width: int, layers: int, breakdown: bool = False,
+           cpu: dict[str, list[float]] | None = None) -> list[float]:
     """One TP=2 x DP=2 run (4 ranks); rank 0's step times after the first 5 steps.
 
     ``breakdown``: the worker runs under ``_step_breakdown.py`` (timers, calls<R>.json in ``tmp``).
+    ``cpu``: gets the run's CPU per step of each part appended (:class:`TreeCpu`).
     """
     common = ["--steps", str(TP_STEPS), "--width", str(width), "--layers", str(layers), "--tensor-parallel", "2",
               "--out", str(tmp)]
@@ -234,8 +304,18 @@ def tp_run(which: str, tmp: Path, width: int, layers: int, breakdown: bool = Fal
                "--grad-dtype", "float32", "--snapshot-every", "50", *common]  # the strategy's defaults
     else:
         cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node=4", *timers, TP_PLAIN, *common]
-    subprocess.run(cmd, env=dict(_env(tmp, []), BREAKDOWN_OUT=str(tmp)), stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=600, check=True)
+    with subprocess.Popen(cmd, env=dict(_env(tmp, []), BREAKDOWN_OUT=str(tmp)), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL) as launcher:
+        sampler = TreeCpu(launcher.pid)
+        try:
+            code = launcher.wait(timeout=600)
+        finally:
+            sampler.stop()
+    if code != 0:
+        raise subprocess.CalledProcessError(code, cmd)
+    if cpu is not None:
+        for part, ms in sampler.per_step([s["t"] for s in _times(tmp)]).items():
+            cpu[part].append(ms)
     return lightning_step_times(_times(tmp))
 
 
@@ -274,10 +354,11 @@ def print_breakdown(width: int, layers: int) -> None:
 def tensor_parallel(runs: int, width: int, layers: int) -> None:
     """Failure-free step time, TP=2 x DP=2: the strategy vs a plain loop of the same TP layers, alternated."""
     times: dict[str, list[list[float]]] = {"unicron": [], "plain": []}
+    cpu = {which: {part: [] for part in CPU_PARTS} for which in times}
     for _ in range(runs):
         for which in times:
             tmp = Path(tempfile.mkdtemp(prefix="unicron-tp-"))
-            times[which].append(tp_run(which, tmp, width, layers))
+            times[which].append(tp_run(which, tmp, width, layers, cpu=cpu[which]))
             shutil.rmtree(tmp, ignore_errors=True)
     ours, plain_ = (statistics.median([x for run in times[k] for x in run]) for k in ("unicron", "plain"))
     overhead = (ours - plain_) / plain_ * 100
@@ -288,6 +369,11 @@ def tensor_parallel(runs: int, width: int, layers: int) -> None:
     print(f"difference                                   : {(ours - plain_) * 1e3:+8.2f} ms per step")
     print(f"overhead                                     : {overhead:+8.1f} %  target <= 2%: {'met' if overhead <= 2 else 'NOT met'}")
     print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in times.items()})
+    print("CPU per step (ms; median of the runs; both cores: ~2x the step when the machine is saturated):")
+    for which, parts in cpu.items():
+        used = {part: statistics.median(values) for part, values in parts.items()}
+        print(f"  {which:8s}: " + ", ".join(f"{part} {ms:6.1f}" for part, ms in used.items())
+              + f", all {sum(used.values()):6.1f}")
 
 
 def main() -> None:

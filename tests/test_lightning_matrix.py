@@ -23,8 +23,8 @@ tens of ms jitter by more than 3x on a shared 2-core machine).
 ``--hold-for-joiner`` makes the survivors wait (a declared, bounded pause) for
 the restarted rank before step ``HOLD``, so it rejoins however slowly it
 starts. The full matrix (49 runs) is marked ``matrix`` (``-m matrix``); one case
-runs in the default suite (a bucket: the default micro-batch and optimizer-step
-kills are ``test_lightning_strategy.py``'s).
+runs in the default suite (a bucket: the default suite's only bucket kill through
+Lightning; its micro-batch and optimizer-step kills are ``test_lightning_strategy.py``'s).
 """
 
 from __future__ import annotations

@@ -765,31 +765,64 @@ class ElasticDataParallel:
         return total, views
 
     def _accumulate(self, views: list[torch.Tensor]) -> None:
-        """Add this micro-batch's gradients (``.grad``) to the sum, then clear them."""
+        """Add the gradients in ``.grad`` that are not in the sum already to it, then clear ``.grad``."""
         for p, view in zip(self.params, views):
-            if p.grad is not None:
-                view.add_(p.grad)  # in place into the sum's dtype: no temporary copies
+            grad = p.grad
+            if grad is not None and grad.data_ptr() != view.data_ptr():  # (a bound .grad is the sum itself)
+                view.add_(grad)  # in place into the sum's dtype: no temporary copies
             p.grad = None
+
+    def _bind(self, views: list[torch.Tensor]) -> bool:
+        """Let autograd add each micro-batch's gradients straight into the sum: ``p.grad`` = its view.
+
+        Only where the sum has the parameters' dtype (the default float32
+        sums of float32 parameters; float64 sums cannot be a float32
+        parameter's ``.grad``). Backward runs with grad mode off, so autograd
+        adds into a ``.grad`` that exists in place (``grad += new``): the same
+        sums, in the same order, as :meth:`_accumulate` after each
+        micro-batch, without a fresh gradient tensor per micro-batch and a
+        Python pass over the parameters. A ``training_step`` must therefore
+        not zero gradients in place (Lightning zeroes them itself, after the
+        step's computation); one that sets them to None is harmless.
+
+        Returns:
+            Whether ``.grad`` are bound (else each micro-batch is added by :meth:`_accumulate`).
+        """
+        if any(view.dtype != p.dtype for p, view in zip(self.params, views)):
+            return False
+        for p, view in zip(self.params, views):
+            p.grad = view
+        return True
 
     def _compute(self, step: int, micro_batches: list[int], redo: bool = False) -> torch.Tensor:
         total, views = self._zeros(reuse=not redo)
-        if self.layout.pipeline > 1:
-            self._pipeline(step, micro_batches, redo, views)
-            return total
-        for j in micro_batches:
-            self.hook(self.rank, step, micro_batch=j)
-            for p in self.params:
+        for p in self.params:
+            p.grad = None
+        bound = self._bind(views)
+        try:
+            if self.layout.pipeline > 1:
+                self._pipeline(step, micro_batches, redo, views, bound)
+            else:
+                for j in micro_batches:
+                    self.hook(self.rank, step, micro_batch=j)
+                    self.loss_fn(self.model, self.batch(self._plan.indices(step, j))).backward()
+                    if not bound:
+                        self._accumulate(views)
+            if bound:
+                self._accumulate(views)  # a .grad that is not its view (a hook set it to None) is added
+        finally:
+            for p in self.params:  # nothing keeps pointing into the sum (nor holds a failed micro-batch's part)
                 p.grad = None
-            self.loss_fn(self.model, self.batch(self._plan.indices(step, j))).backward()
-            self._accumulate(views)
         return total
 
-    def _pipeline(self, step: int, micro_batches: list[int], redo: bool, views: list[torch.Tensor]) -> None:
+    def _pipeline(self, step: int, micro_batches: list[int], redo: bool, views: list[torch.Tensor],
+                  bound: bool) -> None:
         """This stage's part of ``micro_batches`` through the replica's pipeline (our schedule over gloo p2p).
 
         In a recomputation after a failure (``redo``) the stages below every
         stage that still needs gradients run forward only, and nothing runs
-        when every stage kept its reduced buckets.
+        when every stage kept its reduced buckets. ``bound``: autograd sums
+        into ``views`` itself (:meth:`_bind`).
         """
         layout = self.layout
         stage, stages = layout.stage(self.rank), layout.pipeline
@@ -806,15 +839,14 @@ class ElasticDataParallel:
         links = StageLinks(layout.neighbour(self.members, self.rank, stage - 1) if stage > 0 else None,
                            layout.neighbour(self.members, self.rank, stage + 1) if stage < stages - 1 else None,
                            self.world_pg, send_gradients=stage - 1 in backward)
-        for p in self.params:
-            p.grad = None
 
         def forward(position: int, received: torch.Tensor | None) -> torch.Tensor:
             j = micro_batches[position]
             self.hook(self.rank, step, micro_batch=j)
             return self.stage_fn(self.model, self.batch(self._plan.indices(step, j)), received)
 
-        run_pipeline(forward, ops, links, self.transport.device, on_backward=lambda _: self._accumulate(views))
+        run_pipeline(forward, ops, links, self.transport.device,
+                     on_backward=None if bound else lambda _: self._accumulate(views))
 
     def _stages_to_backpropagate(self) -> set[int]:
         """After a regroup: the stages whose backward is still needed (from the record's buckets kept per shard)."""
