@@ -98,7 +98,12 @@ class WorkerChannel:
         self._send({"t": "beat", "step": int(step), "dur": float(duration)})
 
     def progress(self, step: int, micro_batch: int) -> None:
-        """Micro-batch ``micro_batch`` of ``step`` is done."""
+        """Micro-batch ``micro_batch`` of ``step`` is done.
+
+        Every detector's ``on_message`` sees it; the built-in ones ignore it
+        (the hang detector times iterations from :meth:`heartbeat`), so the
+        ``unicron_megatron`` strategy does not send it.
+        """
         self._send({"t": "progress", "step": int(step), "mb": int(micro_batch)})
 
     @contextmanager

@@ -73,6 +73,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -251,6 +252,8 @@ class ElasticDataParallel:
         self._incarnations: dict[int, str] = {}
         self._bootstrap_stores: list[dist.Store] = []  # where each generation's groups bootstrapped (one small each)
         self._sum: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # the step's local gradient sum (reused)
+        self._reader: ThreadPoolExecutor | None = None  # the publishing rank's read of the requests, off the step
+        self._prefetch: tuple[int, Future[int]] | None = None  # (step, its read begun with its computation)
         self._shard_buckets: list[int] | None = None  # buckets of every shard (read once, for recomputations)
         self.forward_only: list[int] = []  # steps whose recomputation ran this stage forward only (PP, scenario 2)
         self._joining: Any = None  # start_join's outcome: (generator, effect) paused for the model, or the step
@@ -486,23 +489,53 @@ class ElasticDataParallel:
     def _requests(self, effect: P.ReadRequests) -> tuple[list[int], list[int]]:
         """Joiners and members asked to leave: one counter read when there are none.
 
-        The leader reads this every step: with etcd unreachable (an outage) it
-        gives up after :data:`REQUESTS_PATIENCE_S` and reports none, so training
-        goes on and the requests are seen at a later step. With TP/PP only the
+        The leader reads this every step, for the next step's members; the
+        read began when this step began computing (:meth:`_prefetch_requests`).
+        With etcd unreachable (an outage) it gives up after
+        :data:`REQUESTS_PATIENCE_S` and reports none, so training goes on and
+        the requests are seen at a later step. With TP/PP only the
         first shard of the leading replica reads them (its offer is the one the
         commit carries); the others report none.
         """
         if self.coordinate != 0 and effect.proposal:
             return [], []
+        prefetched, self._prefetch = self._prefetch, None
         try:
-            count = (self.store.read_int(K.JOIN_REQUESTS, REQUESTS_PATIENCE_S) if hasattr(self.store, "read_int")
-                     else self.store.add(K.JOIN_REQUESTS, 0))
+            if effect.proposal and prefetched is not None and effect.step == prefetched[0] + 1:
+                count = prefetched[1].result()  # read while this rank computed: no round trip at the step's end
+            else:
+                count = self._request_count()
         except StoreUnavailableError as exc:
             log.warning("requests_unreadable", error=str(exc)[:200])
             return [], []
         if count <= 0:
             return [], []
         return self.waiting(), self.meeting.leaving(effect.members)
+
+    def _request_count(self) -> int:
+        """The join/leave request counter (0 if absent).
+
+        Raises:
+            StoreUnavailableError: etcd stayed unreachable for :data:`REQUESTS_PATIENCE_S`.
+        """
+        if hasattr(self.store, "read_int"):
+            return self.store.read_int(K.JOIN_REQUESTS, REQUESTS_PATIENCE_S)
+        return self.store.add(K.JOIN_REQUESTS, 0)
+
+    def _prefetch_requests(self, step: int) -> None:
+        """The publishing rank begins reading the requests for ``step + 1``'s members now, in a thread.
+
+        The leader's proposal rides in the last bucket, which every other rank
+        waits in: a store round trip there (a millisecond or more on a busy
+        host) would delay the whole group each step. What was asked before
+        ``step`` began computing is seen, as when read at its end; a later
+        request waits one step more.
+        """
+        if not self._publishes():
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unicron-requests")
+        self._prefetch = (step, self._reader.submit(self._request_count))
 
     def withdraw_leave_request(self) -> None:
         """Forget this rank's leave request (it retired); a failure is logged, not raised (its agent withdraws too)."""
@@ -554,6 +587,10 @@ class ElasticDataParallel:
         are torn down while running), so a finished rank would exit with SIGABRT.
         """
         self._drop_group()
+        self._prefetch = None
+        if self._reader is not None:
+            self._reader.shutdown(wait=False)
+            self._reader = None
 
     def start_join(self, timeout: float = 120.0) -> bool:
         """Wait until the group admits this rank and its groups are built (``on_group`` ran), without a model.
@@ -730,6 +767,8 @@ class ElasticDataParallel:
                 dropping the groups closes their connections at once and
                 peers blocked on this rank fail now, not at their timeout.
         """
+        if not effect.redo:
+            self._prefetch_requests(effect.step)
         try:
             return self._compute(effect.step, list(effect.micro_batches), effect.redo)
         except RuntimeError as exc:
@@ -900,6 +939,7 @@ class ElasticDataParallel:
                 its replica lost a rank, or the membership sync failed and the
                 regroup left it out): it must :meth:`join`.
         """
+        self._prefetch = None  # (a read begun with an earlier step: the membership sync reads afresh)
         try:
             return self._run(self.protocol.begin_step(step))
         except Retired:

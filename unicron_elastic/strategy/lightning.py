@@ -537,9 +537,8 @@ class UnicronMegatronStrategy(DDPStrategy):
     # -- one step ------------------------------------------------------------------
     def _hook(self, rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
               at: str | None = None) -> None:
-        if micro_batch is not None:
+        if micro_batch is not None:  # (no progress datagram to the agent: no detector reads one, each costs CPU)
             self._current = (step, micro_batch)  # the engine computes this micro-batch next
-            self._worker.progress(step, micro_batch)
         maybe_fail(rank, step, micro_batch=micro_batch, bucket=bucket, at=at)
 
     @contextmanager

@@ -203,10 +203,14 @@ class ReadRequests:
     ``proposal``: read for the leader's proposal (with tensor/pipeline
     parallelism only one rank of the leading replica reads them; a rank asking
     whether it is itself asked to leave reads them whatever its coordinate).
+    ``step``: the step whose members are proposed; the executor may answer
+    from a read begun when the step before it began computing (what was asked
+    before then is seen), so the read costs the step's end no round trip.
     """
 
     members: tuple[int, ...]
     proposal: bool = True
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -654,7 +658,7 @@ class Protocol:
         """The leader's members for ``step``: the schedule's, else the current ones less those asked to leave plus joiners."""
         if self.schedule:
             return proposal(step, self.members, self.schedule, ())
-        waiting, leaving = yield ReadRequests(tuple(self.members))
+        waiting, leaving = yield ReadRequests(tuple(self.members), step=step)
         return proposal(step, self.members, self.schedule, waiting, leaving)
 
     def _sync_membership(self, step: int) -> Effects:
