@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -23,14 +24,14 @@ from unicron_elastic.strategy.protocol import ReadRequests
 DATA = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
 
 
-def engine(loss_fn) -> tuple[ElasticDataParallel, list[int]]:
+def engine(loss_fn, schedule=None) -> tuple[ElasticDataParallel, list[int]]:
     """A one-rank engine (the leader) whose ``waiting()`` records the steps it was asked at: a request was seen."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     e = ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             plan=GlobalBatchPlan(len(DATA), 4, 2, seed=0), batch=lambda idx: DATA[idx],
                             loss_fn=loss_fn, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
+                            timeout=timedelta(seconds=30), schedule=schedule)
     seen: list[int] = []
     e.waiting = lambda: seen.append(current[0]) or []  # type: ignore[method-assign]
     return e, seen
@@ -103,5 +104,16 @@ def test_an_unreachable_store_during_the_read_reports_no_requests_and_training_g
     try:
         train(e, range(3))
         assert seen == [] and e.next_step == 3
+    finally:
+        e.close()
+
+
+def test_with_a_schedule_the_leader_reads_no_requests() -> None:
+    e, seen = engine(lambda model, batch: model(batch).pow(2).mean(), schedule={0: [0]})
+    e._request_count = lambda: pytest.fail("a schedule decides the members: no read")  # type: ignore[method-assign]
+    try:
+        e.store.add(K.JOIN_REQUESTS, 1)
+        train(e, range(2))
+        assert seen == [] and e._reader is None
     finally:
         e.close()

@@ -529,9 +529,9 @@ class ElasticDataParallel:
         waits in: a store round trip there (a millisecond or more on a busy
         host) would delay the whole group each step. What was asked before
         ``step`` began computing is seen, as when read at its end; a later
-        request waits one step more.
+        request waits one step more. With a ``schedule`` the leader reads none.
         """
-        if not self._publishes():
+        if not self._publishes() or self.schedule:
             return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unicron-requests")
