@@ -825,19 +825,17 @@ class ElasticDataParallel:
         step's computation); one that sets them to None is harmless.
 
         Returns:
-            Whether ``.grad`` are bound (else each micro-batch is added by :meth:`_accumulate`).
+            Whether ``.grad`` are bound; else they are cleared (None) and each
+            micro-batch is added by :meth:`_accumulate`.
         """
-        if any(view.dtype != p.dtype for p, view in zip(self.params, views)):
-            return False
+        bound = all(view.dtype == p.dtype for p, view in zip(self.params, views))
         for p, view in zip(self.params, views):
-            p.grad = view
-        return True
+            p.grad = view if bound else None
+        return bound
 
     def _compute(self, step: int, micro_batches: list[int], redo: bool = False) -> torch.Tensor:
         total, views = self._zeros(reuse=not redo)
-        for p in self.params:
-            p.grad = None
-        bound = self._bind(views)
+        bound = self._bind(views)  # (or .grad cleared)
         try:
             if self.layout.pipeline > 1:
                 self._pipeline(step, micro_batches, redo, views, bound)
