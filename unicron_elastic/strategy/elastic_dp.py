@@ -531,7 +531,7 @@ class ElasticDataParallel:
         ``step`` began computing is seen, as when read at its end; a later
         request waits one step more. With a ``schedule`` the leader reads none.
         """
-        if not self._publishes() or self.schedule:
+        if self.coordinate != 0 or not self.protocol.reads_requests:  # (the first shard reads for its replica)
             return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unicron-requests")

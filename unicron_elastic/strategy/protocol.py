@@ -453,6 +453,11 @@ class Protocol:
         """This rank leads its group (the lowest member)."""
         return bool(self.members) and self.rank == self.members[0]
 
+    @property
+    def reads_requests(self) -> bool:
+        """This rank's proposals read the join/leave requests: it leads, and no ``schedule`` decides the members."""
+        return self.leader and not self.schedule
+
     # -- one step ----------------------------------------------------------------------------------------
     def assignment(self, step: int) -> dict[int, list[int]]:
         """Who computes which micro-batch of ``step``: dealt over the step's base, the ranks lost since redistributed."""
@@ -656,7 +661,7 @@ class Protocol:
     # -- membership between steps -------------------------------------------------------------------------
     def _proposal(self, step: int) -> Effects:
         """The leader's members for ``step``: the schedule's, else the current ones less those asked to leave plus joiners."""
-        if self.schedule:
+        if not self.reads_requests:  # a schedule decides (only the leader calls this)
             return proposal(step, self.members, self.schedule, ())
         waiting, leaving = yield ReadRequests(tuple(self.members), step=step)
         return proposal(step, self.members, self.schedule, waiting, leaving)
