@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import os
+import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -10,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
 from unicron_elastic.api import ConfigError
@@ -87,6 +90,31 @@ def test_lightning_resume_from_a_checkpoint_continues_the_same_trajectory(tmp_pa
         model, loader(), ckpt_path=tmp_path / "two.ckpt")
     for ours, ref in zip(model.parameters(), reference(5, global_batch=8)):
         torch.testing.assert_close(ours.detach(), ref)
+
+
+class SigtermDuring(pl.Callback):
+    """SIGTERM to this process at the start of step ``step``'s batch (what unicron-run's stop sends)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_fit_after_the_step_whose_exchange_carried_it(tmp_path: Path) -> None:
+    """The signal marks the rank; the step's gradient exchange carries the mark; fit ends after that step."""
+    model = Regression()
+    t = trainer(tmp_path, 10, callbacks=[SigtermDuring(2)])
+    with pytest.raises(SIGTERMException):
+        t.fit(model, loader())
+    assert t.global_step == 3  # step 2 completed (its optimizer step too), then Lightning stopped
+    assert t.strategy.engine.stop_requested and t.strategy.engine.stop_agreed
+    for ours, ref in zip(model.parameters(), reference(3)):
+        torch.testing.assert_close(ours.detach(), ref)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # Lightning put the handler back
 
 
 @pytest.mark.timeout(120)

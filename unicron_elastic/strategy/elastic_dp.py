@@ -60,6 +60,12 @@ shard of another replica. A failure after some stages reduced keeps those
 stages' buckets (per coordinate) and recomputes only what the unreduced
 stages need: stages below every unreduced stage run forward only.
 
+A stop that one rank is asked for (:meth:`ElasticDataParallel.request_stop`,
+e.g. on SIGTERM) rides in the same slots as the members: the step's last
+exchange (the commit with TP/PP, else the last gradient bucket) sums it, so
+every member sees :attr:`~ElasticDataParallel.stop_agreed` after the same step
+and no extra collective runs per step.
+
 The sequencing is :class:`~unicron_elastic.strategy.protocol.Protocol`'s, a
 state machine that yields effects; this class is its real *transport*: it
 executes them with gloo groups, the store and the clock (``tests/fake_dp.py``
@@ -235,6 +241,8 @@ class ElasticDataParallel:
         self.on_drop = on_drop or (lambda: None)
         self.transport = transport or GlooTransport()
         self.state_source: str | None = None  # where a joiner's state came from
+        self.stop_requested = False  # this rank was asked to stop (request_stop): sent in every exchange from now on
+        self.stop_agreed = False  # a member asked to stop, as an exchange of the members said
         self._resume_state: Any = None  # fallback state a joiner hands to the others (_STEP0: the fresh one)
         self._resume_applied = False
         self.bucket_numel = bucket_numel
@@ -545,16 +553,31 @@ class ElasticDataParallel:
         except Exception as exc:  # noqa: BLE001 - retiring must not turn into a crash
             log.warning("leave_request_not_withdrawn", rank=self.rank, error=str(exc)[:200])
 
+    def request_stop(self) -> None:
+        """Ask every member to stop after a step: the next exchange carries it (safe in a signal handler).
+
+        Every member then sees :attr:`stop_agreed` after the same step (its
+        last exchange: the commit with TP/PP, else the last gradient bucket);
+        the caller stops there. Nothing is sent on its own.
+        """
+        self.stop_requested = True
+
     def _encode(self, members: list[int] | tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor:
-        slots = torch.zeros(self.max_replicas + 1, dtype=dtype)
+        """``[count, members..., 0..., stop]``: the members offered (zeros: none), and this rank's stop request."""
+        slots = torch.zeros(self.max_replicas + 2, dtype=dtype)
         if members is not None:
             slots[0] = len(members)
             slots[1 : 1 + len(members)] = torch.tensor(list(members), dtype=dtype)
+        if self.stop_requested:
+            slots[-1] = 1
         return slots
 
-    @staticmethod
-    def _decode(slots: torch.Tensor) -> list[int]:
-        return [int(r) for r in slots[1 : 1 + int(slots[0])].tolist()]
+    def _decode(self, slots: torch.Tensor) -> list[int]:
+        """The members summed slots carry; notes a stop any rank asked for (:attr:`stop_agreed`)."""
+        values = slots.tolist()
+        if values[-1] > 0:
+            self.stop_agreed = True
+        return [int(r) for r in values[1 : 1 + int(values[0])]]
 
     def _offer(self, offer: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """Only one rank's proposal may count: with TP/PP the first shard's of the leading replica."""

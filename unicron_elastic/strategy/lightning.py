@@ -20,6 +20,12 @@ micro-batch:
   megatron-core's ``parallel_state`` are rebuilt for the new members, so
   Lightning's own collectives (checkpoint saving, ``self.log(sync_dist=True)``)
   keep working;
+* SIGTERM (what ``unicron-run`` sends its workers when it stops) stops every
+  rank after the same step: the signal only marks this rank, the step's own
+  last exchange carries the mark to every member, and Lightning then ends
+  each rank's ``fit`` at the end of that step (``SIGTERMException``). This
+  replaces Lightning's broadcast of a SIGTERM flag before every batch (a
+  barrier of every rank each step) and the one in its signal handler;
 * a worker the agent restarted (``UNICRON_WORKER_RESTARTS`` > 0) joins at the
   next step boundary and receives the whole Lightning state (weights,
   optimizer, loop progress, callbacks, RNG) by broadcast from a replica; when
@@ -73,6 +79,10 @@ from unicron_elastic.worker import get_worker
 log = structlog.get_logger(__name__)
 
 STRATEGY_NAME = "unicron_megatron"
+
+
+def _no_broadcast() -> None:
+    """In place of Lightning's SIGTERM broadcast before each batch: the step's exchange carries SIGTERM."""
 
 
 class _Steps:
@@ -235,8 +245,8 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     @property
     def world_size(self) -> int:
-        # A joiner catching up reports 1: Lightning's per-step collectives (e.g. the SIGTERM
-        # broadcast before each batch) must not run in a world whose members passed that point.
+        # A joiner catching up reports 1: Lightning's collectives on the default group (e.g. a
+        # sync_dist log) must not run in a world whose members passed that point.
         return 1 if self._local_only else super().world_size
 
     @property
@@ -384,7 +394,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             get_state=self._state, set_state=self._load_state,
             on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
             pause=self._worker.set_paused,  # a regroup is a declared, bounded pause, not a hang
-            on_drop=self._drop_world,  # a survivor blocked in Lightning's broadcast or a TP collective fails too
+            on_drop=self._drop_world,  # a survivor blocked in a TP collective (or Lightning's) fails too
             max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
             model_parallel=self.layout, stage_fn=self._stage_forward if self.pp > 1 else None,
             pipeline_schedule=self.pipeline_schedule, transport=transport_for(self.root_device),
@@ -392,7 +402,7 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def _drop_world(self) -> None:
         """This rank drops its groups (a failure): destroy the world too, so peers blocked in it fail at once
-        (Lightning's per-step broadcast on the default group; with TP > 1 a collective of the model)."""
+        (with TP > 1 a collective of the model; a collective of Lightning's on the default group)."""
         drop_world(self.lightning_module)
 
     def _on_group(self, members: list[int], generation: int) -> None:
@@ -437,6 +447,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._check_fit(trainer, module)
         if self.engine is None:
             raise ConfigError("unicron_megatron: fit() reached setup without the engine setup_distributed builds")
+        self._take_over_sigterm(trainer)
         self._admit()  # (a module without configure_model)
         if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
             log.info("rank_rejoined", step=None, state_from=None, finished_before_join=True)
@@ -447,6 +458,55 @@ class UnicronMegatronStrategy(DDPStrategy):
             self.finished_before_join = self.joined_at is None
             log.info("rank_rejoined", step=self.joined_at, state_from=self.engine.state_source,
                      finished_before_join=self.finished_before_join)
+
+    def _take_over_sigterm(self, trainer: Any) -> None:
+        """SIGTERM through the step's last exchange instead of Lightning's collectives (fit only).
+
+        Lightning 2.6 broadcasts a SIGTERM flag from rank 0 over the default
+        group before every batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``:
+        a barrier of every rank, ~5 ms of a 220 ms TP=2 x DP=2 step on 2 cores),
+        and its signal handler broadcasts once more from inside the handler.
+        Here the handler (:meth:`_on_sigterm`) only marks this rank; the engine
+        sums the mark in the step's last exchange, and every member stops after
+        that step (:meth:`backward`). Lightning's registration of its handler
+        comes after ``setup``, so it registers ours. A Lightning without these
+        two (private) members keeps its own way, with a warning.
+        """
+        connector = getattr(trainer, "_signal_connector", None)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not (hasattr(connector, "_sigterm_notifier_fn") and hasattr(epoch_loop, "_broadcast_sigterm_tensor")):
+            log.warning("lightning_sigterm_kept", reason="Lightning has no _SignalConnector._sigterm_notifier_fn or "
+                        "_TrainingEpochLoop._broadcast_sigterm_tensor: its SIGTERM broadcast runs before every batch")
+            return
+        connector._sigterm_notifier_fn = self._on_sigterm
+        epoch_loop._broadcast_sigterm_tensor = _no_broadcast
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM: every member stops after the step the engine's exchange agrees on.
+
+        Outside a training step (validation, a joiner not admitted yet, a
+        retired rank) there is no step to agree in: this rank stops at
+        Lightning's next check, as Lightning does.
+        """
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        log.info("sigterm_received", rank=self.env.launch_rank, signal=signum)
+        if self.engine is not None:
+            self.engine.request_stop()
+        if trainer is not None and (self.engine is None or self._local_only or not trainer.training):
+            trainer._signal_connector.received_sigterm = True
+
+    def _stop_if_agreed(self, step: int) -> None:
+        """A member asked to stop (its SIGTERM, in this step's exchange): Lightning ends ``fit`` after this step.
+
+        The rest of the step and the teardown are declared to the agent as a
+        pause (as at the end of training): they are not a hang.
+        """
+        connector = self.lightning_module.trainer._signal_connector
+        if self.engine.stop_agreed and not connector.received_sigterm:
+            log.info("stopping_on_sigterm", rank=self.env.launch_rank, step=step)
+            self._worker.set_paused(True)
+            connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
 
     def _check_fit(self, trainer: Any, module: Any) -> None:
         """What this strategy cannot train, as clear errors.
@@ -631,6 +691,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             return closure_loss  # no gradients: the optimizer skips parameters without one
         report = self.engine.finish_gradients()
         self.reports.append(report)
+        self._stop_if_agreed(report.step)
         self._hook(self.env.launch_rank, report.step, at="before_optimizer_step")
         return closure_loss
 
