@@ -4,7 +4,8 @@
 wall-clock timers around the forward of each micro-batch, every backward, the
 optimizer step and, under the strategy, the engine's reduction (the data-parallel
 buckets, the commit over every rank, setting the gradients) and Lightning's
-per-batch SIGTERM broadcast. Each timed call is written to
+per-batch SIGTERM broadcast (0 under the strategy, which replaces it: the
+step's exchange carries SIGTERM). Each timed call is written to
 ``$BREAKDOWN_OUT/calls<RANK>.json`` as ``[key, start, seconds]`` at exit.
 Benchmark-only: it patches classes, which production code never does.
 """
