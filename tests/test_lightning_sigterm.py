@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -48,8 +49,10 @@ def _wait_for(condition, what: str, proc: subprocess.Popen, log: Path) -> None:
         time.sleep(0.05)
 
 
-def _events(log: Path, event: str) -> list[str]:
-    return [line for line in log.read_text().splitlines() if event in line]
+def _events(log: Path, event: str) -> list[dict[str, int]]:
+    """``{"rank", "step"?}`` of each ``event`` in the log (the workers' lines may interleave on one line)."""
+    return [{key: int(value) for key, value in re.findall(r"(rank|step)=(\d+)", found)}
+            for found in re.findall(event + r"\s+rank=\d+(?: step=\d+)?", log.read_text())]
 
 
 def _worker_pid(launcher: int, rank: int) -> int:
@@ -76,7 +79,8 @@ def _stop_and_check(out: Path, nproc: int, proc: subprocess.Popen, log: Path, si
     proc.wait(timeout=DEADLINE_S)
     text = log.read_text()
     stopping = _events(log, "stopping_on_sigterm")
-    assert len(stopping) == nproc and all(f"step={HOLD}" in line for line in stopping), text[-3000:]
+    assert sorted(e["rank"] for e in stopping) == list(range(nproc)), text[-3000:]
+    assert all(e["step"] == HOLD for e in stopping), text[-3000:]
     for rank in range(nproc):  # every rank finished step HOLD, none began another
         steps = [json.loads(line)["step"] for line in (out / f"times{rank}.jsonl").read_text().splitlines()]
         assert steps == list(range(HOLD + 1)), (rank, steps)

@@ -139,6 +139,7 @@ class MeetingKeys:
     LATEST = "unicron-dp/latest"  # the newest admission or resize (joiners wait for it)
     JOIN_REQUESTS = "unicron-dp/join-requests"  # counter of ranks waiting to join or asked to leave
     FINISHED = "unicron-dp/finished"  # the step training ended at
+    STOP = "unicron-dp/stop"  # the step after which members stop (a rank's SIGTERM, agreed in that step's exchange)
     LIVENESS = "unicron-dp/liveness"  # present when live/<rank> keys are kept
     SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot's head (JSON naming its pieces; an agent's TCPStore)
 

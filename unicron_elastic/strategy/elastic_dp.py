@@ -62,9 +62,12 @@ stages need: stages below every unreduced stage run forward only.
 
 A stop that one rank is asked for (:meth:`ElasticDataParallel.request_stop`,
 e.g. on SIGTERM) rides in the same slots as the members: the step's last
-exchange (the commit with TP/PP, else the last gradient bucket) sums it, so
-every member sees :attr:`~ElasticDataParallel.stop_agreed` after the same step
-and no extra collective runs per step.
+exchange (the commit with TP/PP, else the last gradient bucket; also the
+members' agreement when one runs) sums it, so every member sees
+:attr:`~ElasticDataParallel.stop_agreed` after the same step and no extra
+collective runs per step. A rank that saw it sends it on; one that stops
+records it (:meth:`~ElasticDataParallel.stopping`), so ranks that regroup
+because that exchange failed on them learn it when their group forms.
 
 The sequencing is :class:`~unicron_elastic.strategy.protocol.Protocol`'s, a
 state machine that yields effects; this class is its real *transport*: it
@@ -158,8 +161,8 @@ class ElasticDataParallel:
         on_drop: Called when this rank drops its group (a failure, or
             :meth:`close`): drop every other group of the same members too,
             so a rank blocked in one of them with this rank fails at once
-            (the Lightning strategy destroys its world group: Lightning's own
-            per-step broadcast would otherwise keep a survivor waiting).
+            (the Lightning strategy destroys its world group and megatron-core's:
+            a tensor-parallel collective would otherwise keep a survivor waiting).
         fallback: Called by a joiner when no replica is left (every member is
             waiting to join): returns the state to resume from (in-memory
             snapshot, then persisted checkpoint) or None. With TP/PP the
@@ -438,6 +441,8 @@ class ElasticDataParallel:
 
     def _formed(self, effect: P.Formed) -> None:
         self._note_incarnations()
+        if not self.stop_requested and self.store.check([K.STOP]):  # members stopped; this step's exchange says so
+            self.stop_requested = True
         if self._publishes():
             self._publish_members()
 
@@ -573,11 +578,24 @@ class ElasticDataParallel:
         return slots
 
     def _decode(self, slots: torch.Tensor) -> list[int]:
-        """The members summed slots carry; notes a stop any rank asked for (:attr:`stop_agreed`)."""
+        """The members summed slots carry; notes a stop any rank asked for (:attr:`stop_agreed`, sent on from now)."""
         values = slots.tolist()
         if values[-1] > 0:
-            self.stop_agreed = True
+            self.stop_agreed = self.stop_requested = True
         return [int(r) for r in values[1 : 1 + int(values[0])]]
+
+    def stopping(self, step: int) -> None:
+        """This rank stops after ``step`` (:attr:`stop_agreed`): recorded for ranks that regroup after failing it.
+
+        When the step's last exchange completed on some ranks only, the others
+        regroup without them; the record makes their new group's exchange
+        carry the stop too (read when a group forms). A store error is
+        logged, not raised: the stop goes on.
+        """
+        try:
+            self.store.set(K.STOP, str(step))
+        except Exception as exc:  # noqa: BLE001 - stopping must not turn into a crash
+            log.warning("stop_not_recorded", step=step, error=str(exc)[:200])
 
     def _offer(self, offer: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """Only one rank's proposal may count: with TP/PP the first shard's of the leading replica."""

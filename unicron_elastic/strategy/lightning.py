@@ -209,6 +209,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._store: dist.Store | None = None
         self._world_stores: list[dist.Store] = []  # where each world bootstrapped (one small object each)
         self._local_only = False  # a joiner until its first step: Lightning's collectives stay local
+        self._stopping = False  # the members agreed to stop after the current step (SIGTERM)
         self._last_beat: float | None = None
         self._current = (0, 0)
         self._losses: list[torch.Tensor] = []
@@ -478,6 +479,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             log.warning("lightning_sigterm_kept", reason="Lightning has no _SignalConnector._sigterm_notifier_fn or "
                         "_TrainingEpochLoop._broadcast_sigterm_tensor: its SIGTERM broadcast runs before every batch")
             return
+        self._stopping = False
         connector._sigterm_notifier_fn = self._on_sigterm
         epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
@@ -486,15 +488,22 @@ class UnicronMegatronStrategy(DDPStrategy):
 
         Outside a training step (validation, a joiner not admitted yet, a
         retired rank) there is no step to agree in: this rank stops at
-        Lightning's next check, as Lightning does.
+        Lightning's next check, as Lightning does. Only flags are set and one
+        line is written to stderr (no logger: see the body).
         """
         module = self.lightning_module
         trainer = module.trainer if module is not None else None
-        log.info("sigterm_received", rank=self.env.launch_rank, signal=signum)
         if self.engine is not None:
             self.engine.request_stop()
         if trainer is not None and (self.engine is None or self._local_only or not trainer.training):
             trainer._signal_connector.received_sigterm = True
+        # No logger here: structlog's (and print's) locks are not reentrant, and the main thread
+        # may be inside one when the signal is handled. A raw write of one line takes no lock.
+        try:
+            os.write(2, f"unicron_megatron: sigterm_received rank={self.env.launch_rank} signal={signum}: "
+                        "every rank stops after the step whose exchange carries it\n".encode())
+        except OSError:
+            pass
 
     def _stop_if_agreed(self, step: int) -> None:
         """A member asked to stop (its SIGTERM, in this step's exchange): Lightning ends ``fit`` after this step.
@@ -503,9 +512,11 @@ class UnicronMegatronStrategy(DDPStrategy):
         pause (as at the end of training): they are not a hang.
         """
         connector = self.lightning_module.trainer._signal_connector
-        if self.engine.stop_agreed and not connector.received_sigterm:
+        if self.engine.stop_agreed and not self._stopping:
+            self._stopping = True
             log.info("stopping_on_sigterm", rank=self.env.launch_rank, step=step)
             self._worker.set_paused(True)
+            self.engine.stopping(step)
             connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
 
     def _check_fit(self, trainer: Any, module: Any) -> None:
@@ -712,7 +723,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._worker.set_paused(True)  # validation between steps is not a hang
 
     def on_validation_end(self) -> None:
-        self._worker.set_paused(False)
+        if not self._stopping:  # (after the stop's step: the pause lasts until the process ends)
+            self._worker.set_paused(False)
         self._last_beat = time.monotonic()
 
     # -- Lightning's collectives ---------------------------------------------------
@@ -769,6 +781,7 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     # -- the end -------------------------------------------------------------------
     def teardown(self) -> None:
+        self._worker.set_paused(True)  # no more iterations (also after an exception): the teardown is not a hang
         if self._feed is not None:
             self._feed.close()  # the DataLoader's worker processes
         if self.engine is not None and self.engine.pg is not None and self.retired_at is None:

@@ -84,7 +84,7 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
     check_sizes(world_size, tensor_parallel, pipeline_parallel)
     started = time.monotonic()
     destroy_world()
-    # the world connects now: a peer that dies later fails its collectives at once (Lightning's per-step broadcast)
+    # the world connects now: a peer that dies later fails its collectives at once (e.g. Lightning's on it)
     dist.init_process_group(backend, store=dist.PrefixStore(K.world(generation), store),
                             rank=rank, world_size=world_size, timeout=timeout)
     if megatron_available():
