@@ -441,7 +441,7 @@ class ElasticDataParallel:
 
     def _formed(self, effect: P.Formed) -> None:
         self._note_incarnations()
-        if not self.stop_requested and self.store.check([K.STOP]):  # members stopped; this step's exchange says so
+        if not self.stop_requested and self.store.check([K.STOP]):  # members stopped: this group's exchange says so
             self.stop_requested = True
         if self._publishes():
             self._publish_members()
