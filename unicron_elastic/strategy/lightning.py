@@ -511,13 +511,14 @@ class UnicronMegatronStrategy(DDPStrategy):
         The rest of the step and the teardown are declared to the agent as a
         pause (as at the end of training): they are not a hang.
         """
-        connector = self.lightning_module.trainer._signal_connector
-        if self.engine.stop_agreed and not self._stopping:
-            self._stopping = True
-            log.info("stopping_on_sigterm", rank=self.env.launch_rank, step=step)
-            self._worker.set_paused(True)
-            self.engine.stopping(step)
-            connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
+        if not self.engine.stop_agreed or self._stopping:
+            return
+        self._stopping = True
+        log.info("stopping_on_sigterm", rank=self.env.launch_rank, step=step)
+        self._worker.set_paused(True)
+        self.engine.stopping(step)
+        # Lightning raises SIGTERMException at the end of this batch
+        self.lightning_module.trainer._signal_connector.received_sigterm = True
 
     def _check_fit(self, trainer: Any, module: Any) -> None:
         """What this strategy cannot train, as clear errors.
