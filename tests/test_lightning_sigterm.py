@@ -49,10 +49,16 @@ def _wait_for(condition, what: str, proc: subprocess.Popen, log: Path) -> None:
         time.sleep(0.05)
 
 
+# A number in a worker's console line. structlog prints a line and its newline in two
+# writes, so another rank's whole line can come between them: ``step=32026-11-25 16:43:24
+# [info ] ...`` is step 3 followed by a line of another rank, not step 32026.
+_NUM = r"\d+?(?=\d{4}-\d\d-\d\d |\D|$)"
+
+
 def _events(log: Path, event: str) -> list[dict[str, int]]:
     """``{"rank", "step"?}`` of each ``event`` in the log (the workers' lines may interleave on one line)."""
-    return [{key: int(value) for key, value in re.findall(r"(rank|step)=(\d+)", found)}
-            for found in re.findall(event + r"\s+rank=\d+(?: step=\d+)?", log.read_text())]
+    return [{key: int(value) for key, value in re.findall(r"(rank|step)=(" + _NUM + ")", found)}
+            for found in re.findall(event + r"\s+rank=" + _NUM + r"(?: step=" + _NUM + ")?", log.read_text())]
 
 
 def _worker_pid(launcher: int, rank: int) -> int:
@@ -122,3 +128,15 @@ def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step_dp2(tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_events_reads_lines_another_rank_split(tmp_path: Path) -> None:
+    """The interleaving CI saw: rank 0's whole line between rank 1's ``step=3`` and its newline."""
+    log = tmp_path / "launcher.log"
+    log.write_text("2026-11-25 16:43:24 [info     ] stopping_on_sigterm            rank=1 step=3"
+                   "2026-11-25 16:43:24 [info     ] stopping_on_sigterm            rank=0 step=3\n\n"
+                   "unicron_megatron: sigterm_received rank=12 signal=15: every rank stops\n"
+                   "[info     ] stopping_on_sigterm            rank=12 step=40\n")
+    assert _events(log, "stopping_on_sigterm") == [{"rank": 1, "step": 3}, {"rank": 0, "step": 3},
+                                                   {"rank": 12, "step": 40}]
+    assert _events(log, "sigterm_received") == [{"rank": 12}]
