@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,22 @@ from unicron_elastic.store import EmbeddedEtcd, StatusStore
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
 BIN = os.path.dirname(sys.executable)
+
+
+def wait_for_launcher(condition: Callable[[], object], seconds: float, what: str, log: Path | None = None,
+                      proc: subprocess.Popen | None = None) -> None:
+    """Poll ``condition`` until it holds; fail with the log's tail past ``seconds`` or if ``proc`` exits first.
+
+    A launcher that exits just as the condition comes true has not exited
+    *before* it: the condition is checked again before that failure.
+    """
+    deadline = time.monotonic() + seconds
+    while not condition():
+        tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+        assert proc is None or proc.poll() is None or condition(), \
+            f"launcher exited ({proc.returncode}) before {what}:\n{tail}"
+        assert time.monotonic() < deadline, f"no {what} after {seconds}s:\n{tail}"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")

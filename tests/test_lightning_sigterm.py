@@ -16,12 +16,11 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, EXAMPLES
+from conftest import BIN, EXAMPLES, wait_for_launcher
 from unicron_elastic.testing import process_tree
 
 pytestmark = pytest.mark.slow
@@ -39,14 +38,6 @@ def _start(out: Path, nproc: int, *args: str) -> tuple[subprocess.Popen, Path]:
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=f, stderr=subprocess.STDOUT)
     return proc, log
-
-
-def _wait_for(condition, what: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert proc.poll() is None or condition(), f"launcher exited before {what}: {log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {DEADLINE_S} s: {log.read_text()[-3000:]}"
-        time.sleep(0.05)
 
 
 # A number in a worker's console line. structlog prints a line and its newline in two
@@ -80,7 +71,8 @@ def _stop_and_check(out: Path, nproc: int, proc: subprocess.Popen, log: Path, si
     Returns:
         The launcher's output.
     """
-    _wait_for(lambda: len(_events(log, "sigterm_received")) >= signalled, "sigterm_received", proc, log)
+    wait_for_launcher(lambda: len(_events(log, "sigterm_received")) >= signalled, DEADLINE_S, "sigterm_received",
+                      log, proc)
     (out / "go").touch()
     proc.wait(timeout=DEADLINE_S)
     text = log.read_text()
@@ -101,7 +93,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step_tp2_dp2(tm
     out = tmp_path / "run"
     proc, log = _start(out, 4, "--tensor-parallel", "2")
     try:
-        _wait_for(lambda: all((out / f"go.waiting{r}").exists() for r in range(4)), "the hold", proc, log)
+        wait_for_launcher(lambda: all((out / f"go.waiting{r}").exists() for r in range(4)), DEADLINE_S, "the hold",
+                          log, proc)
         proc.send_signal(signal.SIGTERM)
         _stop_and_check(out, 4, proc, log, signalled=4)
         assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
@@ -121,7 +114,8 @@ def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step_dp2(tmp_path
     out = tmp_path / "run"
     proc, log = _start(out, 2)
     try:
-        _wait_for(lambda: all((out / f"go.waiting{r}").exists() for r in range(2)), "the hold", proc, log)
+        wait_for_launcher(lambda: all((out / f"go.waiting{r}").exists() for r in range(2)), DEADLINE_S, "the hold",
+                          log, proc)
         os.kill(_worker_pid(proc.pid, 1), signal.SIGTERM)
         _stop_and_check(out, 2, proc, log, signalled=1)
         assert proc.returncode == 0, log.read_text()[-3000:]

@@ -14,12 +14,12 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, EXAMPLES, json_log_entries
+from conftest import BIN, EXAMPLES, json_log_entries, wait_for_launcher
 from unicron_elastic.agent.agent import AgentConfig
 from unicron_elastic.api import ConfigError, EtcdConfig
 from unicron_elastic.launcher import agent_config, get_parser
@@ -105,16 +105,6 @@ class Snapshot:
                 pass
 
 
-def _wait_for(condition: Callable[[], object], seconds: float, what: str, log: Path | None = None,
-              proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-        assert proc is None or proc.poll() is None, f"launcher exited ({proc.returncode}) before {what}:\n{tail}"
-        assert time.monotonic() < deadline, f"no {what} after {seconds}s:\n{tail}"
-        time.sleep(0.05)
-
-
 def _leftovers(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.iterdir() if p.name.startswith("unicron"))
 
@@ -192,9 +182,9 @@ def test_signal_stops_the_whole_job_and_leaves_nothing(sig: signal.Signals, npro
     snapshots.append(snapshot)
     out = tmp_path / "out"
     if phase == "rendezvous":
-        _wait_for(lambda: _agent_dir_exists(job_tmp), 60, "agent temp dir", log, proc)
+        wait_for_launcher(lambda: _agent_dir_exists(job_tmp), 60, "agent temp dir", log, proc)
     else:
-        _wait_for(lambda: _training(out, nproc), 60, "training steps", log, proc)
+        wait_for_launcher(lambda: _training(out, nproc), 60, "training steps", log, proc)
     snapshot.add(proc.pid)  # etcd, its guard and the workers
     if phase == "training":
         assert len(snapshot.started) >= 2 + nproc, snapshot.started
@@ -222,10 +212,10 @@ def test_a_second_signal_does_not_break_off_the_stop(tmp_path: Path, job_tmp: Pa
     proc, log = _launch(tmp_path, job_tmp, nproc=2, exit_delay=1.0)
     snapshot = Snapshot(proc.pid)
     snapshots.append(snapshot)
-    _wait_for(lambda: _training(tmp_path / "out", 2), 60, "training steps", log, proc)
+    wait_for_launcher(lambda: _training(tmp_path / "out", 2), 60, "training steps", log, proc)
     snapshot.add(proc.pid)
     proc.send_signal(signal.SIGTERM)
-    _wait_for(lambda: "agent_stopping" in log.read_text(), 30, "agent_stopping", log, proc)
+    wait_for_launcher(lambda: "agent_stopping" in log.read_text(), 30, "agent_stopping", log, proc)
     proc.send_signal(signal.SIGINT)  # impatient operator: the workers are still saving
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
@@ -242,7 +232,7 @@ def test_stop_takes_no_longer_than_the_shutdown_timeout(tmp_path: Path, job_tmp:
     proc, log = _launch(tmp_path, job_tmp, "--shutdown-timeout=2", nproc=2, exit_delay=3600)
     snapshot = Snapshot(proc.pid)
     snapshots.append(snapshot)
-    _wait_for(lambda: _training(tmp_path / "out", 2), 60, "training steps", log, proc)
+    wait_for_launcher(lambda: _training(tmp_path / "out", 2), 60, "training steps", log, proc)
     snapshot.add(proc.pid)
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -266,7 +256,7 @@ def test_sigterm_during_etcd_start_up_leaves_no_etcd(repeat: int, tmp_path: Path
         snapshot.add(proc.pid)
         return len(snapshot.started) > 1
 
-    _wait_for(etcd_started, 60, "etcd process", log, proc)
+    wait_for_launcher(etcd_started, 60, "etcd process", log, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
     _assert_clean(snapshot, job_tmp)
@@ -279,7 +269,7 @@ def test_sigkill_of_the_launcher_takes_its_private_etcd_along(tmp_path: Path, jo
     proc, log = _launch(tmp_path, job_tmp, "--nnodes=2")
     snapshot = Snapshot(proc.pid)
     snapshots.append(snapshot)
-    _wait_for(lambda: _agent_dir_exists(job_tmp), 60, "agent temp dir", log, proc)
+    wait_for_launcher(lambda: _agent_dir_exists(job_tmp), 60, "agent temp dir", log, proc)
     snapshot.add(proc.pid)
     proc.kill()
     proc.wait(timeout=10)
@@ -287,7 +277,8 @@ def test_sigkill_of_the_launcher_takes_its_private_etcd_along(tmp_path: Path, jo
     while snapshot.alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert snapshot.alive() == []
-    _wait_for(lambda: not [n for n in _leftovers(job_tmp) if n.startswith("unicron-etcd")], 15, "etcd data dir removal")
+    wait_for_launcher(lambda: not [n for n in _leftovers(job_tmp) if n.startswith("unicron-etcd")], 15,
+                      "etcd data dir removal")
 
 
 # -- item 1: agent failure paths stop everything, never respawn -------------------------------
@@ -300,7 +291,7 @@ def _start_training(cmd: list[str], log: Path, out: Path, job_tmp: Path,
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(job_tmp))
     snapshot = Snapshot(proc.pid)
     snapshots.append(snapshot)
-    _wait_for(lambda: _training(out, 2), 60, "training steps", log, proc)
+    wait_for_launcher(lambda: _training(out, 2), 60, "training steps", log, proc)
     snapshot.add(proc.pid)
     return proc, snapshot
 
