@@ -37,13 +37,15 @@ the launcher, the embedded etcd), sampled from ``/proc``.
 ``--breakdown`` adds one run of each under timers
 (``_step_breakdown.py``): where the step's time goes, part by part.
 
-``--sigterm-ab``: what Lightning's per-batch SIGTERM broadcast, which the
-strategy replaces, would cost it: one TP=2 x DP=2 run per ``--tp-width`` with
-the broadcast back in every other block of 5 steps (``_sigterm_ab.py``), the
-two kinds of step side by side in the same run.
+``--ab PART[,PART]``: what one part of the step costs, measured within one run:
+one TP=2 x DP=2 run per part and ``--tp-width`` with the part on in every other
+block of 5 steps (``_ab.py``), the two kinds of step side by side. Parts:
+``sigterm`` (Lightning's per-batch SIGTERM broadcast, which the strategy
+replaces, put back), ``log`` (the module's ``self.log`` calls), ``commit`` (the
+step's commit over every rank).
 
     python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
-                                    [--only-tp [--breakdown]] [--sigterm-ab] [--tp-width 256,512] [--tp-layers 4]
+                                    [--only-tp [--breakdown]] [--ab sigterm,log,commit] [--tp-width 256,512] [--tp-layers 4]
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ GPT = str(ROOT.parent / "examples" / "lightning_gpt.py")
 DDP = str(ROOT / "_lightning_ddp_worker.py")
 TP_PLAIN = str(ROOT / "_tp_plain_worker.py")
 BREAKDOWN = str(ROOT / "_step_breakdown.py")
-SIGTERM_AB = str(ROOT / "_sigterm_ab.py")
+AB = str(ROOT / "_ab.py")
 AB_STEPS = 240
 BREAKDOWN_KEYS = ("forward", "backward", "reduce", "commit", "set_grads", "sigterm", "optimizer")
 TP_STEPS = 40
@@ -383,13 +385,17 @@ def tensor_parallel(runs: int, width: int, layers: int) -> None:
               + f", all {sum(used.values()):6.1f}")
 
 
-def sigterm_ab(width: int, layers: int) -> None:
-    """One TP=2 x DP=2 run with Lightning's SIGTERM broadcast in every other block of steps: its cost, side by side."""
-    sys.path.insert(0, str(ROOT))
-    from _sigterm_ab import BLOCK, with_broadcast
+AB_PARTS = {"sigterm": "Lightning's SIGTERM broadcast before each batch, which the strategy replaces",
+            "log": "the module's self.log calls", "commit": "the step's commit over every rank"}
 
-    tmp = Path(tempfile.mkdtemp(prefix="unicron-sigterm-ab-"))
-    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", SIGTERM_AB, GPT, "--record-times",
+
+def part_ab(part: str, width: int, layers: int) -> None:
+    """One TP=2 x DP=2 run with ``part`` on in every other block of steps (``_ab.py``): its cost, side by side."""
+    sys.path.insert(0, str(ROOT))
+    from _ab import BLOCK, with_part
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"unicron-ab-{part}-"))
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", AB, part, GPT, "--record-times",
            "--grad-dtype", "float32", "--snapshot-every", "50", "--steps", str(AB_STEPS), "--width", str(width),
            "--layers", str(layers), "--tensor-parallel", "2", "--out", str(tmp)]
     subprocess.run(cmd, env=_env(tmp, []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True,
@@ -398,14 +404,14 @@ def sigterm_ab(width: int, layers: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     steps: dict[bool, list[float]] = {True: [], False: []}
     for step in range(2 * BLOCK, AB_STEPS):
-        steps[with_broadcast(step)].append(ends[step] - ends[step - 1])
+        steps[with_part(step)].append(ends[step] - ends[step - 1])
     on, off = (statistics.median(steps[k]) for k in (True, False))
-    print(f"\n== Lightning's SIGTERM broadcast before each batch, which the strategy replaces: TP=2 x DP=2 (4 ranks), "
+    print(f"\n== {AB_PARTS[part]}: TP=2 x DP=2 (4 ranks), "
           f"MegatronGPT width {width}, {layers} layers; blocks of {BLOCK} steps with and without it alternated in one "
           f"run of {AB_STEPS} steps (rank 0's steps {2 * BLOCK}..) ==")
-    print(f"step with Lightning's broadcast     : {on * 1e3:8.2f} ms   (median of {len(steps[True])} steps)")
-    print(f"step without it (the strategy now)  : {off * 1e3:8.2f} ms   (median of {len(steps[False])} steps)")
-    print(f"the broadcast cost                  : {(on - off) * 1e3:+8.2f} ms per step, {(on - off) / off * 100:+.1f} %")
+    print(f"step with it     : {on * 1e3:8.2f} ms   (median of {len(steps[True])} steps)")
+    print(f"step without it  : {off * 1e3:8.2f} ms   (median of {len(steps[False])} steps)")
+    print(f"its cost         : {(on - off) * 1e3:+8.2f} ms per step, {(on - off) / off * 100:+.1f} %")
 
 
 def main() -> None:
@@ -421,12 +427,14 @@ def main() -> None:
     parser.add_argument("--tp-layers", type=int, default=4)
     parser.add_argument("--breakdown", action="store_true",
                         help="with --only-tp: also one run of each under timers, where the step goes")
-    parser.add_argument("--sigterm-ab", action="store_true",
-                        help="only the cost of Lightning's SIGTERM broadcast, alternated within one run per --tp-width")
+    parser.add_argument("--ab", type=_parts, default=[],
+                        help=f"only the cost of these parts of the step ({','.join(AB_PARTS)}), each alternated "
+                             "within one run per --tp-width")
     args = parser.parse_args()
-    if args.sigterm_ab:
-        for width in args.tp_width:
-            sigterm_ab(width, args.tp_layers)
+    if args.ab:
+        for part in args.ab:
+            for width in args.tp_width:
+                part_ab(part, width, args.tp_layers)
         return
     if args.only_tp:
         for width in args.tp_width:
@@ -481,6 +489,19 @@ def _widths(text: str) -> list[int]:
     if not widths or min(widths) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: widths must be positive")
     return widths
+
+
+def _parts(text: str) -> list[str]:
+    """``"log,commit"`` -> ``["log", "commit"]``.
+
+    Raises:
+        argparse.ArgumentTypeError: A name that is not one of :data:`AB_PARTS`.
+    """
+    parts = text.split(",")
+    unknown = [part for part in parts if part not in AB_PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown part(s) {unknown}; the parts are {', '.join(AB_PARTS)}")
+    return parts
 
 
 def print_node_lost(runs: int, width: int) -> None:
