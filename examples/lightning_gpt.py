@@ -223,8 +223,10 @@ class MegatronGPT(pl.LightningModule):
 
         Not in ``pipeline_forward``: under ``unicron_megatron`` that runs once
         per micro-batch, and each ``self.log`` call costs Lightning's metric
-        bookkeeping (measured: 6.3 ms per step at width 256 for three calls
-        per rank, ``benchmarks/transition.py --ab log``).
+        bookkeeping (three calls per rank and step cost 1.4 and 6.3 ms per
+        step at width 256 in two runs, measured within each run as
+        ``benchmarks/transition.py --ab log`` does; once per step: no cost
+        measurable, -1.2 ms).
         """
         if self.last and outputs is not None:
             self.log("train_loss", outputs["loss"], prog_bar=False)
