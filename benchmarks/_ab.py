@@ -21,11 +21,7 @@ import runpy
 import sys
 from typing import Any, Callable
 
-import lightning.pytorch as pl
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
-from unicron_elastic.strategy.lightning import UnicronMegatronStrategy
+# (Lightning and the strategy are imported by the part that patches them: transition.py reads PARTS cheaply)
 
 #: Steps per block; blocks with and without the part alternate.
 BLOCK = 5
@@ -37,10 +33,14 @@ def with_part(step: int) -> bool:
 
 
 def _sigterm() -> None:
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from unicron_elastic.strategy.lightning import UnicronMegatronStrategy
+
     lightning_broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
     take_over = UnicronMegatronStrategy._take_over_sigterm
 
-    def patched(strategy: UnicronMegatronStrategy, trainer: Any) -> None:
+    def patched(strategy: Any, trainer: Any) -> None:
         take_over(strategy, trainer)
         loop = trainer.fit_loop.epoch_loop
         loop._broadcast_sigterm_tensor = (
@@ -50,9 +50,11 @@ def _sigterm() -> None:
 
 
 def _log() -> None:
+    import lightning.pytorch as pl
+
     log = pl.LightningModule.log
 
-    def patched(module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+    def patched(module: Any, *args: Any, **kwargs: Any) -> None:
         if with_part(module.trainer.global_step):
             log(module, *args, **kwargs)
 
@@ -60,9 +62,11 @@ def _log() -> None:
 
 
 def _commit() -> None:
+    from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+
     reduce = ElasticDataParallel._reduce
 
-    def patched(engine: ElasticDataParallel, effect: Any) -> Any:
+    def patched(engine: Any, effect: Any) -> Any:
         if engine.committed and effect.bucket == len(engine.bounds) and not with_part(engine.next_step):
             return effect.local.new_zeros(0), list(engine.protocol.members)
         return reduce(engine, effect)
@@ -70,12 +74,17 @@ def _commit() -> None:
     ElasticDataParallel._reduce = patched
 
 
-PARTS: dict[str, Callable[[], None]] = {"sigterm": _sigterm, "log": _log, "commit": _commit}
+#: Part -> (what it is, the patch that makes it alternate).
+PARTS: dict[str, tuple[str, Callable[[], None]]] = {
+    "sigterm": ("Lightning's SIGTERM broadcast before each batch, which the strategy replaces", _sigterm),
+    "log": ("the module's self.log calls", _log),
+    "commit": ("the step's commit over every rank", _commit),
+}
 
 
 def main() -> None:
     part, script, sys.argv = sys.argv[1], sys.argv[2], sys.argv[2:]
-    PARTS[part]()
+    PARTS[part][1]()
     runpy.run_path(script, run_name="__main__")
 
 

@@ -63,6 +63,7 @@ import time
 from pathlib import Path
 
 
+from _ab import BLOCK, PARTS, with_part  # (benchmarks/ is on the path: this script's folder)
 from unicron_elastic.store import EmbeddedEtcd
 from unicron_elastic.testing import fail_at, faults_env, kill_node, process_tree, run_workers
 
@@ -385,15 +386,8 @@ def tensor_parallel(runs: int, width: int, layers: int) -> None:
               + f", all {sum(used.values()):6.1f}")
 
 
-AB_PARTS = {"sigterm": "Lightning's SIGTERM broadcast before each batch, which the strategy replaces",
-            "log": "the module's self.log calls", "commit": "the step's commit over every rank"}
-
-
 def part_ab(part: str, width: int, layers: int) -> None:
     """One TP=2 x DP=2 run with ``part`` on in every other block of steps (``_ab.py``): its cost, side by side."""
-    sys.path.insert(0, str(ROOT))
-    from _ab import BLOCK, with_part
-
     tmp = Path(tempfile.mkdtemp(prefix=f"unicron-ab-{part}-"))
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", AB, part, GPT, "--record-times",
            "--grad-dtype", "float32", "--snapshot-every", "50", "--steps", str(AB_STEPS), "--width", str(width),
@@ -406,7 +400,7 @@ def part_ab(part: str, width: int, layers: int) -> None:
     for step in range(2 * BLOCK, AB_STEPS):
         steps[with_part(step)].append(ends[step] - ends[step - 1])
     on, off = (statistics.median(steps[k]) for k in (True, False))
-    print(f"\n== {AB_PARTS[part]}: TP=2 x DP=2 (4 ranks), "
+    print(f"\n== {PARTS[part][0]}: TP=2 x DP=2 (4 ranks), "
           f"MegatronGPT width {width}, {layers} layers; blocks of {BLOCK} steps with and without it alternated in one "
           f"run of {AB_STEPS} steps (rank 0's steps {2 * BLOCK}..) ==")
     print(f"step with it     : {on * 1e3:8.2f} ms   (median of {len(steps[True])} steps)")
@@ -428,7 +422,7 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="with --only-tp: also one run of each under timers, where the step goes")
     parser.add_argument("--ab", type=_parts, default=[],
-                        help=f"only the cost of these parts of the step ({','.join(AB_PARTS)}), each alternated "
+                        help=f"only the cost of these parts of the step ({','.join(PARTS)}), each alternated "
                              "within one run per --tp-width")
     args = parser.parse_args()
     if args.ab:
@@ -495,12 +489,12 @@ def _parts(text: str) -> list[str]:
     """``"log,commit"`` -> ``["log", "commit"]``.
 
     Raises:
-        argparse.ArgumentTypeError: A name that is not one of :data:`AB_PARTS`.
+        argparse.ArgumentTypeError: A name that is not one of :data:`PARTS`.
     """
     parts = text.split(",")
-    unknown = [part for part in parts if part not in AB_PARTS]
+    unknown = [part for part in parts if part not in PARTS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: unknown part(s) {unknown}; the parts are {', '.join(AB_PARTS)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown part(s) {unknown}; the parts are {', '.join(PARTS)}")
     return parts
 
 
