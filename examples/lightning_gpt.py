@@ -222,11 +222,9 @@ class MegatronGPT(pl.LightningModule):
         """Log the step's loss once per optimizer step: the mean over this rank's micro-batches (the last stage's).
 
         Not in ``pipeline_forward``: under ``unicron_megatron`` that runs once
-        per micro-batch, and each ``self.log`` call costs Lightning's metric
-        bookkeeping (three calls per rank and step cost 1.4 and 6.3 ms per
-        step at width 256 in two runs, measured within each run as
-        ``benchmarks/transition.py --ab log`` does; once per step: no cost
-        measurable, -1.2 ms).
+        per micro-batch, each ``self.log`` call costs Lightning's metric
+        bookkeeping, and the step's value would be its last micro-batch's
+        (``benchmarks/transition.py --ab log`` measures the logging's cost).
         """
         if self.last and outputs is not None:
             self.log("train_loss", outputs["loss"], prog_bar=False)
