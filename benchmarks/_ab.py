@@ -11,6 +11,9 @@ decides from the same step, so collectives stay matched. The parts:
 * ``commit``: the step's commit over every rank with TP/PP (without: skipped,
   each rank keeps its members; sound in a failure-free run without resizes
   only).
+* ``fresh-buffer``: a reduce buffer (and its per-parameter views) allocated
+  afresh each step, as the copies were before the engine kept one between
+  steps.
 
 Benchmark-only: it patches classes, which production code never does.
 """
@@ -74,11 +77,25 @@ def _commit() -> None:
     ElasticDataParallel._reduce = patched
 
 
+def _fresh_buffer() -> None:
+    from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+
+    reduce = ElasticDataParallel._reduce
+
+    def patched(engine: Any, effect: Any) -> Any:
+        if effect.bucket == 0 and with_part(engine.next_step):
+            engine._reduced = None  # (the next _reduce_buffer allocates a new one and its views)
+        return reduce(engine, effect)
+
+    ElasticDataParallel._reduce = patched
+
+
 #: Part -> (what it is, the patch that makes it alternate).
 PARTS: dict[str, tuple[str, Callable[[], None]]] = {
     "sigterm": ("Lightning's SIGTERM broadcast before each batch, which the strategy replaces", _sigterm),
     "log": ("the module's self.log calls", _log),
     "commit": ("the step's commit over every rank", _commit),
+    "fresh-buffer": ("a reduce buffer allocated afresh each step (as before session 25)", _fresh_buffer),
 }
 
 

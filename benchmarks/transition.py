@@ -42,10 +42,11 @@ one TP=2 x DP=2 run per part and ``--tp-width`` with the part on in every other
 block of 5 steps (``_ab.py``), the two kinds of step side by side. Parts:
 ``sigterm`` (Lightning's per-batch SIGTERM broadcast, which the strategy
 replaces, put back), ``log`` (the module's ``self.log`` calls), ``commit`` (the
-step's commit over every rank).
+step's commit over every rank), ``fresh-buffer`` (a reduce buffer allocated
+afresh each step, as before the engine kept one).
 
     python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
-                                    [--only-tp [--breakdown]] [--ab sigterm,log,commit] [--tp-width 256,512] [--tp-layers 4]
+                                    [--only-tp [--breakdown]] [--ab sigterm,log,commit,fresh-buffer] [--tp-width 256,512] [--tp-layers 4]
 """
 
 from __future__ import annotations

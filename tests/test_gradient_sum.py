@@ -35,12 +35,12 @@ class Tied(torch.nn.Module):
         return self.head(torch.tanh(x @ self.shared) @ self.shared.t()).pow(2).mean()
 
 
-def engine(grad_dtype: torch.dtype, loss_fn=None) -> ElasticDataParallel:
+def engine(grad_dtype: torch.dtype, loss_fn=None, bucket_numel: int | None = None) -> ElasticDataParallel:
     model = Tied()
     return ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                plan=GlobalBatchPlan(len(DATA), 2 * MICRO, 2, seed=0), batch=lambda idx: DATA[idx],
                                loss_fn=loss_fn or (lambda m, b: m(b)), store=dist.HashStore(), rank=0, world_size=1,
-                               timeout=timedelta(seconds=30), grad_dtype=grad_dtype)
+                               timeout=timedelta(seconds=30), grad_dtype=grad_dtype, bucket_numel=bucket_numel)
 
 
 def reference_sum(e: ElasticDataParallel, step: int, dtype: torch.dtype) -> torch.Tensor:
@@ -109,5 +109,24 @@ def test_a_failed_computation_leaves_no_grad_pointing_into_the_sum() -> None:
         with pytest.raises(RuntimeError, match="a peer was lost"):
             e._compute(0, list(range(MICRO)))
         assert all(p.grad is None for p in e.params)
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["views", "copies"])
+@pytest.mark.parametrize("bucket_numel", [None, 7], ids=["one-bucket", "buckets"])
+def test_the_buckets_are_reduced_in_one_buffer_kept_between_steps_and_grads_are_the_mean(dtype, bucket_numel) -> None:
+    e = engine(dtype, bucket_numel=bucket_numel)
+    try:
+        buffers = set()
+        for step in range(3):
+            expected = reference_sum(e, step, dtype) / e.plan.num_micro_batches  # (one rank: the reduction is the sum)
+            e.train_step(step)
+            assert torch.equal(torch.cat([p.grad.reshape(-1) for p in e.params]), expected.to(torch.float32))
+            buffers.add(e._reduced.data_ptr())
+            if dtype == torch.float32:  # p.grad are views of that buffer: no concatenation or copy per step
+                assert all(p.grad.untyped_storage().data_ptr() == e._reduced.untyped_storage().data_ptr()
+                           for p in e.params)
+        assert len(buffers) == 1, "a fresh reduce buffer was allocated in a later step"
     finally:
         e.close()

@@ -263,6 +263,8 @@ class ElasticDataParallel:
         self._incarnations: dict[int, str] = {}
         self._bootstrap_stores: list[dist.Store] = []  # where each generation's groups bootstrapped (one small each)
         self._sum: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # the step's local gradient sum (reused)
+        self._reduced: torch.Tensor | None = None  # where the step's buckets are reduced (reused; see _reduce_buffer)
+        self._reduced_views: list[torch.Tensor] | None = None  # its per-parameter views (where dtypes match)
         self._reader: ThreadPoolExecutor | None = None  # the publishing rank's read of the requests, off the step
         self._prefetch: tuple[int, Future[int]] | None = None  # (step, its read begun with its computation)
         self._shard_buckets: list[int] | None = None  # buckets of every shard (read once, for recomputations)
@@ -286,6 +288,7 @@ class ElasticDataParallel:
         """
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._sum = self._reduced = self._reduced_views = None  # (their views have the old parameters' shapes)
         if not self.params:
             raise ConfigError("the model has no parameter that requires a gradient")
         numel = sum(p.numel() for p in self.params)
@@ -946,24 +949,60 @@ class ElasticDataParallel:
         if self.pg is None:
             raise RuntimeError("the group failed before this reduction (membership sync)")
         start, end = self.bounds[effect.bucket]
-        if not effect.last:
-            buf = local[start:end].clone()  # reduce a copy: the local sum survives a failure
-            self.pg.allreduce([buf]).wait()
-            return buf, None
-        # the next step's members ride along (the leader's proposal, zeros elsewhere)
-        buf = torch.cat([local[start:end], self._encode(effect.offer, local.dtype).to(local.device)])
+        whole = self._reduce_buffer(local)  # reduce a copy: the local sum survives a failure
+        buf = whole[start:] if effect.last else whole[start:end]  # the last bucket: the slots follow it
+        buf[: end - start].copy_(local[start:end])
+        if effect.last:  # the next step's members ride along (the leader's proposal, zeros elsewhere)
+            buf[end - start :].copy_(self._encode(effect.offer, local.dtype))
         self.pg.allreduce([buf]).wait()
-        return buf[: end - start], self._decode(buf[end - start :])
+        return buf[: end - start], self._decode(buf[end - start :]) if effect.last else None
+
+    def _reduce_buffer(self, local: torch.Tensor) -> torch.Tensor:
+        """Where the step's buckets are reduced: one buffer kept between steps, each bucket its own slice.
+
+        Reducing a copy keeps ``local`` whole for a recomputation after a
+        failure. The buffer is reused (no allocation and first-touch page
+        faults per step), and bucket *k* is always reduced into slice *k*, so
+        the buckets a failed attempt kept are not overwritten when the others
+        are reduced again. The exchange's slots (:meth:`_encode`) follow the
+        last bucket, which ends the sum.
+        """
+        size = local.numel() + self.max_replicas + 2
+        buf = self._reduced
+        if buf is None or buf.numel() != size or buf.dtype != local.dtype or buf.device != local.device:
+            buf = self._reduced = torch.empty(size, dtype=local.dtype, device=local.device)
+            same = all(p.dtype == buf.dtype and p.device == buf.device for p in self.params)
+            self._reduced_views = self._views(buf)[1] if same else None  # (else p.grad are copies: .to(p.dtype))
+        return buf
 
     def _set_gradients(self, effect: P.SetGradients) -> None:
         """``p.grad`` = the reduced sum / B: views of one buffer (a copy only where the dtypes differ)."""
         reduced = list(effect.reduced[: len(self.bounds)])  # the gradient buckets (not the commit's empty slot)
-        grad = reduced[0] if len(reduced) == 1 else torch.cat(reduced)  # each bucket is a copy already
+        grad = self._in_place(reduced)
+        if grad is not None and self._reduced_views is not None:  # the views of the reduce buffer, made once
+            grad.div_(self._plan.num_micro_batches)
+            for p, view in zip(self.params, self._reduced_views):
+                p.grad = view
+            return
+        if grad is None:  # (not slices of one buffer: each bucket is a copy already)
+            grad = reduced[0] if len(reduced) == 1 else torch.cat(reduced)
         grad.div_(self._plan.num_micro_batches)
         offset = 0
         for p in self.params:
             p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
+
+    def _in_place(self, reduced: list[torch.Tensor]) -> torch.Tensor | None:
+        """The reduced sum as one view of :meth:`_reduce_buffer` when ``reduced`` are its slices in order, else None."""
+        whole = self._reduced
+        if whole is None:
+            return None
+        base = whole.untyped_storage().data_ptr()
+        for bucket, (start, end) in zip(reduced, self.bounds):
+            if bucket.untyped_storage().data_ptr() != base or bucket.storage_offset() != whole.storage_offset() + start \
+                    or bucket.numel() != end - start:
+                return None
+        return whole[: self.bounds[-1][1]]
 
     def begin_step(self, step: int) -> StepReport:
         """Agree on the members of ``step`` and compute this rank's micro-batches.
