@@ -976,33 +976,22 @@ class ElasticDataParallel:
         return buf
 
     def _set_gradients(self, effect: P.SetGradients) -> None:
-        """``p.grad`` = the reduced sum / B: views of one buffer (a copy only where the dtypes differ)."""
-        reduced = list(effect.reduced[: len(self.bounds)])  # the gradient buckets (not the commit's empty slot)
-        grad = self._in_place(reduced)
-        if grad is not None and self._reduced_views is not None:  # the views of the reduce buffer, made once
-            grad.div_(self._plan.num_micro_batches)
+        """``p.grad`` = the reduced sum / B: views of the reduce buffer (copies only where the dtypes differ).
+
+        Every gradient bucket in ``effect.reduced`` is the slice of
+        :meth:`_reduce_buffer` it was reduced in (also a bucket kept from a
+        failed attempt), so the sum is the buffer's head, already in place.
+        """
+        grad = self._reduced[: self.bounds[-1][1]]
+        grad.div_(self._plan.num_micro_batches)
+        if self._reduced_views is not None:  # the buffer's per-parameter views, made once
             for p, view in zip(self.params, self._reduced_views):
                 p.grad = view
             return
-        if grad is None:  # (not slices of one buffer: each bucket is a copy already)
-            grad = reduced[0] if len(reduced) == 1 else torch.cat(reduced)
-        grad.div_(self._plan.num_micro_batches)
         offset = 0
         for p in self.params:
             p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-
-    def _in_place(self, reduced: list[torch.Tensor]) -> torch.Tensor | None:
-        """The reduced sum as one view of :meth:`_reduce_buffer` when ``reduced`` are its slices in order, else None."""
-        whole = self._reduced
-        if whole is None:
-            return None
-        base = whole.untyped_storage().data_ptr()
-        for bucket, (start, end) in zip(reduced, self.bounds):
-            if bucket.untyped_storage().data_ptr() != base or bucket.storage_offset() != whole.storage_offset() + start \
-                    or bucket.numel() != end - start:
-                return None
-        return whole[: self.bounds[-1][1]]
 
     def begin_step(self, step: int) -> StepReport:
         """Agree on the members of ``step`` and compute this rank's micro-batches.
