@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from unicron_elastic.store import (
     StatusStore,
     free_port,
 )
+from unicron_elastic.store.embedded import GOMAXPROCS_ENV, etcd_environment
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
@@ -201,6 +203,17 @@ def test_election_and_fencing_token(store: StatusStore) -> None:
     b.fenced_put(store.keys.plan(), "from-b")
     assert store.get(store.keys.plan()).value == b"from-b"
     b.resign()
+
+
+def test_the_embedded_server_runs_go_on_one_core_unless_the_environment_sets_gomaxprocs(
+        private_etcd: EmbeddedEtcd) -> None:
+    assert private_etcd.proc is not None
+    raw = open(f"/proc/{private_etcd.proc.pid}/environ", "rb").read().decode().split("\0")
+    environ = dict(entry.split("=", 1) for entry in raw if "=" in entry)
+    assert environ[GOMAXPROCS_ENV] == os.environ.get(GOMAXPROCS_ENV, "1")
+    assert environ.get("PATH") == os.environ.get("PATH")  # (the rest of the environment is passed on)
+    assert etcd_environment({"PATH": "/bin"}) == {"PATH": "/bin", GOMAXPROCS_ENV: "1"}
+    assert etcd_environment({GOMAXPROCS_ENV: "4"}) == {GOMAXPROCS_ENV: "4"}  # the user's choice stands
 
 
 def test_store_reconnects_after_etcd_restart(private_etcd: EmbeddedEtcd) -> None:
