@@ -982,6 +982,7 @@ class ElasticDataParallel:
         :meth:`_reduce_buffer` it was reduced in (also a bucket kept from a
         failed attempt), so the sum is the buffer's head, already in place.
         """
+        assert self._reduced is not None  # (every step reduces each of its buckets first)
         grad = self._reduced[: self.bounds[-1][1]]
         grad.div_(self._plan.num_micro_batches)
         if self._reduced_views is not None:  # the buffer's per-parameter views, made once
