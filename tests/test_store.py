@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import etcd3
 import pytest
@@ -208,7 +209,7 @@ def test_election_and_fencing_token(store: StatusStore) -> None:
 def test_the_embedded_server_runs_go_on_one_core_unless_the_environment_sets_gomaxprocs(
         private_etcd: EmbeddedEtcd) -> None:
     assert private_etcd.proc is not None
-    raw = open(f"/proc/{private_etcd.proc.pid}/environ", "rb").read().decode().split("\0")
+    raw = Path(f"/proc/{private_etcd.proc.pid}/environ").read_bytes().decode().split("\0")
     environ = dict(entry.split("=", 1) for entry in raw if "=" in entry)
     assert environ[GOMAXPROCS_ENV] == os.environ.get(GOMAXPROCS_ENV, "1")
     assert environ.get("PATH") == os.environ.get("PATH")  # (the rest of the environment is passed on)
