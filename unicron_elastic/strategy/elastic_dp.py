@@ -989,10 +989,8 @@ class ElasticDataParallel:
             for p, view in zip(self.params, self._reduced_views):
                 p.grad = view
             return
-        offset = 0
-        for p in self.params:
-            p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
+        for p, view in zip(self.params, self._views(grad)[1]):
+            p.grad = view.to(p.dtype)
 
     def begin_step(self, step: int) -> StepReport:
         """Agree on the members of ``step`` and compute this rank's micro-batches.
