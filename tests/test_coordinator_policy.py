@@ -451,3 +451,14 @@ def test_spec_files_json_and_yaml(tmp_path) -> None:
 def test_records_survive_json() -> None:
     assert NodeRecord.from_json(NodeRecord("n", 2, "h", 3).to_json()) == NodeRecord("n", 2, "h", 3)
     assert Command.from_json(Command("n", 4, None).to_json()) == Command("n", 4, None)
+
+
+@pytest.mark.parametrize(("weight", "warned"), [(0.5, False), (1.0, False), (2.0, False), (0.49, True), (2.5, True),
+                                                (100.0, True)])
+def test_a_weight_outside_the_papers_range_is_accepted_with_a_warning(weight: float, warned: bool) -> None:
+    task = spec("w", weight=weight)
+    assert task.weight == weight  # accepted
+    warning = task.weight_warning()
+    assert (warning is not None) == warned
+    if warned:
+        assert "'w'" in warning and f"{weight:g}" in warning and "0.5-2" in warning

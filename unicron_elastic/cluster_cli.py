@@ -36,6 +36,9 @@ def _cmd_task_submit(args: argparse.Namespace) -> int:
     from unicron_elastic.coordinator.api import SpecError, TaskSpec
 
     spec = TaskSpec.from_file(args.spec)
+    warning = spec.weight_warning()
+    if warning is not None:
+        log.warning("task_weight_outside_recommended", detail=warning)
     with _store(args) as store:
         result = store.cas(store.keys.task_spec(spec.name), json.dumps(spec.to_dict(), sort_keys=True), None)
         if not result.succeeded:

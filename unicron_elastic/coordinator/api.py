@@ -27,7 +27,8 @@ MAX_WEIGHT = 1e6
 MAX_WORKERS = 100_000
 #: Largest number in a model description (layers, hidden, heads, seq_len, vocab, global_batch).
 MAX_MODEL_SIZE = 10_000_000
-#: The weights the paper recommends; outside them a spec is accepted with a warning.
+#: The weights the paper recommends; outside them a spec is accepted and ``unicron task submit`` warns
+#: (:meth:`TaskSpec.weight_warning`).
 RECOMMENDED_WEIGHTS = (0.5, 2.0)
 
 
@@ -168,6 +169,18 @@ class TaskSpec:
         batch = _whole("global_batch", doc["global_batch"], low // unit, 10**9)
         return cls(name, _command(doc["command"], check_command), float(weight), low, high, batch, _model(doc["model"]),
                    unit)
+
+    def weight_warning(self) -> str | None:
+        """The warning for a weight outside :data:`RECOMMENDED_WEIGHTS`, or ``None`` inside them.
+
+        Such a weight is valid; it lets one task outbid the others by more than
+        the paper's range (a weight of 10 buys a GPU for it over a throughput 10x
+        higher elsewhere).
+        """
+        low, high = RECOMMENDED_WEIGHTS
+        if low <= self.weight <= high:
+            return None
+        return f"task {self.name!r}: weight {self.weight:g} is outside the recommended {low:g}-{high:g}"
 
     @classmethod
     def from_file(cls, path: str | Path) -> TaskSpec:
