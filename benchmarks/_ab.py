@@ -12,8 +12,7 @@ decides from the same step, so collectives stay matched. The parts:
   each rank keeps its members; sound in a failure-free run without resizes
   only).
 * ``fresh-buffer``: a reduce buffer (and its per-parameter views) allocated
-  afresh each step, as the copies were before the engine kept one between
-  steps.
+  afresh each step, instead of the one the engine keeps between steps.
 
 Benchmark-only: it patches classes, which production code never does.
 """
@@ -95,7 +94,7 @@ PARTS: dict[str, tuple[str, Callable[[], None]]] = {
     "sigterm": ("Lightning's SIGTERM broadcast before each batch, which the strategy replaces", _sigterm),
     "log": ("the module's self.log calls", _log),
     "commit": ("the step's commit over every rank", _commit),
-    "fresh-buffer": ("a reduce buffer allocated afresh each step (as before session 25)", _fresh_buffer),
+    "fresh-buffer": ("a reduce buffer allocated afresh each step (the engine keeps one)", _fresh_buffer),
 }
 
 
