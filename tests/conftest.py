@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -19,6 +20,7 @@ from unicron_elastic.store import EmbeddedEtcd, StatusStore
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
 BIN = os.path.dirname(sys.executable)
+T = TypeVar("T")
 
 
 def wait_for_launcher(condition: Callable[[], object], seconds: float, what: str, log: Path | None = None,
@@ -35,6 +37,81 @@ def wait_for_launcher(condition: Callable[[], object], seconds: float, what: str
             f"launcher exited ({proc.returncode}) before {what}:\n{tail}"
         assert time.monotonic() < deadline, f"no {what} after {seconds}s:\n{tail}"
         time.sleep(0.05)
+
+
+def wait_for(what: Callable[[], object], deadline_s: float = 240.0, interval: float = 0.05,
+             why: str | Callable[[], str] = "") -> object:
+    """Poll ``what`` until it returns something true and return that; fail past ``deadline_s``.
+
+    The deadline only bounds a failing test: a passing one returns as soon as
+    the condition holds, so it is generous for a loaded machine. ``why`` (or
+    what it returns, read at the failure) goes into the failure's message.
+
+    Raises:
+        AssertionError: ``what`` was still false after ``deadline_s`` seconds.
+    """
+    deadline = time.monotonic() + deadline_s
+    while not (value := what()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {deadline_s} s: {why() if callable(why) else why}")
+        time.sleep(interval)
+    return value
+
+
+def unicron(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the ``unicron`` CLI (without an inherited ``UNICRON_ETCD_PASSWORD``); its output captured as text."""
+    full = {k: v for k, v in os.environ.items() if k != "UNICRON_ETCD_PASSWORD"}
+    full.update(env or {})
+    return subprocess.run([os.path.join(BIN, "unicron"), *args], capture_output=True, text=True, timeout=timeout,
+                          env=full)
+
+
+def leader_of(store: StatusStore) -> str | None:
+    """The coordinator candidate that holds the leader key, if any."""
+    kv = store.get(store.keys.leader())
+    return kv.value.decode() if kv else None
+
+
+def events_named(cap: object, name: str) -> list[dict]:
+    """The entries named ``name`` of a ``structlog.testing.LogCapture``."""
+    return [e for e in cap.entries if e["event"] == name]
+
+
+@pytest.fixture()
+def capture_log(monkeypatch: pytest.MonkeyPatch) -> Callable[[object], object]:
+    """``capture_log(module)`` replaces ``module.log`` for the test and returns its ``LogCapture``.
+
+    Independent of any global structlog setup: every level is captured.
+    """
+    import structlog
+
+    def capture(module: object) -> structlog.testing.LogCapture:
+        cap = structlog.testing.LogCapture()
+        logger = structlog.wrap_logger(structlog.testing.CapturingLogger(), processors=[cap],
+                                       wrapper_class=structlog.make_filtering_bound_logger(0))
+        monkeypatch.setattr(module, "log", logger)
+        return cap
+
+    return capture
+
+
+@pytest.fixture(scope="session")
+def failure_free(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], T]], T]:
+    """``failure_free(name, run)``: the failure-free reference run ``name``, trained once per session.
+
+    ``run(out)`` trains into the fresh folder ``out`` and returns what the
+    tests compare with (final parameters, or the folder). Every later request
+    for ``name``, from any module, gets the same value without training again.
+    ``name`` must identify everything the run depends on.
+    """
+    runs: dict[str, object] = {}
+
+    def get(name: str, run: Callable[[Path], T]) -> T:
+        if name not in runs:
+            runs[name] = run(tmp_path_factory.mktemp(re.sub(r"[^A-Za-z0-9_.-]", "_", name)))
+        return runs[name]  # type: ignore[return-value]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ from unicron_elastic.agent.decide import EXIT_GIVE_UP
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
 from unicron_elastic.testing import Fault, fail_at, faults_env, kill_node
 
-pytestmark = pytest.mark.slow
 WORKER = os.path.join(EXAMPLES, "resilient_worker.py")
 
 
@@ -120,6 +119,7 @@ while rank == 0 and time.monotonic() < deadline and (not other.exists() or len(o
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_a_left_out_worker_rejoins_without_an_event_or_a_restart_counted(tmp_path: Path) -> None:
     script = tmp_path / "left_out_worker.py"
@@ -138,6 +138,7 @@ def test_a_left_out_worker_rejoins_without_an_event_or_a_restart_counted(tmp_pat
     assert not r.of("malformed_worker_message") and not r.of("rejoin_request_dropped")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_sev3_exception_is_reattempted_in_place(tmp_path: Path) -> None:
     r = run(tmp_path, [fail_at(rank=0, step=4, kind="raise", message="Connection reset by peer")])
@@ -150,6 +151,7 @@ def test_sev3_exception_is_reattempted_in_place(tmp_path: Path) -> None:
     assert latency <= 0.1, latency
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_sev3_that_keeps_failing_escalates_to_a_sev2_restart(tmp_path: Path) -> None:
     fault = fail_at(rank=1, step=4, kind="raise", message="Connection reset by peer", times=3)
@@ -160,6 +162,7 @@ def test_sev3_that_keeps_failing_escalates_to_a_sev2_restart(tmp_path: Path) -> 
     assert len(r.starts(1)) == 2 and len(r.starts(0)) == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_hang_is_detected_and_the_worker_restarted(tmp_path: Path) -> None:
     r = run(tmp_path, [fail_at(rank=1, step=12, kind="hang")], "--hang-factor=3", step_time=0.1)
@@ -172,6 +175,7 @@ def test_hang_is_detected_and_the_worker_restarted(tmp_path: Path) -> None:
     assert latency <= 3 * 0.1 + 0.5, latency  # 3 x D_iter + 0.5 s
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_repeated_sev2_escalates_to_sev1_and_the_node_gives_up(tmp_path: Path) -> None:
     r = run(tmp_path, [fail_at(rank=1, step=5, kind="exit", times=None)], "--max-worker-restarts=1")
@@ -181,6 +185,7 @@ def test_repeated_sev2_escalates_to_sev1_and_the_node_gives_up(tmp_path: Path) -
     assert r.of("node_gave_up")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_sev1_exception_gives_up_the_node(tmp_path: Path) -> None:
     r = run(tmp_path, [fail_at(rank=0, step=3, kind="raise", message="CUDA error: uncorrectable ECC error encountered")])
@@ -189,6 +194,7 @@ def test_sev1_exception_gives_up_the_node(tmp_path: Path) -> None:
     assert actions(r) == [("give_up", 0)]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_plain_script_keeps_torchrun_restart_all(tmp_path: Path) -> None:
     r = run(tmp_path, [fail_at(rank=1, step=5, kind="kill")], "--max-restarts=1", worker_args=("--plain",))
@@ -197,6 +203,7 @@ def test_plain_script_keeps_torchrun_restart_all(tmp_path: Path) -> None:
     assert len(r.starts(0)) == 2 and len(r.starts(1)) == 2  # everybody restarted
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_bad_agent_flags_are_clear_errors(tmp_path: Path) -> None:
     r = run(tmp_path, [], "--hang-factor=1.0", steps=1)
@@ -206,6 +213,7 @@ def test_bad_agent_flags_are_clear_errors(tmp_path: Path) -> None:
         assert r.proc.returncode == 2 and "hang_factor" in r.proc.stderr, bad
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_node_loss_is_published_as_sev1_by_a_peer(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
@@ -246,6 +254,7 @@ def test_torch_private_fields_used_by_per_rank_restart_exist() -> None:
         assert f"self.{name}" in source, name
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_metrics_and_status_show_what_happened(tmp_path: Path) -> None:
     import socket

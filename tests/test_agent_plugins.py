@@ -12,7 +12,7 @@ from test_agent import actions, run
 from unicron_elastic.agent.decide import EXIT_GIVE_UP
 from unicron_elastic.testing import fail_at
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture()

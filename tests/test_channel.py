@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from conftest import wait_for
+
 from unicron_elastic.agent.channel import AgentChannel, parse
 from unicron_elastic.worker import WorkerChannel
 
@@ -42,13 +44,6 @@ def _worker(agent_path: str, body: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
 
 
-def _wait(predicate, timeout=5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not predicate():
-        time.sleep(0.01)
-    return predicate()
-
-
 def test_messages_and_uncaught_exception_reach_the_agent(channel) -> None:
     result = _worker(channel.path, """
         w.hello(resumable=True)
@@ -59,7 +54,7 @@ def test_messages_and_uncaught_exception_reach_the_agent(channel) -> None:
         raise ValueError("boom at step 3")
     """)
     assert result.returncode == 1 and "ValueError: boom" in result.stderr
-    assert _wait(lambda: len(channel.messages) == 8)
+    wait_for(lambda: len(channel.messages) == 8)
     kinds = [m["t"] for m in channel.messages]
     assert kinds == ["hello", "beat", "beat", "beat", "state", "state", "exc", "state"]
     assert channel.messages[-1] == {"t": "state", "paused": True, "exiting": True, "rank": 3}  # goodbye at exit
@@ -73,7 +68,7 @@ def test_malformed_messages_are_logged_and_skipped(channel, capsys) -> None:
     for raw in (b"not json", b"[]", b'{"t": "beat"}', b'{"t": "what", "rank": 0}', b'{"t": "beat", "rank": 1}'):
         sender.sendto(raw, channel.path)
     sender.sendto(b'{"t": "beat", "rank": 1, "step": 0, "dur": 0.1}', channel.path)
-    assert _wait(lambda: len(channel.messages) == 1)
+    wait_for(lambda: len(channel.messages) == 1)
     assert channel.malformed == 5
     assert "malformed_worker_message" in capsys.readouterr().out
 
@@ -130,7 +125,7 @@ def test_deeply_nested_datagrams_cost_only_themselves(channel) -> None:
     nested = [b"[" * 50_000, b'{"a":' * 20_000 + b"1" + b"}" * 20_000,
               b'{"t": "beat", "rank": 1, "step": 0, "dur": 0.1, "x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"]
     _send_all(channel.path, [*nested, _beat(step=7)])
-    assert _wait(lambda: len(channel.messages) == 1), "the channel thread died on a nested datagram"
+    wait_for(lambda: len(channel.messages) == 1, why="the channel thread died on a nested datagram")
     assert channel.messages[0]["step"] == 7
     assert channel.malformed == 3
 
@@ -200,7 +195,7 @@ def test_an_exception_that_asks_to_rejoin_sends_the_request_before_its_report(ch
         w.run_step(step, step=4)  # not reported as a step failure: no verdict to wait for
     """)
     assert result.returncode == 1 and "LeftOut: replica 1" in result.stderr
-    assert _wait(lambda: len(channel.messages) == 4)
+    wait_for(lambda: len(channel.messages) == 4)
     assert [m["t"] for m in channel.messages] == ["hello", "rejoin", "exc", "state"]
     rejoin, exc = channel.messages[1], channel.messages[2]
     assert rejoin["rank"] == 3 and rejoin["reason"].startswith("LeftOut: replica 1 lost a peer")
@@ -216,7 +211,7 @@ def test_request_rejoin_and_an_ordinary_exception(channel) -> None:
         raise NotRejoin("plain failure")
     """)
     assert result.returncode == 1
-    assert _wait(lambda: len(channel.messages) == 3)
+    wait_for(lambda: len(channel.messages) == 3)
     assert [m["t"] for m in channel.messages] == ["rejoin", "exc", "state"]
     assert channel.messages[0]["reason"] == "42"
     assert channel.malformed == 0
@@ -224,7 +219,7 @@ def test_request_rejoin_and_an_ordinary_exception(channel) -> None:
 
 def test_a_flood_of_malformed_datagrams_is_counted_but_not_logged_one_by_one(channel, capsys) -> None:
     _send_all(channel.path, [b'{"t": "beat", "rank": 1, "step": 0, "dur": NaN}'] * 2000 + [_beat(step=9)])
-    assert _wait(lambda: len(channel.messages) == 1, timeout=30)
+    wait_for(lambda: len(channel.messages) == 1, deadline_s=30)
     assert channel.malformed == 2000
     logged = capsys.readouterr().out.count("malformed_worker_message")
     assert 1 <= logged <= 20, logged
@@ -241,7 +236,7 @@ def test_an_exception_while_handling_one_message_costs_that_message_only(channel
 
     channel._on_message = explode
     _send_all(channel.path, [_beat(step=0), _beat(step=1)])
-    assert _wait(lambda: seen == [0, 1])
+    wait_for(lambda: seen == [0, 1])
     assert channel._thread.is_alive()
 
 
@@ -250,5 +245,5 @@ def test_a_hello_must_name_a_reply_socket_in_the_agents_directory(channel) -> No
     inside = os.path.join(os.path.dirname(channel.path), "w1.sock")
     _send_all(channel.path, [json.dumps({**hello, "reply": "/tmp/elsewhere.sock"}).encode(),
                              json.dumps({**hello, "reply": inside}).encode()])
-    assert _wait(lambda: len(channel.messages) == 1)
+    wait_for(lambda: len(channel.messages) == 1)
     assert channel.messages[0]["reply"].endswith("/w1.sock") and channel.malformed == 1

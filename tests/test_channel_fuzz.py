@@ -27,7 +27,7 @@ import pytest
 from conftest import BIN, json_log_entries
 from unicron_elastic.testing import kill_node
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "channel_fuzz_worker.py")
 DATAGRAMS = 4000
 REAL_RANKS = (0, 1)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
+
 from unicron_elastic.coordinator.service import read_plan
 from unicron_elastic.node.local_cluster import LocalCluster
 from unicron_elastic.store import EmbeddedEtcd, StatusStore, free_port
@@ -26,17 +28,6 @@ TABLE_B = {"2": 1.0, "4": 1.5}
 def spec(name: str, out: Path, weight: float, table: dict, hi: int = 6, lo: int = 2) -> str:
     return json.dumps(dict(name=name, command=[sys.executable, WORKER, str(out), name], weight=weight, min_workers=lo,
                            max_workers=hi, global_batch=12, model={"calibration": table}))
-
-
-def wait_for(what, deadline_s: float = 90.0, interval: float = 0.1, why: str = ""):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = what()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {deadline_s} s: {why}")
-        time.sleep(interval)
 
 
 def started(out: Path, task: str) -> list[dict]:
@@ -59,6 +50,7 @@ def sizes(plan) -> dict[str, int]:
     return {n: len(t.nodes) for n, t in plan.tasks.items()}
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_the_plan_drives_node_daemons_through_loss_return_finish_and_submit(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -109,6 +101,7 @@ def test_the_plan_drives_node_daemons_through_loss_return_finish_and_submit(etcd
         assert not final.isolated and not final.failed  # a node told to join a finishing task is not failed
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_cluster_rides_out_a_5s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     out = tmp_path / "out"

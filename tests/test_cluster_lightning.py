@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BIN
+from conftest import BIN, leader_of, wait_for
 from unicron_elastic.coordinator.service import read_plan
 from unicron_elastic.node.local_cluster import LocalCluster
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
 from unicron_elastic.testing import kill_node
+
+pytestmark = pytest.mark.e2e
 
 GPT = str(Path(__file__).resolve().parent.parent / "examples" / "lightning_gpt.py")
 STEPS = 8
@@ -44,15 +46,6 @@ def spec(name: str, command: list[str], weight: float, table: dict, hi: int) -> 
                            model={"calibration": table}))
 
 
-def wait_for(what, deadline_s: float = 240.0, why: str = ""):
-    deadline = time.monotonic() + deadline_s
-    while not (value := what()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {deadline_s} s: {why}")
-        time.sleep(0.1)
-    return value
-
-
 def last_step(out: Path) -> int:
     steps = [json.loads(line)["step"] for p in out.glob("times*.jsonl") for line in p.read_text().splitlines() if line]
     return max(steps, default=-1)
@@ -62,14 +55,16 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+@pytest.fixture(scope="session")
+def baseline(failure_free) -> list[torch.Tensor]:
     """The failure-free run's final parameters (2 ranks; the same global batch as every task here)."""
-    base = tmp_path_factory.mktemp("baseline")
-    run = subprocess.run([os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", GPT,
-                          "--steps", str(STEPS), "--out", str(base)], capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return torch.load(base / "params0.pt")
+    def reference_run(base: Path) -> list[torch.Tensor]:
+        run = subprocess.run([os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", GPT,
+                              "--steps", str(STEPS), "--out", str(base)], capture_output=True, text=True, timeout=400)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return torch.load(base / "params0.pt")
+
+    return failure_free("test_cluster_lightning.baseline", reference_run)
 
 
 @pytest.mark.timeout(900)
@@ -134,11 +129,6 @@ def steps_between(out: Path, start: float, end: float) -> list[int]:
     """Steps that some rank finished between two wall-clock times."""
     return sorted({d["step"] for p in out.glob("times*.jsonl") for line in p.read_text().splitlines() if line
                    and start <= (d := json.loads(line))["t"] <= end})
-
-
-def leader_of(store: StatusStore) -> str | None:
-    kv = store.get(store.keys.leader())
-    return kv.value.decode() if kv else None
 
 
 @pytest.mark.timeout(600)

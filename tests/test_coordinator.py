@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, json_log_entries
+from conftest import BIN, json_log_entries, leader_of, unicron, wait_for
 from unicron_elastic.api import EtcdConfig, NotLeaderError
 from unicron_elastic.coordinator.api import ClusterPlan, NodeRecord
 from unicron_elastic.coordinator.metrics import CoordinatorMetrics
@@ -38,21 +38,6 @@ def register(store: StatusStore, name: str, slots: int = 2) -> KeptLease:
     lease = KeptLease(store, 2)
     store.put(store.keys.node(name), NodeRecord(name, slots).to_json(), lease=lease.id)
     return lease
-
-
-def wait_for(what, deadline_s: float = 30.0, interval: float = 0.05):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = what()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {deadline_s} s")
-        time.sleep(interval)
-
-
-def unicron(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([os.path.join(BIN, "unicron"), *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture()
@@ -118,6 +103,12 @@ def test_task_submit_list_cancel(etcd: EmbeddedEtcd, etcd_config: EtcdConfig, tm
     good.write_text(json.dumps(spec_doc("a", 1.0, TABLE_A)))
     ok = unicron("task", "submit", str(good), *flags)
     assert ok.returncode == 0 and "submitted task a" in ok.stdout, ok.stderr
+    assert "task_weight_outside_recommended" not in ok.stderr
+    heavy = tmp_path / "h.json"
+    heavy.write_text(json.dumps(spec_doc("h", 5.0, TABLE_A)))
+    warned = unicron("task", "submit", str(heavy), *flags)  # valid, outside the paper's 0.5-2: accepted, warned
+    assert warned.returncode == 0 and "submitted task h" in warned.stdout, warned.stderr
+    assert "task_weight_outside_recommended" in warned.stderr and "0.5-2" in warned.stderr, warned.stderr
     again = unicron("task", "submit", str(good), *flags)
     assert again.returncode == 2 and "'name'" in again.stderr and "exists" in again.stderr
     for name, doc, field in [
@@ -131,7 +122,7 @@ def test_task_submit_list_cancel(etcd: EmbeddedEtcd, etcd_config: EtcdConfig, tm
         bad = unicron("task", "submit", str(path), *flags)
         assert bad.returncode == 2 and field in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
     listing = unicron("task", "list", "--json", *flags)
-    assert [t["name"] for t in json.loads(listing.stdout)] == ["a"]  # nothing else disturbed
+    assert [t["name"] for t in json.loads(listing.stdout)] == ["a", "h"]  # nothing else disturbed
     assert unicron("task", "cancel", "zz", *flags).returncode == 2
     cancel = unicron("task", "cancel", "a", *flags)
     assert cancel.returncode == 0
@@ -161,11 +152,7 @@ def test_status_shows_plan_tasks_and_json(store: StatusStore, leader: Coordinato
     lease.close()
 
 
-def leader_of(store: StatusStore) -> str | None:
-    kv = store.get(store.keys.leader())
-    return kv.value.decode() if kv else None
-
-
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_kill_and_pause_the_leader_process(private_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     """Two coordinator processes: SIGKILL the leader, then SIGSTOP the new one past its TTL and resume it."""

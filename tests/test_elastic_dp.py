@@ -20,7 +20,6 @@ import torch
 from conftest import EXAMPLES
 from unicron_elastic.testing import Fault, fail_at, faults_env, run_workers
 
-pytestmark = pytest.mark.slow
 WORKER = os.path.join(EXAMPLES, "elastic_dp_worker.py")
 WORLD, STEPS, B = 3, 3, 6  # 24 samples per step in micro-batches of 4
 NUMEL = 8 * 16 + 16 + 16 + 1  # 161 parameters -> 3 buckets of 64
@@ -32,15 +31,17 @@ def train(out: Path, faults: list[Fault], bucket_numel: int | None = None, steps
                        faults_env(faults, str(out / "faults.log")), timeout=90)
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> list[torch.Tensor]:
-    out = tmp_path_factory.mktemp("baseline")
-    results = train(out, [])
-    assert [r.returncode for r in results] == [0] * WORLD, results[0].stderr[-2000:]
-    params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
-    for other in params[1:]:  # replicas agree
-        assert all(torch.equal(a, b) for a, b in zip(params[0], other))
-    return params[0]
+@pytest.fixture(scope="session")
+def baseline(failure_free) -> list[torch.Tensor]:
+    def reference_run(out: Path) -> list[torch.Tensor]:
+        results = train(out, [])
+        assert [r.returncode for r in results] == [0] * WORLD, results[0].stderr[-2000:]
+        params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
+        for other in params[1:]:  # replicas agree
+            assert all(torch.equal(a, b) for a, b in zip(params[0], other))
+        return params[0]
+
+    return failure_free("test_elastic_dp.baseline", reference_run)
 
 
 def _check(out: Path, results, victim: int, baseline: list[torch.Tensor], recomputed: bool = True) -> list[dict]:
@@ -76,12 +77,14 @@ def test_failure_at_each_micro_batch_scenario_1(tmp_path: Path, baseline, micro_
     _check(tmp_path, results, 2, baseline)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_failure_before_the_first_step(tmp_path: Path, baseline) -> None:
     results = train(tmp_path, [fail_at(rank=1, step=0, micro_batch=1)])
     _check(tmp_path, results, 1, baseline)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_failure_after_the_optimizer_step(tmp_path: Path, baseline) -> None:
     # dies right after finishing step 1: the first micro-batch of step 2
@@ -107,12 +110,14 @@ def train_schedule(out: Path, world: int, steps: int, members: list[int], schedu
     return [(r.returncode, r.stderr[-2000:]) for r in run_workers(WORKER, world, args, timeout=90)]
 
 
-@pytest.fixture(scope="module")
-def baseline4(tmp_path_factory) -> list[torch.Tensor]:
-    out = tmp_path_factory.mktemp("baseline4")
-    codes = train_schedule(out, 4, 5, [0, 1, 2, 3], {})
-    assert [c for c, _ in codes] == [0] * 4, codes
-    return torch.load(out / "params0.pt")
+@pytest.fixture(scope="session")
+def baseline4(failure_free) -> list[torch.Tensor]:
+    def reference_run(out: Path) -> list[torch.Tensor]:
+        codes = train_schedule(out, 4, 5, [0, 1, 2, 3], {})
+        assert [c for c, _ in codes] == [0] * 4, codes
+        return torch.load(out / "params0.pt")
+
+    return failure_free("test_elastic_dp.baseline4", reference_run)
 
 
 def _same(out: Path, rank: int, reference: list[torch.Tensor]) -> None:
@@ -120,6 +125,7 @@ def _same(out: Path, rank: int, reference: list[torch.Tensor]) -> None:
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_scale_in_4_3_2_keeps_the_trajectory(tmp_path: Path, baseline4) -> None:
     codes = train_schedule(tmp_path, 4, 5, [0, 1, 2, 3], {2: [0, 1, 2], 4: [0, 1]})
@@ -132,6 +138,7 @@ def test_scale_in_4_3_2_keeps_the_trajectory(tmp_path: Path, baseline4) -> None:
     assert len(last["micro_batches"]) == 3  # B = 6 over 2 ranks: global batch unchanged
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_scale_out_2_to_4_with_state_from_a_replica(tmp_path: Path, baseline4) -> None:
     codes = train_schedule(tmp_path, 4, 5, [0, 1], {2: [0, 1, 2, 3]})
@@ -165,6 +172,7 @@ def _unicron_run(tmp_path: Path, faults: list[Fault], steps: int, step_time: flo
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_killed_rank_is_restarted_by_the_agent_and_rejoins_from_a_replica(tmp_path: Path) -> None:
     steps = 12
@@ -197,25 +205,28 @@ POINTS4 = [dict(micro_batch=None), dict(bucket=0), dict(bucket=2), dict(at="befo
            dict(at="after_optimizer_step")]
 
 
-@pytest.fixture(scope="module")
-def baseline_f64(tmp_path_factory) -> list[torch.Tensor]:
-    out = tmp_path_factory.mktemp("baseline_f64")
-    results = run_workers(WORKER, 4, ["--steps", "3", "--out", str(out), "--bucket-numel", "64",
-                                      "--grad-dtype", "float64"], timeout=90)
-    assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-2000:]
-    return torch.load(out / "params0.pt")
+@pytest.fixture(scope="session")
+def baseline_f64(failure_free) -> list[torch.Tensor]:
+    def reference_run(out: Path) -> list[torch.Tensor]:
+        results = run_workers(WORKER, 4, ["--steps", "3", "--out", str(out), "--bucket-numel", "64",
+                                          "--grad-dtype", "float64"], timeout=90)
+        assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-2000:]
+        return torch.load(out / "params0.pt")
+
+    return failure_free("test_elastic_dp.baseline_f64", reference_run)
 
 
 POINT_IDS = ["micro-batch", "bucket0", "bucket2", "before-step", "after-step"]
 
 
 def _victim_point_params() -> list:
-    """Every (point, victim); the default suite runs each point once, with the victims in turn (the rest: -m matrix)."""
+    """Every (point, victim); the e2e tier runs each point once, with the victims in turn (the rest: -m matrix)."""
     return [pytest.param(point, victim, id=f"{POINT_IDS[point]}-{victim}",
                          marks=() if victim == point % 4 else pytest.mark.matrix)
             for point in range(len(POINTS4)) for victim in range(4)]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("point", "victim"), _victim_point_params())
 def test_four_ranks_any_victim_any_point_survivors_bit_identical(tmp_path: Path, baseline_f64, victim: int,
@@ -244,6 +255,7 @@ def test_four_ranks_any_victim_any_point_survivors_bit_identical(tmp_path: Path,
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_every_replica_lost_and_nothing_persisted_restarts_from_step_0(tmp_path: Path) -> None:
     steps = 6
@@ -261,6 +273,7 @@ def test_every_replica_lost_and_nothing_persisted_restarts_from_step_0(tmp_path:
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("faults", [
     [fail_at(rank=0, step=1, micro_batch=0), fail_at(rank=3, step=1, micro_batch=3)],  # two at once, rank 0 too

@@ -61,7 +61,7 @@ def test_password_errors_name_the_remedy(conf: dict, match: str, tmp_path: Path,
         parse_options("h:1", "r", conf)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_unicron_run_authenticates_with_a_password_file(private_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     enable_auth(private_etcd)

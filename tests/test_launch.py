@@ -16,7 +16,6 @@ from unicron_elastic.launcher import get_parser
 from unicron_elastic.store import EmbeddedEtcd, free_port
 from unicron_elastic.testing import kill_node
 
-pytestmark = pytest.mark.slow
 ALLREDUCE = os.path.join(EXAMPLES, "allreduce.py")
 FAST_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
 
@@ -46,6 +45,7 @@ def _torchrun(etcd: EmbeddedEtcd, run_id: str, nnodes: str, out: Path, *extra: s
     ]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(90)
 def test_plain_torchrun_two_nodes_world_size_4(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -59,6 +59,7 @@ def test_plain_torchrun_two_nodes_world_size_4(etcd: EmbeddedEtcd, tmp_path: Pat
     assert {r["value"] for r in records} == {10.0}
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_node_loss_leaves_the_other_node_finishing_with_world_size_2(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -131,6 +132,7 @@ def test_unicron_run_bad_rdzv_conf_fails_clearly(etcd: EmbeddedEtcd, tmp_path: P
     assert "unknown --rdzv-conf key(s) bogus" in result.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_unicron_run_unreachable_etcd_fails_within_reconnect_timeout(tmp_path: Path) -> None:
     cmd = [

@@ -23,7 +23,7 @@ tens of ms jitter by more than 3x on a shared 2-core machine).
 ``--hold-for-joiner`` makes the survivors wait (a declared, bounded pause) for
 the restarted rank before step ``HOLD``, so it rejoins however slowly it
 starts. The full matrix (49 runs) is marked ``matrix`` (``-m matrix``); one case
-runs in the default suite (a bucket: the default suite's only bucket kill through
+runs in the e2e tier (a bucket: the e2e tier's only bucket kill through
 Lightning; its micro-batch and optimizer-step kills are ``test_lightning_strategy.py``'s).
 """
 
@@ -43,7 +43,7 @@ import torch
 from conftest import BIN, EXAMPLES
 from unicron_elastic.testing import fail_at, faults_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 DEMO = os.path.join(EXAMPLES, "lightning_demo_transformer.py")
 STEPS, FAIL, HOLD = 10, 6, 8  # the hang detector warms up over 5 steps; the victim rejoins at HOLD + 1
 MICRO, BUCKETS, BUCKET_NUMEL = 4, 3, 2300  # the demo transformer has 6688 parameters: 3 buckets
@@ -81,7 +81,7 @@ def all_cases() -> list[Case]:
     return cases
 
 
-CI = {"w3-v2-bucket1"}  # the micro-batch and optimizer-step kills by default: test_lightning_strategy.py
+CI = {"w3-v2-bucket1"}  # the micro-batch and optimizer-step kills in the e2e tier: test_lightning_strategy.py
 
 
 def params_of(cases: list[Case]) -> list:
@@ -131,14 +131,11 @@ class Baseline:
     step_time: float
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> Callable[[int], Baseline]:
+@pytest.fixture(scope="session")
+def baseline(failure_free) -> Callable[[int], Baseline]:
     """One failure-free run per world size, on first use (same global batch, buckets and hold)."""
-    runs: dict[int, Baseline] = {}
-
     def get(world: int) -> Baseline:
-        if world not in runs:
-            out = tmp_path_factory.mktemp(f"baseline{world}")
+        def reference_run(out: Path) -> Baseline:
             proc = launch(out, world, [])
             assert proc.returncode == 0, proc.stderr[-3000:]
             params = [torch.load(out / f"params{r}.pt") for r in range(world)]
@@ -146,8 +143,8 @@ def baseline(tmp_path_factory) -> Callable[[int], Baseline]:
             assert [summary(out, r)["global_step"] for r in range(world)] == [STEPS] * world
             ends = [step_ends(out, r) for r in range(world)]
             gaps = [e[s] - e[s - 1] for e in ends for s in range(2, STEPS)]  # step 0 includes the set-up
-            runs[world] = Baseline(params[0], statistics.median(gaps))
-        return runs[world]
+            return Baseline(params[0], statistics.median(gaps))
+        return failure_free(f"test_lightning_matrix.baseline{world}", reference_run)
 
     return get
 

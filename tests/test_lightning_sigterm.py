@@ -23,7 +23,6 @@ import pytest
 from conftest import BIN, EXAMPLES, wait_for_launcher
 from unicron_elastic.testing import process_tree
 
-pytestmark = pytest.mark.slow
 GPT = os.path.join(EXAMPLES, "lightning_gpt.py")
 STEPS, HOLD = 40, 3
 DEADLINE_S = 240  # each wait below, on a loaded machine too
@@ -46,7 +45,7 @@ def _start(out: Path, nproc: int, *args: str) -> tuple[subprocess.Popen, Path]:
 _NUM = r"\d+?(?=\d{4}-\d\d-\d\d |\D|$)"
 
 
-def _events(log: Path, event: str) -> list[dict[str, int]]:
+def _log_events(log: Path, event: str) -> list[dict[str, int]]:
     """``{"rank", "step"?}`` of each ``event`` in the log (the workers' lines may interleave on one line)."""
     return [{key: int(value) for key, value in re.findall(r"(rank|step)=(" + _NUM + ")", found)}
             for found in re.findall(event + r"\s+rank=" + _NUM + r"(?: step=" + _NUM + ")?", log.read_text())]
@@ -71,12 +70,12 @@ def _stop_and_check(out: Path, nproc: int, proc: subprocess.Popen, log: Path, si
     Returns:
         The launcher's output.
     """
-    wait_for_launcher(lambda: len(_events(log, "sigterm_received")) >= signalled, DEADLINE_S, "sigterm_received",
+    wait_for_launcher(lambda: len(_log_events(log, "sigterm_received")) >= signalled, DEADLINE_S, "sigterm_received",
                       log, proc)
     (out / "go").touch()
     proc.wait(timeout=DEADLINE_S)
     text = log.read_text()
-    stopping = _events(log, "stopping_on_sigterm")
+    stopping = _log_events(log, "stopping_on_sigterm")
     assert sorted(e["rank"] for e in stopping) == list(range(nproc)), text[-3000:]
     assert all(e["step"] == HOLD for e in stopping), text[-3000:]
     for rank in range(nproc):  # every rank finished step HOLD, none began another
@@ -87,6 +86,7 @@ def _stop_and_check(out: Path, nproc: int, proc: subprocess.Popen, log: Path, si
     return text
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step_tp2_dp2(tmp_path: Path) -> None:
     """unicron-run's stop (SIGTERM to every worker) with TP=2 x DP=2: the commit over every rank carries it."""
@@ -103,6 +103,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step_tp2_dp2(tm
             proc.kill()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step_dp2(tmp_path: Path) -> None:
     """One worker's SIGTERM with DP=2: the last gradient bucket carries it to the other rank, which stops too.
@@ -131,6 +132,6 @@ def test_events_reads_lines_another_rank_split(tmp_path: Path) -> None:
                    "2026-11-25 16:43:24 [info     ] stopping_on_sigterm            rank=0 step=3\n\n"
                    "unicron_megatron: sigterm_received rank=12 signal=15: every rank stops\n"
                    "[info     ] stopping_on_sigterm            rank=12 step=40\n")
-    assert _events(log, "stopping_on_sigterm") == [{"rank": 1, "step": 3}, {"rank": 0, "step": 3},
+    assert _log_events(log, "stopping_on_sigterm") == [{"rank": 1, "step": 3}, {"rank": 0, "step": 3},
                                                    {"rank": 12, "step": 40}]
-    assert _events(log, "sigterm_received") == [{"rank": 12}]
+    assert _log_events(log, "sigterm_received") == [{"rank": 12}]

@@ -26,7 +26,6 @@ import torch
 from conftest import BIN, EXAMPLES
 from unicron_elastic.testing import Fault, fail_at, faults_env
 
-pytestmark = pytest.mark.slow
 GPT = os.path.join(EXAMPLES, "lightning_gpt.py")
 WORLD, STEPS, B = 3, 8, 6  # global batch 24 in micro-batches of 4
 BUCKET = 6560  # TinyGPT has 19680 parameters: 3 buckets
@@ -51,16 +50,18 @@ def assert_params(out: Path, rank: int, reference: list[torch.Tensor]) -> None:
         torch.testing.assert_close(ours, ref)  # float32 tolerance
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> list[torch.Tensor]:
-    out = tmp_path_factory.mktemp("baseline")
-    proc = launch(out, [])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
-    for other in params[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(params[0], other))
-    assert [summary(out, r)["global_step"] for r in range(WORLD)] == [STEPS] * WORLD
-    return params[0]
+@pytest.fixture(scope="session")
+def baseline(failure_free) -> list[torch.Tensor]:
+    def reference_run(out: Path) -> list[torch.Tensor]:
+        proc = launch(out, [])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
+        for other in params[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(params[0], other))
+        assert [summary(out, r)["global_step"] for r in range(WORLD)] == [STEPS] * WORLD
+        return params[0]
+
+    return failure_free("test_lightning_strategy.baseline", reference_run)
 
 
 def check_survivors(out: Path, proc: subprocess.CompletedProcess, victim: int, baseline: list[torch.Tensor]) -> list[dict]:
@@ -80,6 +81,7 @@ def covered_once(reports: list[dict]) -> bool:
     return sorted(j for rep in reports for j in rep["micro_batches"]) == list(range(B))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("micro_batch", [pytest.param(2, marks=pytest.mark.matrix), 5])  # rank 2's first, second
 def test_kill_at_each_micro_batch(tmp_path: Path, baseline, micro_batch: int) -> None:
@@ -90,8 +92,9 @@ def test_kill_at_each_micro_batch(tmp_path: Path, baseline, micro_batch: int) ->
 
 
 @pytest.mark.timeout(300)
-# -m matrix: the default suite's bucket kill through Lightning is test_lightning_matrix.py's w3-v2-bucket1 (the
+# -m matrix: the e2e tier's bucket kill through Lightning is test_lightning_matrix.py's w3-v2-bucket1 (the
 # same point, with these assertions and more: no healthy rank restarted, the victim rejoins, the latency budget)
+@pytest.mark.e2e
 @pytest.mark.parametrize("bucket", [pytest.param(k, marks=pytest.mark.matrix) for k in range(3)])
 def test_kill_during_each_gradient_bucket(tmp_path: Path, baseline, bucket: int) -> None:
     proc = launch(tmp_path, [fail_at(rank=1, step=3, bucket=bucket)], "--bucket-numel", str(BUCKET))
@@ -101,6 +104,7 @@ def test_kill_during_each_gradient_bucket(tmp_path: Path, baseline, bucket: int)
     assert covered_once(reports)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("at", ["before_optimizer_step", "after_optimizer_step"])
 def test_kill_before_and_after_the_optimizer_step(tmp_path: Path, baseline, at: str) -> None:
@@ -112,6 +116,7 @@ def test_kill_before_and_after_the_optimizer_step(tmp_path: Path, baseline, at: 
     assert covered_once(noticed)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_dataloaders_workers_load_the_micro_batches_and_a_kill_keeps_the_trajectory(tmp_path: Path,
                                                                                         baseline) -> None:
@@ -148,6 +153,7 @@ def kill_everyone(step: int) -> list[Fault]:
     return [fail_at(rank=r, step=step, micro_batch=r) for r in range(WORLD)]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_all_replicas_lost_resumes_from_the_memory_snapshot(tmp_path: Path, baseline) -> None:
     proc = launch(tmp_path, kill_everyone(3), "--snapshot-every", "1")
@@ -160,6 +166,7 @@ def test_all_replicas_lost_resumes_from_the_memory_snapshot(tmp_path: Path, base
         assert_params(tmp_path, r, baseline)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_without_a_snapshot_the_disk_checkpoint_is_used(tmp_path: Path, baseline) -> None:
     ckpt = tmp_path / "ckpt"
@@ -173,14 +180,17 @@ def test_without_a_snapshot_the_disk_checkpoint_is_used(tmp_path: Path, baseline
     assert len(list(ckpt.glob("step-*"))) <= 2  # older checkpoints are deleted
 
 
-@pytest.fixture(scope="module")
-def baseline4(tmp_path_factory) -> list[torch.Tensor]:
-    out = tmp_path_factory.mktemp("baseline4")
-    proc = launch(out, [], world=4)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out / "params0.pt")
+@pytest.fixture(scope="session")
+def baseline4(failure_free) -> list[torch.Tensor]:
+    def reference_run(out: Path) -> list[torch.Tensor]:
+        proc = launch(out, [], world=4)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return torch.load(out / "params0.pt")
+
+    return failure_free("test_lightning_strategy.baseline4", reference_run)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_scale_in_4_3_2_keeps_the_global_batch_and_trajectory(tmp_path: Path, baseline4) -> None:
     proc = launch(tmp_path, [], "--schedule", json.dumps({2: [0, 1, 2], 5: [0, 1]}), world=4)
@@ -193,6 +203,7 @@ def test_scale_in_4_3_2_keeps_the_global_batch_and_trajectory(tmp_path: Path, ba
     assert last["micro_batches"] == [0, 2, 4]  # B = 6 over 2 ranks: the global batch is unchanged
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_scale_out_2_to_4_new_ranks_get_the_state_from_a_replica(tmp_path: Path, baseline4) -> None:
     proc = launch(tmp_path, [], "--members", "0,1", "--schedule", json.dumps({3: [0, 1, 2, 3]}), world=4)
@@ -210,6 +221,7 @@ def test_scale_out_2_to_4_new_ranks_get_the_state_from_a_replica(tmp_path: Path,
 # -- in-process: registry, Lightning features, bad input ------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("first, then", [
     ("import unicron_elastic", "import lightning.pytorch as pl"),  # unicron first: registered when Lightning comes
     ("import unicron_elastic", "from lightning import Trainer"),
@@ -233,6 +245,7 @@ def test_trainer_finds_the_strategy_whatever_the_import_order(first: str, then: 
     assert result.stdout.strip().splitlines()[-1] == expected
 
 
+@pytest.mark.e2e
 def test_import_registers_the_strategy_without_importing_lightning_eagerly() -> None:
     code = ("import sys, unicron_elastic; assert 'lightning.pytorch' not in sys.modules;"
             "import lightning.pytorch as pl, unicron_elastic.strategy;"

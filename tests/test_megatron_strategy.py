@@ -9,12 +9,11 @@ replica 1's micro-batches, and the whole replica comes back with the state of
 the matching shard of replica 0. With float64 gradient sums every shard ends
 bit-identical to the failure-free run.
 
-The default run covers a kill in a stage's reduction on TP2xPP2xDP2, scale-in,
-the equality with no parallelism and the per-shard snapshot; ``-m matrix`` runs
+The default tier runs the TP2xPP2 equality with no parallelism; the e2e tier a
+kill in a micro-batch on TP2xDP2, scale-in and the per-shard snapshot; ``-m matrix`` runs
 every kill point on every configuration, the DataLoader's workers feeding every
 rank of a replica (the default DataLoader case is in test_lightning_strategy.py),
-scale-out and the per-shard disk checkpoint (see
-docs/strategy.md for the figures).
+scale-out and the per-shard disk checkpoint (figures: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from conftest import BIN, EXAMPLES
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.testing import Fault, fail_at, faults_env
 
-pytestmark = pytest.mark.slow
 GPT = os.path.join(EXAMPLES, "lightning_gpt.py")
 STEPS, HOLD, B, BUCKET = 6, 4, 6, 1500  # global batch 24 in micro-batches of 4; ~7000 parameters per shard
 CONFIGS = {"tp2-dp2": (2, 1), "pp2-dp2": (1, 2), "tp2-pp2-dp2": (2, 2)}
@@ -66,19 +64,15 @@ def buckets(out: Path, rank: int) -> int:
     return math.ceil(sum(t.numel() for t in shard(out, rank).values()) / BUCKET)
 
 
-_REFERENCES: dict[tuple[int, int], Path] = {}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The failure-free run of a configuration (one per module, made on first use)."""
+@pytest.fixture(scope="session")
+def reference(failure_free):
+    """The failure-free run of a configuration (made on first use, once per session)."""
     def get(tp: int, pp: int) -> Path:
-        if (tp, pp) not in _REFERENCES:
-            out = tmp_path_factory.mktemp(f"reference-tp{tp}-pp{pp}")
+        def reference_run(out: Path) -> Path:
             proc = launch(out, tp, pp, [])
             assert proc.returncode == 0, proc.stderr[-3000:]
-            _REFERENCES[tp, pp] = out
-        return _REFERENCES[tp, pp]
+            return out
+        return failure_free(f"test_megatron_strategy.reference-tp{tp}-pp{pp}", reference_run)
     return get
 
 
@@ -140,14 +134,15 @@ def kill_at(point: str):
 
 KILLS = {"micro-batch": kill_in_a_micro_batch, "stage-reduction": kill_in_a_stage_reduction,
          "before-step": kill_at("before_optimizer_step"), "after-step": kill_at("after_optimizer_step")}
-# the default suite: a TP kill (it shares the TP=2 x DP=2 reference with the snapshot test); scenario 2 with PP
-# in the default suite: tests/test_megatron_tp_dp.py; TP x PP x DP (8 processes, ~95 s) and the rest: -m matrix
+# the e2e tier: a TP kill (it shares the TP=2 x DP=2 reference with the snapshot test); scenario 2 with PP
+# in the e2e tier: tests/test_megatron_tp_dp.py; TP x PP x DP (8 processes, ~95 s) and the rest: -m matrix
 DEFAULT = {("tp2-dp2", "micro-batch")}
 CASES = [pytest.param(config, kill, id=f"{config}-{kill}",
                       marks=[] if (config, kill) in DEFAULT else [pytest.mark.matrix])
          for config in CONFIGS for kill in KILLS]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
 @pytest.mark.parametrize("config, kill", CASES)
 def test_a_killed_rank_loses_its_replica_which_rejoins_with_its_shards_state(tmp_path: Path, reference,
@@ -214,14 +209,16 @@ def test_tp2_pp2_equals_the_same_model_trained_without_parallelism(tmp_path: Pat
 
 
 # -- reconfiguration in whole replicas ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def reference_tp2_3(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference-tp2-dp3")
-    proc = launch(out, 2, 1, [], replicas=3)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+@pytest.fixture(scope="session")
+def reference_tp2_3(failure_free) -> Path:
+    def reference_run(out: Path) -> Path:
+        proc = launch(out, 2, 1, [], replicas=3)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+    return failure_free("test_megatron_strategy.reference-tp2-dp3", reference_run)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_dp_scale_in_3_to_2_with_tp2_keeps_the_trajectory(tmp_path: Path, reference_tp2_3: Path) -> None:
     proc = launch(tmp_path, 2, 1, [], "--schedule", json.dumps({3: [0, 1]}), replicas=3)
@@ -234,6 +231,7 @@ def test_dp_scale_in_3_to_2_with_tp2_keeps_the_trajectory(tmp_path: Path, refere
     assert last["micro_batches"] == [0, 2, 4]  # B = 6 over 2 replicas: the global batch is unchanged
 
 
+@pytest.mark.e2e
 @pytest.mark.matrix
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_dp_scale_out_2_to_3_with_tp2_new_replica_gets_its_shards_from_a_replica(tmp_path: Path,
@@ -248,6 +246,7 @@ def test_dp_scale_out_2_to_3_with_tp2_new_replica_gets_its_shards_from_a_replica
 
 
 # -- the DataLoader and the per-shard snapshot ---------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.matrix  # the default DataLoader case: tests/test_lightning_strategy.py
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_dataloader_workers_feed_every_rank_of_a_replica_and_a_kill_keeps_the_trajectory(tmp_path: Path,
@@ -264,6 +263,7 @@ def test_dataloader_workers_feed_every_rank_of_a_replica_and_a_kill_keeps_the_tr
         assert done["fed"] >= STEPS and done["on_demand"] >= 1  # own micro-batches fed; the lost replica's here
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_every_replica_lost_resumes_every_shard_from_the_memory_snapshot(tmp_path: Path, reference) -> None:
     layout = ModelParallel(2, 1)
@@ -278,6 +278,7 @@ def test_every_replica_lost_resumes_every_shard_from_the_memory_snapshot(tmp_pat
     assert_every_shard_equals(tmp_path, reference(2, 1), 2 * layout.size)
 
 
+@pytest.mark.e2e
 @pytest.mark.matrix
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_every_replica_lost_without_snapshots_resumes_every_shard_from_disk(tmp_path: Path, reference) -> None:

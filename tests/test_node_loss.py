@@ -25,18 +25,19 @@ from conftest import BIN, EXAMPLES
 from unicron_elastic.store import EmbeddedEtcd
 from unicron_elastic.testing import Fault, fail_at, faults_env, kill_node, process_tree, run_workers
 
-pytestmark = pytest.mark.slow
 WORKER = os.path.join(EXAMPLES, "elastic_dp_worker.py")
 STEPS, B, PER_NODE = 6, 6, 2
 COMMON = ["--steps", str(STEPS), "--grad-dtype", "float64", "--bucket-numel", "64"]
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> list[torch.Tensor]:
-    out = tmp_path_factory.mktemp("baseline")
-    results = run_workers(WORKER, 4, [*COMMON, "--out", str(out)], timeout=120)
-    assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-2000:]
-    return torch.load(out / "params0.pt")
+@pytest.fixture(scope="session")
+def baseline(failure_free) -> list[torch.Tensor]:
+    def reference_run(out: Path) -> list[torch.Tensor]:
+        results = run_workers(WORKER, 4, [*COMMON, "--out", str(out)], timeout=120)
+        assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-2000:]
+        return torch.load(out / "params0.pt")
+
+    return failure_free("test_node_loss.baseline", reference_run)
 
 
 def _command(etcd: EmbeddedEtcd, run_id: str, nodes: int, out: Path, *extra: str) -> list[str]:
@@ -102,7 +103,8 @@ POINTS = {  # where the victim's rank is parked when its node is lost; the step 
     "bucket": (lambda r: fail_at(rank=r, step=2, bucket=1, kind="hang"), 2),  # during the gradient all-reduce
     "between-steps": (lambda r: fail_at(rank=r, step=2, at="after_optimizer_step", kind="hang"), 3),
 }
-CI_CASES = {(2, 2, "micro-batch"), (2, 0, "bucket"), (2, 1, "between-steps"), (3, 0, "bucket")}
+DEFAULT_CASE = (2, 2, "micro-batch")  # the default tier's node loss; the other CI cases run with -m e2e
+CI_CASES = {DEFAULT_CASE, (2, 0, "bucket"), (2, 1, "between-steps"), (3, 0, "bucket")}
 
 
 def _cases() -> list:
@@ -111,7 +113,8 @@ def _cases() -> list:
         for node in range(nodes):
             for point in POINTS:
                 rank = node * PER_NODE + (1 if point == "between-steps" else 0)
-                marks = [] if (nodes, rank, point) in CI_CASES else [pytest.mark.matrix]
+                case = (nodes, rank, point)
+                marks = [] if case == DEFAULT_CASE else [pytest.mark.e2e] if case in CI_CASES else [pytest.mark.matrix]
                 cases.append(pytest.param(nodes, rank, point, marks=marks,
                                           id=f"{nodes}nodes-rank{rank}-node{'(rank0)' if node == 0 else node}-{point}"))
     return cases
@@ -156,6 +159,7 @@ def test_a_lost_node_leaves_the_survivors_on_the_failure_free_trajectory(
           f"{recovered:.2f} s after the kill")
 
 
+@pytest.mark.e2e
 @pytest.mark.matrix  # by default through Lightning: test_lightning_lost_node_started_again_rejoins_...
 @pytest.mark.timeout(300)
 def test_the_lost_node_started_again_rejoins_without_restarting_anyone(etcd: EmbeddedEtcd, tmp_path: Path,
@@ -206,16 +210,19 @@ def _gpt(etcd: EmbeddedEtcd, run_id: str, out: Path, nodes: int, faults: list[Fa
     return _start(cmd, out, faults, nodes, first)
 
 
-@pytest.fixture(scope="module")
-def gpt_baseline(etcd: EmbeddedEtcd, tmp_path_factory) -> list[torch.Tensor]:
-    out = tmp_path_factory.mktemp("gpt_baseline")
-    launchers = _gpt(etcd, "gpt-baseline", out, 2, [])
-    assert [p.wait(timeout=200) for p in launchers] == [0, 0], (out / "node0.log").read_text()[-3000:]
-    params = [torch.load(out / f"params{r}.pt") for r in range(4)]
-    assert all(all(torch.equal(a, b) for a, b in zip(params[0], other)) for other in params[1:])
-    return params[0]
+@pytest.fixture(scope="session")
+def gpt_baseline(failure_free, etcd: EmbeddedEtcd) -> list[torch.Tensor]:
+    def reference_run(out: Path) -> list[torch.Tensor]:
+        launchers = _gpt(etcd, "gpt-baseline", out, 2, [])
+        assert [p.wait(timeout=200) for p in launchers] == [0, 0], (out / "node0.log").read_text()[-3000:]
+        params = [torch.load(out / f"params{r}.pt") for r in range(4)]
+        assert all(all(torch.equal(a, b) for a, b in zip(params[0], other)) for other in params[1:])
+        return params[0]
+
+    return failure_free("test_node_loss.gpt_baseline", reference_run)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", [pytest.param(0, id="rank0-node"),  # the leader's node: the harder case
                                     pytest.param(2, id="other-node", marks=pytest.mark.matrix)])
@@ -239,6 +246,7 @@ def test_lightning_task_survives_a_lost_node_with_default_detectors(etcd: Embedd
 
 # -- plain torchrun with the unicron rendezvous: what survives without unicron-run ------------------
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_plain_torchrun_survives_losing_a_node_other_than_rank_0s(etcd: EmbeddedEtcd, tmp_path: Path,
                                                                    baseline) -> None:
@@ -305,6 +313,7 @@ def test_lightning_lost_node_started_again_rejoins_without_restarting_anyone(etc
         assert _same_params(out, r, gpt_baseline), f"rank {r} diverged"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_a_new_node_grows_a_running_lightning_task_without_restarting_anyone(etcd: EmbeddedEtcd, tmp_path: Path,
                                                                             gpt_baseline) -> None:
@@ -345,6 +354,7 @@ def test_a_new_node_grows_a_running_lightning_task_without_restarting_anyone(etc
         assert _same_params(out, r, gpt_baseline), f"rank {r} diverged"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_node_asked_to_leave_retires_its_ranks_at_a_step_boundary_and_nobody_sees_a_failure(
         etcd: EmbeddedEtcd, tmp_path: Path, baseline) -> None:
@@ -387,6 +397,7 @@ def test_a_node_asked_to_leave_retires_its_ranks_at_a_step_boundary_and_nobody_s
         assert _same_params(out, r, baseline), f"rank {r} diverged"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_node_lost_before_the_first_group_formed_the_others_start_without_it(
         etcd: EmbeddedEtcd, tmp_path: Path, baseline) -> None:
@@ -408,6 +419,7 @@ def test_a_node_lost_before_the_first_group_formed_the_others_start_without_it(
         assert _same_params(out, r, baseline), f"rank {r} diverged"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_every_lease_lapsing_at_once_is_renewed_and_training_goes_on(private_etcd: EmbeddedEtcd, tmp_path: Path,
                                                                      baseline) -> None:

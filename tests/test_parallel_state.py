@@ -14,10 +14,10 @@ from unicron_elastic.strategy.parallel import check_sizes
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.testing import run_workers
 
-pytestmark = pytest.mark.slow
 WORKER = os.path.join(REPO, "tests", "workers", "parallel_state_worker.py")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_groups_for_every_tp_pp_split_of_4_ranks_and_a_rebuild(tmp_path: Path) -> None:
     results = run_workers(WORKER, 4, [str(tmp_path)], timeout=150)

@@ -72,6 +72,7 @@ def _reference() -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     return [[p.grad for p in layer.parameters()] for layer in layers], losses
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_three_stages_over_gloo_compute_the_gradients_of_the_whole_model(tmp_path: Path, schedule: str) -> None:

@@ -21,7 +21,32 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_them() -> None:
     commands = _readme_commands()
     assert len(commands) == 2, commands
     ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
-    assert ci == commands
+    assert ci[:2] == commands  # the README's commands first: the default tier ...
+    assert ci[2:] == ['python -m pytest -m "e2e and not matrix"']  # ... then the e2e tier
+
+
+def test_the_readme_names_each_test_tier_with_its_command() -> None:
+    text = (ROOT / "README.md").read_text()
+    for command in ("`python -m pytest`", '`python -m pytest -m "e2e and not matrix"`', "`python -m pytest -m matrix`"):
+        assert command in text
+    assert not re.search(r"\b[A-Z0-9]+_TIME\b", text), "a placeholder left in the README"
+    markers = (ROOT / "pyproject.toml").read_text()
+    assert "'not e2e and not matrix'" in markers and "--durations=20" in markers  # the default tier, timed
+
+
+def test_no_numbered_work_sessions_in_the_project() -> None:
+    pattern = re.compile(r"session [0-9]", re.I)
+    paths = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md"),
+             *(ROOT / "benchmarks").rglob("*"), *(ROOT / "unicron_elastic").rglob("*.py")]
+    offenders = [str(p) for p in paths if p.is_file() and pattern.search(p.read_text(errors="replace"))]
+    assert offenders == []
+
+
+def test_every_module_the_architecture_page_names_exists() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"unicron_elastic/[A-Za-z0-9_/]+\.py", text))
+    assert named, "docs/architecture.md names no module"
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
 
 
 def test_constraints_pin_cpu_torch() -> None:
@@ -40,3 +65,11 @@ def test_modules_only_get_loggers_configuration_lives_in_logging_py() -> None:
             if match.group(1) != "__name__":
                 offenders.append(f"{path}: get_logger({match.group(1)})")
     assert offenders == []
+
+
+def test_the_readmes_feature_table_rows_are_short() -> None:
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## What is there today"):].split("\n## ")[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert len(rows) > 5
+    assert [row[:60] for row in rows if len(row) > 400] == []

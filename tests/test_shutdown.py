@@ -167,12 +167,17 @@ def _training(out: Path, nproc: int) -> bool:
 # -- item 1, 5, 13: signals to unicron-run ------------------------------------------------
 
 
-@pytest.mark.slow
+def _signal_cases() -> list:
+    """Every signal x world x phase; the default tier runs SIGTERM to a training job of 2 (the rest: -m e2e)."""
+    return [pytest.param(sig, nproc, phase, repeat, id=f"{sig.name}-{nproc}-{phase}-{repeat}",
+                         marks=() if (sig, nproc, phase, repeat) == (signal.SIGTERM, 2, "training", 0)
+                         else pytest.mark.e2e)
+            for sig in (signal.SIGINT, signal.SIGTERM) for nproc in (1, 2) for phase in ("rendezvous", "training")
+            for repeat in range(REPEAT)]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("repeat", range(REPEAT))
-@pytest.mark.parametrize("phase", ["rendezvous", "training"])
-@pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(("sig", "nproc", "phase", "repeat"), _signal_cases())
 def test_signal_stops_the_whole_job_and_leaves_nothing(sig: signal.Signals, nproc: int, phase: str, repeat: int,
                                                       tmp_path: Path, job_tmp: Path,
                                                       snapshots: list[Snapshot]) -> None:
@@ -205,7 +210,7 @@ def test_signal_stops_the_whole_job_and_leaves_nothing(sig: signal.Signals, npro
         assert len([r for r in starts if r["event"] == "start"]) == (1 if phase == "training" else 0), starts
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(90)
 def test_a_second_signal_does_not_break_off_the_stop(tmp_path: Path, job_tmp: Path,
                                                      snapshots: list[Snapshot]) -> None:
@@ -224,7 +229,7 @@ def test_a_second_signal_does_not_break_off_the_stop(tmp_path: Path, job_tmp: Pa
     assert "stop_signal_ignored" in text and "worker_restarted" not in text, text[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(90)
 def test_stop_takes_no_longer_than_the_shutdown_timeout(tmp_path: Path, job_tmp: Path,
                                                         snapshots: list[Snapshot]) -> None:
@@ -242,7 +247,6 @@ def test_stop_takes_no_longer_than_the_shutdown_timeout(tmp_path: Path, job_tmp:
     assert "worker_restarted" not in log.read_text()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("repeat", range(REPEAT))
 def test_sigterm_during_etcd_start_up_leaves_no_etcd(repeat: int, tmp_path: Path, job_tmp: Path,
@@ -262,7 +266,6 @@ def test_sigterm_during_etcd_start_up_leaves_no_etcd(repeat: int, tmp_path: Path
     _assert_clean(snapshot, job_tmp)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigkill_of_the_launcher_takes_its_private_etcd_along(tmp_path: Path, job_tmp: Path,
                                                              snapshots: list[Snapshot]) -> None:
@@ -296,7 +299,7 @@ def _start_training(cmd: list[str], log: Path, out: Path, job_tmp: Path,
     return proc, snapshot
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_corrupt_rendezvous_state_stops_the_workers_without_respawn(etcd: EmbeddedEtcd, tmp_path: Path,
                                                                    job_tmp: Path, snapshots: list[Snapshot]) -> None:
@@ -317,7 +320,7 @@ def test_corrupt_rendezvous_state_stops_the_workers_without_respawn(etcd: Embedd
     assert [e for e in _log_events(log) if e.get("event") == "worker_restarted"] == [], text[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_etcd_outage_past_the_reconnect_timeout_stops_the_workers_without_respawn(
         private_etcd: EmbeddedEtcd, tmp_path: Path, job_tmp: Path, snapshots: list[Snapshot]) -> None:
@@ -351,7 +354,6 @@ def _unicron_etcd(tmp_path: Path, tmp: Path, snapshots: list[Snapshot]) -> tuple
     return proc, snapshot
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("repeat", range(REPEAT))
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
@@ -363,7 +365,6 @@ def test_unicron_etcd_stops_cleanly_on_signal(sig: signal.Signals, repeat: int, 
     _assert_clean(snapshot, job_tmp)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigkill_of_unicron_etcd_takes_etcd_along(tmp_path: Path, job_tmp: Path,
                                                  snapshots: list[Snapshot]) -> None:
@@ -385,7 +386,6 @@ time.sleep(3600)
 """
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_guard_stops_etcd_started_by_a_thread_of_a_killed_owner(tmp_path: Path, job_tmp: Path,
                                                                 snapshots: list[Snapshot]) -> None:
@@ -448,7 +448,6 @@ def _busy_port() -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["rdzv_conf_key", "endpoint", "ca_cert", "metrics_port", "etcd_binary",
                                   "node_ttl", "detectors"])

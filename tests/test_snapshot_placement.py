@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 import unicron_elastic.strategy.snapshots as snapshots_module
 from test_safe_state import same
+from conftest import events_named
+
 from unicron_elastic.agent.meeting import MeetingPoint
 from unicron_elastic.store import StatusStore
 from unicron_elastic.store.c10d import EtcdC10dStore
@@ -57,13 +59,9 @@ def test_the_target_is_another_live_node_and_no_live_node_lies_between(own: int,
 
 # -- real etcd, two nodes' agents ----------------------------------------------------------------
 @pytest.fixture()
-def captured(monkeypatch: pytest.MonkeyPatch) -> structlog.testing.LogCapture:
-    """The snapshot module's log records (independent of any global structlog setup)."""
-    cap = structlog.testing.LogCapture()
-    logger = structlog.wrap_logger(structlog.testing.CapturingLogger(), processors=[cap],
-                                   wrapper_class=structlog.make_filtering_bound_logger(0))
-    monkeypatch.setattr(snapshots_module, "log", logger)
-    return cap
+def captured(capture_log) -> structlog.testing.LogCapture:
+    """The snapshot module's log records."""
+    return capture_log(snapshots_module)
 
 
 @pytest.fixture()
@@ -83,10 +81,6 @@ def _snapshot(store: StatusStore, point: MeetingPoint, node: int, connect_s: flo
 
 def _state(step: int) -> dict:
     return {"model": {"w": torch.arange(6.0).reshape(2, 3) + step}, "step": step}
-
-
-def _events(cap: structlog.testing.LogCapture, name: str) -> list[dict]:
-    return [e for e in cap.entries if e["event"] == name]
 
 
 def test_each_agent_publishes_its_snapshot_server_on_its_lease(store: StatusStore,
@@ -109,8 +103,8 @@ def test_the_snapshot_is_held_by_the_other_node_and_survives_losing_the_writers(
     assert not agents[0].snapshots.check([SNAPSHOT_KEY])  # not on the writer's own node
     agents[0].close()  # the writer's node is lost
     assert same(_snapshot(store, agents[1], node=1).load(), state)
-    assert [e["node"] for e in _events(captured, "snapshot_unreachable")] == [0]  # said, not silent
-    assert not _events(captured, "snapshot_upload_failed")
+    assert [e["node"] for e in events_named(captured, "snapshot_unreachable")] == [0]  # said, not silent
+    assert not events_named(captured, "snapshot_upload_failed")
 
 
 def test_losing_the_node_that_holds_it_is_a_warning_not_silence(
@@ -120,7 +114,7 @@ def test_losing_the_node_that_holds_it_is_a_warning_not_silence(
     leader.wait()
     agents[1].close()  # the holder's node is lost
     assert _snapshot(store, agents[0], node=0).load() is None
-    assert [e["node"] for e in _events(captured, "snapshot_unreachable")] == [1]
+    assert [e["node"] for e in events_named(captured, "snapshot_unreachable")] == [1]
 
 
 def test_the_joiner_takes_the_newest_step_of_every_server(store: StatusStore, agents: list[MeetingPoint]) -> None:
@@ -142,7 +136,7 @@ def test_alone_the_snapshot_stays_on_its_node_with_one_warning(
             leader.save(_state(step))
             leader.wait()
         assert same(leader.load(), _state(1))
-        assert len(_events(captured, "snapshot_not_replicated")) == 1
+        assert len(events_named(captured, "snapshot_not_replicated")) == 1
     finally:
         point.close()
 
@@ -158,8 +152,8 @@ def test_a_server_that_does_not_answer_is_skipped_with_a_warning_within_its_boun
         leader = _snapshot(store, point, node=0, connect_s=0.5)
         leader.save(_state(2))
         leader.wait()  # in the background: a warning, no crash
-        assert [e["node"] for e in _events(captured, "snapshot_unreachable")] == [1]
+        assert [e["node"] for e in events_named(captured, "snapshot_unreachable")] == [1]
         assert leader.load() is None
-        assert [e["node"] for e in _events(captured, "snapshot_unreachable")] == [1, 1]
+        assert [e["node"] for e in events_named(captured, "snapshot_unreachable")] == [1, 1]
     finally:
         point.close()

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN
+from conftest import unicron
 from unicron_elastic.api import EtcdConfig
 from unicron_elastic.cli import render_status
 from unicron_elastic.events import ErrorEvent, Severity
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
-
-
-def unicron(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if k != "UNICRON_ETCD_PASSWORD"}
-    full.update(env or {})
-    return subprocess.run([os.path.join(BIN, "unicron"), *args], capture_output=True, text=True, timeout=timeout,
-                          env=full)
 
 
 def enable_auth(etcd: EmbeddedEtcd, user: str = "unicron", password: str = "s3cret") -> None:

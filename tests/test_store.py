@@ -13,6 +13,8 @@ from pathlib import Path
 import etcd3
 import pytest
 
+from conftest import wait_for
+
 from unicron_elastic.api import (
     ConfigError,
     EtcdConfig,
@@ -32,15 +34,6 @@ from unicron_elastic.store import (
     free_port,
 )
 from unicron_elastic.store.embedded import GOMAXPROCS_ENV, etcd_environment
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def test_put_get_delete_and_json(store: StatusStore) -> None:
@@ -103,7 +96,7 @@ def test_lease_expiry_is_seen_by_a_watcher(store: StatusStore) -> None:
     assert store.get(store.keys.node("n1")) is not None
     lease.close(revoke=False)  # stop refreshing: simulate a dead agent
     stopped = time.monotonic()
-    assert wait_for(lambda: any(e.kind == "delete" for e in events), timeout=5)
+    assert wait_for(lambda: any(e.kind == "delete" for e in events), deadline_s=5)
     elapsed = time.monotonic() - stopped
     assert elapsed < 3.0, elapsed  # 1 s TTL, <= 1/3 TTL of refresh slack, watch delay
     assert [e.kind for e in events] == ["put", "delete"]
@@ -131,7 +124,7 @@ def test_a_lapsed_lease_is_renewed_and_the_holder_puts_its_keys_back(store: Stat
     store.put(key, "first", lease=first)
     store.call(lambda c: c.revoke_lease(first), "revoke")  # what etcd does to a lease not refreshed for a TTL
     assert store.get(key) is None
-    assert wait_for(lambda: renewed, timeout=10)
+    assert wait_for(lambda: renewed, deadline_s=10)
     assert renewed == [lease.id] and lease.id != first and lease.renewals == 1
     assert store.get(key).value == b"back"
     time.sleep(2.5)  # the new lease is refreshed like the first
@@ -154,6 +147,7 @@ def _failing_renewal(lease_id: int) -> None:
     raise StoreError(f"cannot put keys on {lease_id}")
 
 
+@pytest.mark.e2e
 def test_a_private_etcd_whose_port_was_taken_meanwhile_starts_on_fresh_ports() -> None:
     """free_port() only says a port *was* free; another process can bind it before etcd does (seen under
     load: ``unicron-run --standalone`` failed with "bind: address already in use")."""
@@ -242,7 +236,7 @@ def test_watch_resumes_after_etcd_restart_without_losing_events(private_etcd: Em
     private_etcd.start()
     store.put("/w/2", "b")
     store.put("/w/3", "c")
-    assert wait_for(lambda: len(seen) == 3, timeout=15), seen
+    wait_for(lambda: len(seen) == 3, deadline_s=15, why=lambda: f"3 events, saw {seen}")
     assert seen == [("/w/1", b"a"), ("/w/2", b"b"), ("/w/3", b"c")]
     assert watch.reconnects >= 1
     watch.cancel()

@@ -15,6 +15,8 @@ import pytest
 import structlog
 
 import unicron_elastic.store.client as client_module
+from conftest import events_named
+
 from unicron_elastic.api import EtcdConfig, StoreUnavailableError
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
 
@@ -22,14 +24,9 @@ THREADS = 8
 
 
 @pytest.fixture()
-def captured(monkeypatch: pytest.MonkeyPatch) -> structlog.testing.LogCapture:
-    """The store module's log records (independent of any global structlog setup)."""
-    cap = structlog.testing.LogCapture()
-    logger = structlog.wrap_logger(
-        structlog.testing.CapturingLogger(), processors=[cap], wrapper_class=structlog.make_filtering_bound_logger(0)
-    )
-    monkeypatch.setattr(client_module, "log", logger)
-    return cap
+def captured(capture_log) -> structlog.testing.LogCapture:
+    """The store module's log records."""
+    return capture_log(client_module)
 
 
 class Hammer:
@@ -76,11 +73,7 @@ class Hammer:
             time.sleep(0.05)
 
 
-def _events(cap: structlog.testing.LogCapture, name: str) -> list[dict]:
-    return [e for e in cap.entries if e["event"] == name]
-
-
-@pytest.mark.parametrize("outage_s", [3.0, pytest.param(15.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("outage_s", [3.0, pytest.param(15.0, marks=pytest.mark.e2e)])
 def test_outage_shorter_than_reconnect_timeout_is_invisible(
     private_etcd: EmbeddedEtcd, captured: structlog.testing.LogCapture, outage_s: float
 ) -> None:
@@ -94,10 +87,10 @@ def test_outage_shorter_than_reconnect_timeout_is_invisible(
         hammer.wait_ops(3, timeout=60)
     store.close()
     assert [(i, repr(e)) for i, _, e in hammer.errors] == []
-    reconnected = _events(captured, "etcd_reconnected")
+    reconnected = events_named(captured, "etcd_reconnected")
     assert len(reconnected) == 1, captured.entries  # once per outage, not once per thread
     assert outage_s - 1 <= reconnected[0]["outage_s"] <= outage_s + 30
-    assert len(_events(captured, "etcd_unreachable_retrying")) == 1
+    assert len(events_named(captured, "etcd_unreachable_retrying")) == 1
 
 
 def test_outage_longer_than_reconnect_timeout_raises_only_store_unavailable(
@@ -121,10 +114,9 @@ def test_outage_longer_than_reconnect_timeout_raises_only_store_unavailable(
     first_error = min(t for _, t, _ in hammer.errors)
     assert first_error - killed >= 1.0  # each caller retried for about reconnect_timeout (2 s) first
     assert all("unreachable for 2.0s" in str(e) for _, _, e in hammer.errors)
-    assert _events(captured, "etcd_reconnected")
+    assert events_named(captured, "etcd_reconnected")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_unicron_run_rides_out_a_3s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_path) -> None:
     """A real run: etcd stops for 3 s mid-training; the run finishes and logs the reconnection."""
