@@ -1,4 +1,4 @@
-"""Who is in the data-parallel group: pure decisions, no I/O (issue 10).
+"""Who is in the data-parallel group: pure decisions, no I/O.
 
 After a collective of generation ``N`` fails, every survivor drops the old
 group (closing its connections, so peers blocked on it fail too), checks in for

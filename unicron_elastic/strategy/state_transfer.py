@@ -1,4 +1,4 @@
-"""A training state broadcast to a process group tensor by tensor, without pickle (issue 10).
+"""A training state broadcast to a process group tensor by tensor, without pickle.
 
 The root encodes its state with :func:`~unicron_elastic.strategy.safe_state.encode`
 (no copy: the state must not change during the broadcast) and sends, each
