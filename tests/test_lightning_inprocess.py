@@ -141,3 +141,63 @@ def test_bad_strategy_arguments_are_clear_errors() -> None:
         UnicronMegatronStrategy(tensor_model_parallel_size=0)
     with pytest.raises(ConfigError, match="pipeline_schedule"):
         UnicronMegatronStrategy(pipeline_model_parallel_size=2, pipeline_schedule="zigzag")
+
+
+class Probe(Regression):
+    """Records, inside ``training_step``, whether CPU autocast is on and the dtype a matmul gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, torch.dtype, torch.dtype]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.seen.append((torch.is_autocast_enabled("cpu"), (x @ x.T).dtype, x.dtype))
+        return super().training_step(batch, batch_idx)
+
+
+class ReduceProbe(pl.Callback):
+    """Records whether CPU autocast is on while the engine reduces the gradients."""
+
+    def __init__(self) -> None:
+        self.autocast: list[bool] = []
+
+    def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+        engine = trainer.strategy.engine
+        reduce = engine.finish_gradients
+
+        def spy(*a: object, **k: object) -> object:
+            self.autocast.append(torch.is_autocast_enabled("cpu"))
+            return reduce(*a, **k)
+
+        engine.finish_gradients = spy
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("precision", "matmul", "inputs", "params"), [
+    ("32-true", torch.float32, torch.float32, torch.float32),
+    ("bf16-mixed", torch.bfloat16, torch.float32, torch.float32),
+    ("bf16-true", torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    ("64-true", torch.float64, torch.float64, torch.float64),
+])
+def test_the_precision_is_honoured_in_each_micro_batchs_forward_and_not_in_the_reduce(
+        tmp_path: Path, precision: str, matmul: torch.dtype, inputs: torch.dtype, params: torch.dtype) -> None:
+    model, probe = Probe(), ReduceProbe()
+    t = trainer(tmp_path, 3, strategy=UnicronMegatronStrategy(global_batch=8, micro_batch=4), precision=precision,
+                callbacks=[probe])
+    t.fit(model, loader())
+    assert t.global_step == 3  # every optimizer step was taken
+    assert len(model.seen) == 6  # 3 steps x 2 micro-batches
+    assert {autocast for autocast, _, _ in model.seen} == {precision == "bf16-mixed"}
+    assert {(m, i) for _, m, i in model.seen} == {(matmul, inputs)}
+    assert probe.autocast == [False] * 3  # the reduce runs outside autocast
+    assert {p.dtype for p in model.parameters()} == {params}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_loss_scaling_precision_is_refused_at_trainer_construction(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ConfigError, match="16-mixed.*bf16-mixed"):
+        trainer(tmp_path, 2, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])

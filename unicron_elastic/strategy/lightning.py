@@ -111,6 +111,26 @@ def _loss_of(output: Any) -> torch.Tensor:
     raise ConfigError("training_step must return the loss (a tensor, or a dict with 'loss') under unicron_megatron")
 
 
+def check_precision(plugin: Any) -> None:
+    """Refuse a precision the strategy cannot honour (at ``Trainer`` construction, when Lightning attaches it).
+
+    Every Lightning precision without a loss scaler works: ``32-true``,
+    ``bf16-mixed`` (autocast around each micro-batch's forward, not around the
+    reduce), ``bf16-true``, ``16-true`` and ``64-true`` (the module and each
+    micro-batch converted). A loss scaler (``16-mixed``) needs each micro-batch's
+    loss scaled and one inf/NaN verdict agreed by every member, which the
+    strategy does not do yet.
+
+    Raises:
+        ConfigError: ``plugin`` has a loss scaler (``16-mixed``).
+    """
+    if getattr(plugin, "scaler", None) is not None:
+        precision = getattr(plugin, "precision", type(plugin).__name__)
+        raise ConfigError(f"unicron_megatron: precision {precision!r} scales the loss (GradScaler), which this "
+                          "strategy does not support yet: its inf/NaN skip would not be agreed by every rank; "
+                          "use precision='bf16-mixed' or '32-true'")
+
+
 class UnicronMegatronStrategy(DDPStrategy):
     """Self-healing data parallelism over tensor x pipeline parallel megatron-core models, for Lightning.
 
@@ -429,6 +449,17 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.env.set_world_size(size)
         self.set_world_ranks()
 
+    # -- precision ------------------------------------------------------------------
+    @property
+    def precision_plugin(self) -> Any:
+        """Lightning's precision plugin (``Precision()`` until the Trainer attaches one)."""
+        return DDPStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        check_precision(plugin)
+        DDPStrategy.precision_plugin.fset(self, plugin)
+
     # -- setup --------------------------------------------------------------------
     def configure_ddp(self) -> None:
         """No DDP wrapper: gradients are reduced by the elastic engine."""
@@ -603,8 +634,10 @@ class UnicronMegatronStrategy(DDPStrategy):
     def _materialise(self, indices: list[int]) -> Any:
         assert self._feed is not None, "no train dataloader was processed"
         step, j = self._current  # (set by the engine's hook just before it asks)
-        # Lightning's transfer (the module's on_before/after_batch_transfer hooks), on every device alike
-        return self.batch_to_device(self._feed.get(step, j, indices), self.root_device)
+        # Lightning's transfer (the module's on_before/after_batch_transfer hooks), on every device alike,
+        # then the precision's input conversion (as Lightning's loop does for each batch)
+        batch = self.batch_to_device(self._feed.get(step, j, indices), self.root_device)
+        return self.precision_plugin.convert_input(batch)
 
     # -- one step ------------------------------------------------------------------
     def _hook(self, rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
@@ -634,7 +667,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             yield
 
     def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
-        with self._micro_batch_rng():
+        with self._micro_batch_rng(), self.precision_plugin.train_step_context():  # autocast: the forward only
             loss = _loss_of(module.training_step(batch, self._current[1]))
         self._losses.append(loss.detach())
         return loss
@@ -646,7 +679,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             ConfigError: The last stage's ``pipeline_forward`` returned no loss, or another stage no tensor.
         """
         stage = self.layout.stage(self.env.launch_rank)
-        with self._micro_batch_rng(stage):
+        with self._micro_batch_rng(stage), self.precision_plugin.train_step_context():
             output = module.pipeline_forward(batch, input_tensor)
         if stage == self.pp - 1:
             output = _loss_of(output)
