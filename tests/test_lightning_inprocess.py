@@ -178,6 +178,7 @@ class ReduceProbe(pl.Callback):
     ("32-true", torch.float32, torch.float32, torch.float32),
     ("bf16-mixed", torch.bfloat16, torch.float32, torch.float32),
     ("bf16-true", torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    ("16-true", torch.float16, torch.float16, torch.float16),
     ("64-true", torch.float64, torch.float64, torch.float64),
 ])
 def test_the_precision_is_honoured_in_each_micro_batchs_forward_and_not_in_the_reduce(
