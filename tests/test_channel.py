@@ -16,7 +16,6 @@ import time
 import pytest
 
 from conftest import wait_for
-
 from unicron_elastic.agent.channel import AgentChannel, parse
 from unicron_elastic.worker import WorkerChannel
 

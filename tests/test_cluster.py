@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-
 from unicron_elastic.coordinator.service import read_plan
 from unicron_elastic.node.local_cluster import LocalCluster
 from unicron_elastic.store import EmbeddedEtcd, StatusStore, free_port

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 import unicron_elastic.strategy.snapshots as snapshots_module
 from test_safe_state import same
 from conftest import events_named
-
 from unicron_elastic.agent.meeting import MeetingPoint
 from unicron_elastic.store import StatusStore
 from unicron_elastic.store.c10d import EtcdC10dStore

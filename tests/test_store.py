@@ -14,7 +14,6 @@ import etcd3
 import pytest
 
 from conftest import wait_for
-
 from unicron_elastic.api import (
     ConfigError,
     EtcdConfig,

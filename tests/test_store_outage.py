@@ -16,7 +16,6 @@ import structlog
 
 import unicron_elastic.store.client as client_module
 from conftest import events_named
-
 from unicron_elastic.api import EtcdConfig, StoreUnavailableError
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
 
