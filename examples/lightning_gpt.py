@@ -75,6 +75,44 @@ class Tokens(Dataset):
         return self.data[i, :-1], self.data[i, 1:]
 
 
+def poisoned(module: pl.LightningModule, micro_batch: int | None) -> bool:
+    """Whether this micro-batch's gradients are to be made infinite (``--inf-at``; recorded in ``OUT/inf.log``).
+
+    ``module.inf_at`` is ``(step, micro_batch, log)`` on the rank it names; a
+    micro-batch of None (a pipeline stage, which does not know its index)
+    matches every micro-batch of the step.
+    """
+    inf_at = getattr(module, "inf_at", None)
+    if inf_at is None or module.trainer.global_step != inf_at[0] or micro_batch not in (inf_at[1], None):
+        return False
+    with open(inf_at[2], "a") as f:
+        f.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "step": inf_at[0], "micro_batch": micro_batch,
+                            "restarts": int(os.environ.get("UNICRON_WORKER_RESTARTS", "0"))}) + "\n")
+    return True
+
+
+class ScaledFloat32(pl.plugins.MixedPrecision):
+    """A loss scaler without autocast (``--precision 16-mixed-no-autocast``).
+
+    The CPU stand-in for ``16-mixed`` around megatron-core's parallel layers,
+    whose backward re-enters autocast for CUDA only: the loss scaling and the
+    ranks' agreement on skipping a step are the same.
+    """
+
+    def autocast_context_manager(self) -> torch.autocast:
+        return torch.autocast("cpu", enabled=False)
+
+
+class ScaleRecord(pl.Callback):
+    """The loss scale after each step (16-mixed), for ``OUT/rank<R>.json``."""
+
+    def __init__(self) -> None:
+        self.scales: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        self.scales[trainer.global_step - 1] = trainer.precision_plugin.scaler.get_scale()
+
+
 class TinyGPT(pl.LightningModule):
     """Token + position embeddings, causal transformer blocks, a language-model head."""
 
@@ -98,7 +136,7 @@ class TinyGPT(pl.LightningModule):
         x, y = batch
         loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
         self.log("train_loss", loss, prog_bar=False)
-        return loss
+        return loss * float("inf") if poisoned(self, batch_idx) else loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -206,6 +244,8 @@ class MegatronGPT(pl.LightningModule):
         x, y = batch
         hidden = self.tokens(x) + self.positions(torch.arange(x.shape[1], device=x.device)) if self.first \
             else input_tensor
+        if self.first and poisoned(self, None):  # this stage's gradients only: the other stages' stay finite
+            hidden.register_hook(lambda grad: grad * float("inf"))
         for block in self.blocks:
             hidden = block(hidden)
         if not self.last:
@@ -344,6 +384,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--precision", default="32-true", help="Lightning's precision (16-mixed: a CPU GradScaler)")
+    parser.add_argument("--init-scale", type=float, default=2.0**16, help="16-mixed: the GradScaler's initial scale")
+    parser.add_argument("--inf-at", default=None, metavar="RANK:STEP:MB",
+                        help="make this rank's gradients infinite in this micro-batch of this step (first incarnation)")
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
@@ -359,6 +403,17 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
     callbacks: list[pl.Callback] = [SlowDown(args.step_time)] if args.step_time else []
+    precision: dict[str, Any] = {"precision": args.precision}
+    scales = ScaleRecord()
+    if args.precision.startswith("16-mixed"):  # (Lightning's "16-mixed" is for GPUs: a CPU scaler, as a plugin)
+        scaler = torch.amp.GradScaler("cpu", init_scale=args.init_scale)
+        kind = ScaledFloat32 if args.precision == "16-mixed-no-autocast" else pl.plugins.MixedPrecision
+        precision = {"plugins": [kind("16-mixed", "cpu", scaler=scaler)]}
+        callbacks.append(scales)
+    if args.inf_at is not None:
+        inf_rank, inf_step, inf_mb = (int(v) for v in args.inf_at.split(":"))
+        if inf_rank == rank and os.environ.get("UNICRON_WORKER_RESTARTS", "0") == "0":
+            model.inf_at = (inf_step, inf_mb, args.out / "inf.log")
     if args.record_times:
         callbacks.append(StepTimes(args.out / f"times{rank}.jsonl"))
     if args.hold_for_joiner is not None:
@@ -375,7 +430,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-        callbacks=callbacks,
+        callbacks=callbacks, **precision,
     )
     data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None)
     trainer.fit(model, DataLoader(data, batch_size=args.micro_batch, num_workers=args.num_workers,
@@ -385,7 +440,8 @@ def main() -> None:
                "retired_at": strategy.retired_at, "fed": strategy.feed.fed if strategy.feed else 0,
                "on_demand": strategy.feed.on_demand if strategy.feed else 0,
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
-               "forward_only": strategy.engine.forward_only if strategy.engine else []}
+               "forward_only": strategy.engine.forward_only if strategy.engine else [],
+               "scales": scales.scales, "precision_state": trainer.precision_plugin.state_dict()}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
     if megatron:

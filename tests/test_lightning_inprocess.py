@@ -196,9 +196,80 @@ def test_the_precision_is_honoured_in_each_micro_batchs_forward_and_not_in_the_r
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_a_loss_scaling_precision_is_refused_at_trainer_construction(tmp_path: Path) -> None:
+class InfAt(Regression):
+    """Regression whose loss is infinite in micro-batch 0 of ``step``; records autocast and matmul dtypes."""
+
+    def __init__(self, step: int | None) -> None:
+        super().__init__()
+        self.inf_step = step
+        self.seen: list[tuple[bool, torch.dtype]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.seen.append((torch.is_autocast_enabled("cpu"), (x @ x.T).dtype))
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if (self.trainer.global_step, batch_idx) == (self.inf_step, 0) else loss
+
+
+class ScalerRecord(pl.Callback):
+    """Per step: the scale after it, the parameters after it, and the unscaled gradients it stepped with."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+        self.params: list[list[torch.Tensor]] = []
+        self.grads: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: object) -> None:
+        self.grads.append([p.grad.clone() for p in module.parameters()])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())
+        self.params.append([p.detach().clone() for p in module.parameters()])
+
+
+def fit_16_mixed(tmp_path: Path, inf_step: int | None, init_scale: float) -> tuple[pl.Trainer, InfAt, ScalerRecord]:
     from lightning.pytorch.plugins import MixedPrecision
 
-    scaler = torch.amp.GradScaler("cpu")
-    with pytest.raises(ConfigError, match="16-mixed.*bf16-mixed"):
-        trainer(tmp_path, 2, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    model, record = InfAt(inf_step), ScalerRecord()
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    t = trainer(tmp_path, 4, strategy=UnicronMegatronStrategy(global_batch=8, micro_batch=4), callbacks=[record],
+                plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    t.fit(model, loader())
+    return t, model, record
+
+
+@pytest.mark.timeout(120)
+def test_16_mixed_scales_each_micro_batch_unscales_once_and_skips_a_step_whose_gradients_are_not_finite(
+        tmp_path: Path) -> None:
+    t, model, record = fit_16_mixed(tmp_path / "inf", inf_step=2, init_scale=2.0**10)
+    assert t.global_step == 4
+    assert set(model.seen) == {(True, torch.float16)}  # each micro-batch's forward under float16 autocast
+    assert record.scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9]  # the inf step lowered the scale, once
+    for before, after in zip(record.params[1], record.params[2]):
+        assert torch.equal(before, after)  # step 2 was skipped
+    assert not all(torch.equal(a, b) for a, b in zip(record.params[0], record.params[1]))  # the others stepped
+    # the gradients the optimizer sees are unscaled exactly once: the same under another scale
+    _, _, plain = fit_16_mixed(tmp_path / "plain", inf_step=None, init_scale=1.0)
+    for ours, theirs in zip(record.grads[0], plain.grads[0]):
+        torch.testing.assert_close(ours, theirs, rtol=2e-3, atol=1e-5)
+
+
+def test_a_loss_scaler_of_another_strategy_is_refused_at_trainer_construction(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    with pytest.raises(ConfigError, match="ShardedGradScaler"):
+        trainer(tmp_path, 2, plugins=[MixedPrecision("16-mixed", "cpu", scaler=ShardedGradScaler("cpu"))])
+
+
+def test_autocast_on_the_cpu_around_megatron_cores_layers_is_refused_before_it_fails_in_their_backward() -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from unicron_elastic.strategy.precision import check_module
+
+    megatron_layer = type("ColumnParallelLinear", (torch.nn.Linear,), {"__module__": "megatron.core.tensor_parallel.layers"})
+    module = torch.nn.Sequential(megatron_layer(2, 2))
+    with pytest.raises(ConfigError, match="bf16-mixed.*ColumnParallelLinear.*32-true"):
+        check_module(MixedPrecision("bf16-mixed", "cpu"), module, torch.device("cpu"))
+    check_module(MixedPrecision("bf16-mixed", "cuda"), module, torch.device("cuda", 0))  # on a GPU they autocast
+    check_module(MixedPrecision("bf16-mixed", "cpu"), torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.device("cpu"))

@@ -60,6 +60,10 @@ shard of another replica. A failure after some stages reduced keeps those
 stages' buckets (per coordinate) and recomputes only what the unreduced
 stages need: stages below every unreduced stage run forward only.
 
+With a loss scaler (``overflow``, see :mod:`~unicron_elastic.strategy.precision`)
+the commit also carries each shard's verdict on its reduced gradients, so
+every rank of every shard skips the same steps.
+
 A stop that one rank is asked for (:meth:`ElasticDataParallel.request_stop`,
 e.g. on SIGTERM) rides in the same slots as the members: the step's last
 exchange (the commit with TP/PP, else the last gradient bucket; also the
@@ -111,6 +115,7 @@ REQUESTS_PATIENCE_S = 1.0
 Hook = Callable[..., None]
 #: ``stage_fn(model, batch, input)``: a pipeline stage's output for one micro-batch (the loss on the last stage).
 StageFn = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
+_EXTRA_SLOTS = 3  # an exchange's slots besides the members: their count, the overflow verdict, the stop request
 _PAUSED = object()  # _run stopped before an effect that needs the model
 _STEP0 = object()  # no fallback state: this rank's fresh state is step 0's
 
@@ -219,6 +224,7 @@ class ElasticDataParallel:
         stage_fn: StageFn | None = None,
         pipeline_schedule: str = "1f1b",
         transport: CollectiveTransport | None = None,
+        overflow: Callable[[torch.Tensor, int], bool] | None = None,
     ) -> None:
         if max_world is not None and max_world < world_size:
             raise ValueError(f"max_world {max_world} is smaller than world_size {world_size}")
@@ -246,6 +252,8 @@ class ElasticDataParallel:
         self.state_source: str | None = None  # where a joiner's state came from
         self.stop_requested = False  # this rank was asked to stop (request_stop): sent in every exchange from now on
         self.stop_agreed = False  # a member asked to stop, as an exchange of the members said
+        self.overflow = overflow  # (loss scaling) whether this shard's reduced sum is not finite once unscaled
+        self.overflow_agreed = False  # with TP/PP: a shard's sum was not finite, as the step's commit said
         self._resume_state: Any = None  # fallback state a joiner hands to the others (_STEP0: the fresh one)
         self._resume_applied = False
         self.bucket_numel = bucket_numel
@@ -570,12 +578,16 @@ class ElasticDataParallel:
         """
         self.stop_requested = True
 
-    def _encode(self, members: list[int] | tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor:
-        """``[count, members..., 0..., stop]``: the members offered (zeros: none), and this rank's stop request."""
-        slots = torch.zeros(self.max_replicas + 2, dtype=dtype)
+    def _encode(self, members: list[int] | tuple[int, ...] | None, dtype: torch.dtype,
+                overflow: bool = False) -> torch.Tensor:
+        """``[count, members..., 0..., overflow, stop]``: the members offered (zeros: none), whether this rank's
+        gradients overflowed (the commit only), and this rank's stop request."""
+        slots = torch.zeros(self.max_replicas + _EXTRA_SLOTS, dtype=dtype)
         if members is not None:
             slots[0] = len(members)
             slots[1 : 1 + len(members)] = torch.tensor(list(members), dtype=dtype)
+        if overflow:
+            slots[-2] = 1
         if self.stop_requested:
             slots[-1] = 1
         return slots
@@ -943,9 +955,11 @@ class ElasticDataParallel:
         if self.committed and effect.bucket == len(self.bounds):  # the step's commit, over every rank
             if self.world_pg is None:
                 raise RuntimeError("the group failed before the step's commit")
-            payload = self._encode(self._offer(effect.offer), torch.int64).to(self.transport.device)
+            payload = self._encode(self._offer(effect.offer), torch.int64, self._overflowed()).to(self.transport.device)
             self.world_pg.allreduce([payload]).wait()
-            return local.new_zeros(0), self._decode(payload.cpu())
+            slots = payload.cpu()
+            self.overflow_agreed = bool(slots[-2] > 0)
+            return local.new_zeros(0), self._decode(slots)
         if self.pg is None:
             raise RuntimeError("the group failed before this reduction (membership sync)")
         start, end = self.bounds[effect.bucket]
@@ -957,6 +971,17 @@ class ElasticDataParallel:
         self.pg.allreduce([buf]).wait()
         return buf[: end - start], self._decode(buf[end - start :]) if effect.last else None
 
+    def _overflowed(self) -> bool:
+        """(At the commit) whether this shard's reduced gradient sum is not finite once unscaled (loss scaling).
+
+        The data-parallel members of a shard hold the same reduced bytes, so
+        they agree by construction; the shards of a replica do not, hence the
+        commit's slot: every rank then follows the sum of the verdicts.
+        """
+        if self.overflow is None or self._reduced is None:
+            return False
+        return self.overflow(self._reduced[: self.bounds[-1][1]], self._plan.num_micro_batches)
+
     def _reduce_buffer(self, local: torch.Tensor) -> torch.Tensor:
         """Where the step's buckets are reduced: one buffer kept between steps, each bucket its own slice.
 
@@ -967,7 +992,7 @@ class ElasticDataParallel:
         are reduced again. The exchange's slots (:meth:`_encode`) follow the
         last bucket, which ends the sum.
         """
-        size = local.numel() + self.max_replicas + 2
+        size = local.numel() + self.max_replicas + _EXTRA_SLOTS
         buf = self._reduced
         if buf is None or buf.numel() != size or buf.dtype != local.dtype or buf.device != local.device:
             buf = self._reduced = torch.empty(size, dtype=local.dtype, device=local.device)
@@ -985,6 +1010,8 @@ class ElasticDataParallel:
         assert self._reduced is not None  # (every step reduces each of its buckets first)
         grad = self._reduced[: self.bounds[-1][1]]
         grad.div_(self._plan.num_micro_batches)
+        if self.committed and self.overflow_agreed:  # another shard overflowed: the scaler skips the step here too
+            grad.fill_(float("nan"))
         if self._reduced_views is not None:  # the buffer's per-parameter views, made once
             for p, view in zip(self.params, self._reduced_views):
                 p.grad = view

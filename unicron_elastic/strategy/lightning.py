@@ -71,6 +71,7 @@ from unicron_elastic.strategy.feed import MicroBatchFeed
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world, drop_world, rebuild_world
 from unicron_elastic.strategy.pipeline import SCHEDULES
+from unicron_elastic.strategy.precision import check_module, check_precision, overflowed, scaled, start_scale
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot, PeerServers
 from unicron_elastic.strategy.transport import nccl_error_handling, transport_for
@@ -109,26 +110,6 @@ def _loss_of(output: Any) -> torch.Tensor:
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
     raise ConfigError("training_step must return the loss (a tensor, or a dict with 'loss') under unicron_megatron")
-
-
-def check_precision(plugin: Any) -> None:
-    """Refuse a precision the strategy cannot honour (at ``Trainer`` construction, when Lightning attaches it).
-
-    Every Lightning precision without a loss scaler works: ``32-true``,
-    ``bf16-mixed`` (autocast around each micro-batch's forward, not around the
-    reduce), ``bf16-true``, ``16-true`` and ``64-true`` (the module and each
-    micro-batch converted). A loss scaler (``16-mixed``) needs each micro-batch's
-    loss scaled and one inf/NaN verdict agreed by every member, which the
-    strategy does not do yet.
-
-    Raises:
-        ConfigError: ``plugin`` has a loss scaler (``16-mixed``).
-    """
-    if getattr(plugin, "scaler", None) is not None:
-        precision = getattr(plugin, "precision", type(plugin).__name__)
-        raise ConfigError(f"unicron_megatron: precision {precision!r} scales the loss (GradScaler), which this "
-                          "strategy does not support yet: its inf/NaN skip would not be agreed by every rank; "
-                          "use precision='bf16-mixed' or '32-true'")
 
 
 class UnicronMegatronStrategy(DDPStrategy):
@@ -419,6 +400,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
             model_parallel=self.layout, stage_fn=self._stage_forward if self.pp > 1 else None,
             pipeline_schedule=self.pipeline_schedule, transport=transport_for(self.root_device),
+            overflow=lambda total, micro_batches: overflowed(self.precision_plugin, total, micro_batches),
         )
 
     def _drop_world(self) -> None:
@@ -470,7 +452,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         Raises:
             ConfigError: Manual optimization, several optimizers, gradient accumulation;
                 with TP x PP > 1 gradient clipping by norm (it would see this shard's
-                norm only); with PP > 1 a module without ``pipeline_forward``.
+                norm only); with PP > 1 a module without ``pipeline_forward``; a
+                ``*-mixed`` precision on the CPU around megatron-core's layers.
         """
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
@@ -570,6 +553,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         if self.pp > 1 and not callable(getattr(module, "pipeline_forward", None)):
             raise ConfigError(f"pipeline_model_parallel_size={self.pp}: the LightningModule must implement "
                               "pipeline_forward(batch, input_tensor) (see docs/strategy.md)")
+        check_module(self.precision_plugin, module, self.root_device)
 
     # -- state ---------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -670,7 +654,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         with self._micro_batch_rng(), self.precision_plugin.train_step_context():  # autocast: the forward only
             loss = _loss_of(module.training_step(batch, self._current[1]))
         self._losses.append(loss.detach())
-        return loss
+        return scaled(self.precision_plugin, loss)  # (16-mixed: the backward of the scaled loss)
 
     def _stage_forward(self, module: Any, batch: Any, input_tensor: torch.Tensor | None) -> torch.Tensor:
         """One micro-batch through this rank's pipeline stage (``module.pipeline_forward``); the loss on the last.
@@ -684,9 +668,12 @@ class UnicronMegatronStrategy(DDPStrategy):
         if stage == self.pp - 1:
             output = _loss_of(output)
             self._losses.append(output.detach())
+            output = scaled(self.precision_plugin, output)
         elif not isinstance(output, torch.Tensor):
             raise ConfigError(f"pipeline_forward on stage {stage} must return the activations for the next stage "
                               f"(a tensor), got {type(output).__name__}")
+        else:
+            start_scale(self.precision_plugin, output.device)
         return output
 
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -741,6 +728,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         return closure_loss
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.retired_at is not None:  # no gradients to step with (nor to unscale: a scaler would refuse)
+            return closure()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.next_step
         self.engine.next_step = step + 1
