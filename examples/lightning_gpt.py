@@ -103,6 +103,17 @@ class ScaledFloat32(pl.plugins.MixedPrecision):
         return torch.autocast("cpu", enabled=False)
 
 
+class LossRecord(pl.Callback):
+    """This rank's loss of each step (the mean over its micro-batches), for ``OUT/rank<R>.json``."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: object) -> None:
+        if outputs is not None:
+            self.losses[trainer.global_step - 1] = float(outputs["loss"])
+
+
 class ScaleRecord(pl.Callback):
     """The loss scale after each step (16-mixed), for ``OUT/rank<R>.json``."""
 
@@ -404,7 +415,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     callbacks: list[pl.Callback] = [SlowDown(args.step_time)] if args.step_time else []
     precision: dict[str, Any] = {"precision": args.precision}
-    scales = ScaleRecord()
+    scales, losses = ScaleRecord(), LossRecord()
+    callbacks.append(losses)
     if args.precision.startswith("16-mixed"):  # (Lightning's "16-mixed" is for GPUs: a CPU scaler, as a plugin)
         scaler = torch.amp.GradScaler("cpu", init_scale=args.init_scale)
         kind = ScaledFloat32 if args.precision == "16-mixed-no-autocast" else pl.plugins.MixedPrecision
@@ -441,7 +453,8 @@ def main() -> None:
                "on_demand": strategy.feed.on_demand if strategy.feed else 0,
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "forward_only": strategy.engine.forward_only if strategy.engine else [],
-               "scales": scales.scales, "precision_state": trainer.precision_plugin.state_dict()}
+               "scales": scales.scales, "precision_state": trainer.precision_plugin.state_dict(),
+               "losses": losses.losses}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
     if megatron:

@@ -149,6 +149,24 @@ def test_restarted_rank_rejoins_with_state_from_a_replica(tmp_path: Path, baseli
     assert not any(tmp_path.glob("**/step-*"))  # no disk checkpoint exists to read
 
 
+@pytest.mark.timeout(300)
+def test_snapshots_on_every_step_change_neither_the_losses_nor_the_parameters(tmp_path: Path, baseline) -> None:
+    """Snapshots are read-only for training: every step's snapshot (one copy, sent by the writer process) against
+    none, each step's losses and the parameters bit for bit (the baseline snapshots at step 0 only: every 50)."""
+    runs = {}
+    for every in (0, 1):
+        out = tmp_path / f"every{every}"
+        proc = launch(out, [], "--snapshot-every", str(every))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[every] = out
+        for r in range(WORLD):
+            assert all(torch.equal(a, b) for a, b in zip(torch.load(out / f"params{r}.pt"), baseline))
+    for r in range(WORLD):  # each rank's loss of each step, bit for bit
+        assert summary(runs[0], r)["losses"] == summary(runs[1], r)["losses"]
+        assert len(summary(runs[0], r)["losses"]) == STEPS
+    assert proc.stdout.count("snapshot_saved") + proc.stderr.count("snapshot_saved") == STEPS  # one per step
+
+
 def kill_everyone(step: int) -> list[Fault]:
     return [fail_at(rank=r, step=step, micro_batch=r) for r in range(WORLD)]
 

@@ -156,3 +156,26 @@ def test_a_server_that_does_not_answer_is_skipped_with_a_warning_within_its_boun
         assert [e["node"] for e in events_named(captured, "snapshot_unreachable")] == [1, 1]
     finally:
         point.close()
+
+
+# -- the snapshot writer process: one copy here, the rest in another process ------------------------
+def test_out_of_process_the_writer_process_sends_the_snapshot_to_the_next_node(
+        store: StatusStore, etcd_config, agents: list[MeetingPoint]) -> None:
+    from unicron_elastic.meeting import encode_meeting
+
+    places = PeerServers.from_meeting(encode_meeting(etcd_config, agents[0].prefix), node=0)
+    leader = MemorySnapshot(places, every=1, out_of_process=True)
+    assert leader.out_of_process
+    try:
+        for step in (3, 4):  # the second reuses the writer and its buffer
+            leader.save(_state(step))
+            leader.wait()
+            assert agents[1].snapshots.check([SNAPSHOT_KEY]) and not agents[0].snapshots.check([SNAPSHOT_KEY])
+            assert same(_snapshot(store, agents[1], node=1).load(), _state(step))
+    finally:
+        leader.close()
+
+
+def test_a_store_only_this_process_reaches_keeps_the_snapshot_in_a_thread() -> None:
+    assert not MemorySnapshot(dist.HashStore(), every=1, out_of_process=True).out_of_process
+    assert not MemorySnapshot(None, every=1, out_of_process=True).out_of_process

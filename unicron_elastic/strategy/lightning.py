@@ -324,7 +324,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         """
         if isinstance(self._store, dist.HashStore) or not os.environ.get(MEETING_ENV):
             return self._store
-        return PeerServers(connect_meeting_store(timeout=timedelta(seconds=5)), self.env.node_rank())
+        return PeerServers.from_meeting(os.environ[MEETING_ENV], self.env.node_rank())
 
     def setup_distributed(self) -> None:
         """Connect to the launcher's store, build the first world and the elastic engine.
@@ -354,7 +354,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         if module is None or module.trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
             return  # validate/test/predict: no elastic engine
         shard = self.layout.label(self.env.launch_rank) if self.layout.size > 1 else None
-        self._memory = MemorySnapshot(self._snapshot_store(), self.snapshot_every, shard, self.layout.labels())
+        self._memory = MemorySnapshot(self._snapshot_store(), self.snapshot_every, shard, self.layout.labels(),
+                                      out_of_process=True)
         if self.checkpoint_dir is not None:
             self._disk = DiskCheckpoints(self.checkpoint_dir, self.checkpoint_every, shard=shard,
                                          shards=self.layout.labels())
@@ -722,6 +723,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         if self.retired_at is not None:
             return closure_loss  # no gradients: the optimizer skips parameters without one
         report = self.engine.finish_gradients()
+        if self._memory is not None:
+            self._memory.settle()  # a snapshot's copy from the GPU (beside the step's compute) ends before the step
         self.reports.append(report)
         self._stop_if_agreed(report.step)
         self._hook(self.env.launch_rank, report.step, at="before_optimizer_step")
@@ -809,9 +812,10 @@ class UnicronMegatronStrategy(DDPStrategy):
             self._feed.close()  # the DataLoader's worker processes
         if self.engine is not None and self.engine.pg is not None and self.retired_at is None:
             self.engine.finish()
-        for saver in (self._memory, self._disk):
-            if saver is not None:
-                saver.wait()
+        if self._memory is not None:
+            self._memory.close()  # (the snapshot in flight is sent first)
+        if self._disk is not None:
+            self._disk.wait()
         super().teardown()
         destroy_world()
         if self.engine is not None:

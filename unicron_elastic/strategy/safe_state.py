@@ -121,19 +121,48 @@ def pack_parts(encoded: EncodedState) -> list[Buffer]:
         StateEncodingError: See :func:`pack`.
     """
     chunks = [_raw(b) for b in encoded.buffers]
-    layout, offset = [], 0
-    for chunk in chunks:
-        layout.append([offset, chunk.nbytes])
-        offset = _aligned(offset + chunk.nbytes)
-    header = dump_json({"tree": encoded.tree, "buffers": layout})
-    head = MAGIC + struct.pack("<Q", len(header)) + header
-    parts: list[Buffer] = [head, bytes(_aligned(len(head)) - len(head))]
+    plan = layout(encoded)
+    parts: list[Buffer] = [plan.head, bytes(plan.body - len(plan.head))]
     written = 0
-    for chunk, (start, size) in zip(chunks, layout):
+    for chunk, (start, size) in zip(chunks, plan.buffers):
         parts.append(bytes(start - written))
         parts.append(chunk)
         written = start + size
     return parts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything of a document goes, before any array is copied.
+
+    Attributes:
+        head: The document's first bytes (magic, header length, header).
+        body: Offset of the first array's byte (``head`` padded to 64 bytes).
+        buffers: ``[offset, nbytes]`` of each array, counted from ``body``.
+        size: The whole document's size in bytes.
+    """
+
+    head: bytes
+    body: int
+    buffers: list[list[int]]
+    size: int
+
+
+def layout(encoded: EncodedState) -> Layout:
+    """Where :func:`pack` puts each part of ``encoded``: a writer copies the arrays straight to their places.
+
+    Raises:
+        StateEncodingError: See :func:`pack`.
+    """
+    buffers, offset = [], 0
+    for buffer in encoded.buffers:
+        nbytes = buffer.nbytes if isinstance(buffer, np.ndarray) else buffer.numel() * buffer.element_size()
+        buffers.append([offset, nbytes])
+        offset = _aligned(offset + nbytes)
+    header = dump_json({"tree": encoded.tree, "buffers": buffers})
+    head = MAGIC + struct.pack("<Q", len(header)) + header
+    end = buffers[-1][0] + buffers[-1][1] if buffers else 0
+    return Layout(head, _aligned(len(head)), buffers, _aligned(len(head)) + end)
 
 
 def dumps(state: Any) -> bytes:

@@ -3,9 +3,11 @@
 Two tiers behind the replicas:
 
 * :class:`MemorySnapshot`: every ``every`` steps the group's leader copies the
-  state and, in a background thread, serializes it into the memory of an
-  agent, not of any worker, so it survives the loss of every worker of the
-  group. Under ``unicron-run`` that agent is the one of the *next* live node
+  state once into a host buffer and its snapshot writer process
+  (:mod:`~unicron_elastic.strategy.snapshot_writer`) sends it into the memory
+  of an agent, not of any worker, so it survives the loss of every worker of
+  the group (a store only this process reaches: a thread of its own).
+  Under ``unicron-run`` that agent is the one of the *next* live node
   in ring order (GEMINI's placement, :func:`snapshot_targets`): each agent
   hosts a snapshot server and publishes its address in the meeting store
   (:class:`PeerServers`), so losing the writer's node loses the replica, not
@@ -44,8 +46,10 @@ import structlog
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, StateDecodingError, StoreError
+from unicron_elastic.meeting import decode_meeting
 from unicron_elastic.store.keys import MeetingKeys
 from unicron_elastic.strategy.safe_state import EncodedState, encode, load_json, loads, looks_like, pack, pack_parts
+from unicron_elastic.strategy.snapshot_writer import SnapshotWriter
 
 log = structlog.get_logger(__name__)
 
@@ -98,6 +102,27 @@ class _OneStore:
 
     sources = targets
 
+    def spec(self) -> dict[str, Any] | None:
+        """How another process reaches the store (a TCPStore), or None (an in-process store)."""
+        if isinstance(self.store, dist.TCPStore):
+            return {"kind": "tcp", "host": self.store.host, "port": self.store.port}
+        return None
+
+
+def places_from(spec: dict[str, Any]) -> _OneStore | PeerServers:
+    """The places a description names (:meth:`_OneStore.spec`, :meth:`PeerServers.spec`): in the snapshot writer.
+
+    Raises:
+        ConfigError: An unknown kind, or a malformed meeting description.
+        RuntimeError: The TCPStore cannot be reached.
+    """
+    if spec.get("kind") == "tcp":
+        return _OneStore(dist.TCPStore(spec["host"], int(spec["port"]), is_master=False,
+                                       timeout=timedelta(seconds=30)))
+    if spec.get("kind") == "peers":
+        return PeerServers.from_meeting(spec["meeting"], int(spec["node"]))
+    raise ConfigError(f"unknown snapshot place {spec!r}")
+
 
 class PeerServers:
     """The agents' snapshot servers of one run, as published in its meeting store (GEMINI placement).
@@ -112,9 +137,30 @@ class PeerServers:
         connect_timeout: Bound of each connection to a server.
     """
 
-    def __init__(self, meeting: dist.Store, node: int, connect_timeout: timedelta = timedelta(seconds=5)) -> None:
+    def __init__(self, meeting: dist.Store, node: int, connect_timeout: timedelta = timedelta(seconds=5),
+                 meeting_spec: str | None = None) -> None:
         self.meeting, self.node, self.connect_timeout = meeting, int(node), connect_timeout
+        self.meeting_spec = meeting_spec
         self._alone = False
+
+    @classmethod
+    def from_meeting(cls, meeting_spec: str, node: int) -> PeerServers:
+        """The servers of the run whose meeting store ``meeting_spec`` (``$UNICRON_MEETING``'s value) names.
+
+        Raises:
+            ConfigError: ``meeting_spec`` is malformed.
+        """
+        from unicron_elastic.store.c10d import EtcdC10dStore
+        from unicron_elastic.store.client import StatusStore
+
+        config, prefix = decode_meeting(meeting_spec)
+        meeting = EtcdC10dStore(StatusStore(config), prefix, timeout=timedelta(seconds=5))
+        return cls(meeting, node, meeting_spec=meeting_spec)
+
+    def spec(self) -> dict[str, Any] | None:
+        """How another process finds the same servers (built :meth:`from_meeting`), or None."""
+        return None if self.meeting_spec is None else {"kind": "peers", "node": self.node,
+                                                       "meeting": self.meeting_spec}
 
     def hosts(self) -> dict[int, str]:
         """``{node: "host:port"}`` of the live servers (a node of the round without one is gone).
@@ -200,7 +246,7 @@ class MemorySnapshot:
     """
 
     def __init__(self, store: dist.Store | PeerServers | None, every: int, shard: str | None = None,
-                 shards: Sequence[str] = ()) -> None:
+                 shards: Sequence[str] = (), out_of_process: bool = False) -> None:
         if every < 0:
             raise ConfigError(f"snapshot_every={every} must be >= 0")
         if shard is not None and shard not in shards:
@@ -208,7 +254,14 @@ class MemorySnapshot:
         self.store, self.every = store, every
         self.shard, self.shards = shard, list(shards)
         self._places = store if isinstance(store, PeerServers) or store is None else _OneStore(store)
+        self._spec = self._places.spec() if out_of_process and self._places is not None else None
+        self._writer = SnapshotWriter() if self._spec is not None else None
         self._thread: threading.Thread | None = None
+
+    @property
+    def out_of_process(self) -> bool:
+        """Whether the snapshot writer process sends the snapshots (else a thread of this process)."""
+        return self._writer is not None
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is due at the start of ``step`` (never without a store)."""
@@ -217,49 +270,56 @@ class MemorySnapshot:
     def save(self, state: dict[str, Any]) -> None:
         """Copy the tensors of ``state`` now; serialize and upload in the background.
 
-        Training goes on while the snapshot is written; a snapshot still being
-        written is waited for first (at most one in flight).
+        Out of process (:mod:`~unicron_elastic.strategy.snapshot_writer`): one
+        copy of each array into the kept host buffer, the rest in the writer
+        process (call :meth:`settle` before the state changes). Else a
+        thread of this process packs and uploads a copy. Training goes on
+        while the snapshot is sent; a snapshot still being sent is waited for
+        first (at most one in flight).
 
         Raises:
             StateEncodingError: ``state`` holds a value the safe format cannot
                 carry (raised here, not in the background).
         """
         self.wait()
+        step = _step(state)
+        if self._writer is not None:
+            self._writer.write(encode(state), step, self.shard, self._slot(step), self._spec)
+            return
         frozen = encode(state, copy=True)
-        self._thread = threading.Thread(target=self._upload, args=(frozen, _step(state)), name="unicron-snapshot",
+        self._thread = threading.Thread(target=self._upload, args=(frozen, step), name="unicron-snapshot",
                                         daemon=True)
         self._thread.start()
+
+    def settle(self) -> None:
+        """Before the saved state changes: a copy from a GPU still running on its side stream is finished."""
+        if self._writer is not None:
+            self._writer.settle()
 
     def _slot(self, step: int) -> int:
         """A shard's two slots alternate: a save that lands for some shards only leaves their previous step."""
         return 0 if self.shard is None else (step // self.every) % _SLOTS
 
     def _upload(self, state: EncodedState, step: int) -> None:
-        """In the background thread: find the target(s), then write (failures are warnings: training goes on)."""
+        """In the background thread: the document, then :func:`upload` (failures are warnings: training goes on)."""
         try:
-            targets = self._places.targets()
+            upload(self._places, pack(state), step, self.shard, self._slot(step))
         except _UNREACHABLE as exc:
             log.warning("snapshot_upload_failed", error=str(exc)[:200])
-            return
-        payload = pack(state) if targets else b""
-        slot = self._slot(step)
-        for where, store in targets:
-            try:
-                if self.shard is not None:  # the slot's step goes first and comes back last: a step listed is there
-                    store.delete_key(MeetingKeys.snapshot_step(self.shard, slot))
-                _put(store, MeetingKeys.snapshot(self.shard, slot), payload, f"{step}-{uuid.uuid4().hex[:12]}")
-                if self.shard is not None:
-                    store.set(MeetingKeys.snapshot_step(self.shard, slot), str(step))
-            except _UNREACHABLE as exc:  # its host is gone: a later save may succeed
-                log.warning("snapshot_upload_failed", where=where, error=str(exc)[:200])
-            else:
-                log.info("snapshot_saved", where=where, bytes=len(payload), shard=self.shard)
 
     def wait(self) -> None:
         """Wait for the snapshot being written, if any."""
+        if self._writer is not None:
+            self._writer.wait()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def close(self) -> None:
+        """Wait for the snapshot being written; stop the writer process and free its buffer."""
+        self.wait()
+        if self._writer is not None:
+            self._writer.close()
 
     def load(self, step: int | None = None) -> dict[str, Any] | None:
         """The newest snapshot (highest ``"step"``) of every store that can be reached, or None.
@@ -310,6 +370,28 @@ class MemorySnapshot:
         return state
 
 
+def upload(places: _OneStore | PeerServers, document: bytes | memoryview, step: int, shard: str | None,
+           slot: int) -> None:
+    """Write one snapshot document to each of its places' targets (a target that fails is a warning).
+
+    Raises:
+        StoreError: etcd is unreachable (the targets cannot be found).
+        RuntimeError: (and the other ``_UNREACHABLE`` errors) likewise.
+    """
+    targets = places.targets()
+    for where, store in targets:
+        try:
+            if shard is not None:  # the slot's step goes first and comes back last: a step listed is there
+                store.delete_key(MeetingKeys.snapshot_step(shard, slot))
+            _put(store, MeetingKeys.snapshot(shard, slot), document, f"{step}-{uuid.uuid4().hex[:12]}")
+            if shard is not None:
+                store.set(MeetingKeys.snapshot_step(shard, slot), str(step))
+        except _UNREACHABLE as exc:  # its host is gone: a later save may succeed
+            log.warning("snapshot_upload_failed", where=where, error=str(exc)[:200])
+        else:
+            log.info("snapshot_saved", where=where, bytes=len(document), shard=shard, step=step)
+
+
 def _read_step(where: str, store: dist.Store, shard: str, slot: int) -> int | None:
     """The step of one shard's snapshot in one slot of one store, or None (none, unreachable, malformed: a warning)."""
     key = MeetingKeys.snapshot_step(shard, slot)
@@ -327,7 +409,7 @@ def _read_step(where: str, store: dist.Store, shard: str, slot: int) -> int | No
         return None
 
 
-def _put(store: dist.Store, key: str, payload: bytes, tag: str) -> None:
+def _put(store: dist.Store, key: str, payload: bytes | memoryview, tag: str) -> None:
     """Write ``payload`` under ``key`` in pieces of at most :data:`PIECE_BYTES` bytes.
 
     The pieces go first (under ``tag``, unique to this upload), then the head
@@ -341,7 +423,8 @@ def _put(store: dist.Store, key: str, payload: bytes, tag: str) -> None:
     count = max(1, -(-len(payload) // PIECE_BYTES))
     previous = _old_head(store, key)
     for index in range(count):
-        store.set(MeetingKeys.snapshot_piece(key, tag, index), payload[index * PIECE_BYTES:(index + 1) * PIECE_BYTES])
+        piece = payload[index * PIECE_BYTES:(index + 1) * PIECE_BYTES]
+        store.set(MeetingKeys.snapshot_piece(key, tag, index), bytes(piece))  # (a view of the writer's buffer: copied)
     store.set(key, json.dumps({"pieces": count, "bytes": len(payload), "tag": tag}))
     if previous is not None and previous["tag"] != tag:
         for index in range(previous["pieces"]):

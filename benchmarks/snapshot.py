@@ -1,0 +1,189 @@
+"""What an in-memory snapshot costs the training step, measured side by side in one run (CPU, no GPU needed).
+
+A training loop of a plain MLP whose state (float32 weights + AdamW's two
+moments) is at least 700 MB, with a step of about 1 s, snapshots its state
+with :class:`~unicron_elastic.strategy.snapshots.MemorySnapshot` into a
+TCPStore hosted by another process (as an agent's snapshot server is), the
+way ``unicron_megatron`` does under ``torchrun``. Blocks of 10 steps
+alternate: in an "on" block the first step takes a snapshot (snapshots every
+10 steps), in an "off" block none does. Printed:
+
+* the extra time of the step that takes a snapshot (its median over the "on"
+  blocks minus the median "off" step), against the time of one plain memory
+  copy of the state into a kept buffer, measured in the same run
+  (target: extra <= one copy + 50 ms);
+* the median step of the "on" blocks against the "off" blocks
+  (target: within 2 %);
+* wall and CPU time (this process only: the writer's work is in another).
+
+``--thread`` runs the same with the snapshot packed and uploaded by a thread
+of the training process (the strategy's way before the snapshot writer), for
+comparison. The training step uses ``--threads`` intra-op threads (default
+1): on a 2-core machine that leaves a core to the writer and the store, as a
+GPU node's spare cores are left while its GPUs compute.
+
+    python benchmarks/snapshot.py [--mb 720] [--step 1.0] [--blocks 4] [--threads 1] [--thread]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from unicron_elastic.strategy.snapshots import MemorySnapshot
+
+BLOCK = 10  # steps per block; a snapshot every BLOCK steps in the "on" blocks
+STORE_SERVER = ("import sys, time, torch.distributed as dist; from datetime import timedelta; "
+                "s = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+                "timeout=timedelta(seconds=60)); print(s.port, flush=True); time.sleep(3600)")
+
+
+def build(mb: int, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An MLP of ``width``-wide layers whose weights + AdamW moments take ``mb`` MB, AdamW's state created."""
+    per_layer = width * width + width
+    layers = max(1, round(mb * 1e6 / 12 / per_layer))  # float32 weights + two float32 moments: 12 bytes/parameter
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
+                                  for _ in range(layers)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    return model, optimizer
+
+
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+
+
+def state_bytes(state: dict) -> int:
+    tensors = list(state["model"].values())
+    tensors += [t for s in state["optimizer"]["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def plain_copy(state: dict, into: list[torch.Tensor]) -> float:
+    """Seconds to copy every tensor of ``state`` once into ``into`` (kept buffers of the same shapes)."""
+    tensors = list(state["model"].values())
+    tensors += [t for s in state["optimizer"]["state"].values() for t in s.values() if t.dim() > 0]
+    if not into:
+        into.extend(torch.empty_like(t) for t in tensors)
+        for t in into:
+            t.fill_(0)  # (first touch: pages mapped, as the snapshot's kept buffer is)
+    start = time.perf_counter()
+    for dst, src in zip(into, tensors):
+        dst.copy_(src)
+    return time.perf_counter() - start
+
+
+def calibrate(model: torch.nn.Module, width: int, target: float) -> int:
+    """The batch whose forward + backward takes about ``target`` seconds."""
+    batch = 8
+    while True:
+        x = torch.randn(batch, width)
+        start = time.perf_counter()
+        model(x).sum().backward()
+        took = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        if took > target / 4 or batch >= 1 << 14:
+            return max(1, round(batch * target * 0.85 / took))  # (the optimizer step takes the rest)
+        batch *= 2
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn(*args)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        worker = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        measure(args, worker)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def measure(args: argparse.Namespace, worker: dist.TCPStore) -> None:
+    model, optimizer = build(args.mb, args.width)
+    batch = calibrate(model, args.width, args.step)
+    x = torch.randn(batch, args.width)
+    step(model, optimizer, x)  # AdamW's moments exist from here
+    size = state_bytes(state_of(model, optimizer, 0))
+    snapshot = MemorySnapshot(worker, every=BLOCK, out_of_process=not args.thread)
+    print(f"state: {size / 1e6:.0f} MB (weights + AdamW), batch {batch}, {args.threads} intra-op thread(s), "
+          f"snapshot {'in a thread of the training process' if args.thread else 'by the writer process'}, "
+          f"{os.cpu_count()} cores")
+    snapshot.save(state_of(model, optimizer, 0))  # warm-up: the writer started, its buffer sized and touched
+    snapshot.wait()
+    for _ in range(2):
+        step(model, optimizer, x)
+    copies, kept = [], []
+    on, off, taking = [], [], []
+    for block in range(2 * args.blocks):
+        copies.append(plain_copy(state_of(model, optimizer, 0), kept))
+        snapshots = block % 2 == 0
+        for i in range(BLOCK):
+            s = block * BLOCK + i
+            if snapshots and i == 0:
+                took = timed(lambda: (snapshot.save(state_of(model, optimizer, s)), step(model, optimizer, x)))
+                taking.append(took)
+            else:
+                took = timed(step, model, optimizer, x)
+            (on if snapshots else off).append(took)
+        print(f"  block {block}: {'snapshot at its first step' if snapshots else 'no snapshot'}, "
+              f"median step {statistics.median(t[0] for t in (on if snapshots else off)[-BLOCK:]):.3f} s")
+    snapshot.close()
+    report(copies, on, off, taking)
+
+
+def report(copies: list[float], on: list[tuple[float, float]], off: list[tuple[float, float]],
+           taking: list[tuple[float, float]]) -> None:
+    copy = statistics.median(copies)
+    rows = []
+    for kind, index in (("wall", 0), ("cpu", 1)):
+        plain = statistics.median(t[index] for t in off)
+        with_snapshots = statistics.median(t[index] for t in on)
+        extra = statistics.median(t[index] for t in taking) - plain
+        longest = max(t[index] for t in on)
+        rows.append((kind, plain, with_snapshots, with_snapshots / plain, extra, longest))
+    print(f"\none plain copy of the state: {copy * 1e3:.0f} ms (median of {len(copies)})")
+    print(f"{'time':<6}{'step, off':>12}{'step, every 10':>16}{'ratio':>8}{'snapshot step extra':>21}"
+          f"{'longest step':>14}")
+    for kind, plain, with_snapshots, ratio, extra, longest in rows:
+        print(f"{kind:<6}{plain:>11.3f}s{with_snapshots:>15.3f}s{ratio:>8.3f}{extra * 1e3:>19.0f}ms{longest:>13.3f}s")
+    _, plain, _, ratio, extra, _ = rows[0]
+    print(f"\ntarget: snapshot step's extra time <= one copy + 50 ms: {extra * 1e3:.0f} ms vs "
+          f"{copy * 1e3 + 50:.0f} ms: {'met' if extra <= copy + 0.05 else 'NOT MET'}")
+    print(f"target: median step with snapshots every 10 within 2 % of off: {ratio:.3f}: "
+          f"{'met' if abs(ratio - 1) <= 0.02 else 'NOT MET'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=720, help="state size (weights + AdamW moments), MB")
+    parser.add_argument("--width", type=int, default=2048, help="MLP width")
+    parser.add_argument("--step", type=float, default=1.0, help="seconds per training step (approximately)")
+    parser.add_argument("--blocks", type=int, default=4, help="blocks of 10 steps with snapshots (and as many off)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the training step")
+    parser.add_argument("--thread", action="store_true", help="snapshot in a thread of the training process instead")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

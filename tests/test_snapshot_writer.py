@@ -1,0 +1,116 @@
+"""The snapshot writer process (``strategy/snapshot_writer.py``): one copy in the training process, the rest there.
+
+A real writer process and a real TCPStore (the agent's): the document it sends
+is the one :func:`~unicron_elastic.strategy.safe_state.dumps` writes, the buffer
+grows with the state, a lost writer is restarted, and the writer ends with the
+training process (a SIGKILL included), leaving no memory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import structlog
+import torch
+import torch.distributed as dist
+
+import unicron_elastic.strategy.snapshot_writer as writer_module
+from conftest import events_named, wait_for
+from test_safe_state import same
+from unicron_elastic.strategy.safe_state import dumps, encode, layout
+from unicron_elastic.strategy.snapshot_writer import HostBuffer, copy_document
+from unicron_elastic.strategy.snapshots import SNAPSHOT_KEY, MemorySnapshot, _read
+
+
+def _stores() -> tuple[dist.TCPStore, dist.TCPStore]:
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return agent, dist.TCPStore("127.0.0.1", agent.port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def _state(step: int, n: int = 1000) -> dict:
+    return {"model": {"w": torch.arange(float(n)) + step, "h": torch.ones(3, 5, dtype=torch.bfloat16).t(),
+                      "empty": torch.zeros(0, 4), "flag": torch.tensor([True, False])},
+            "rng": np.arange(7, dtype=np.uint32), "step": step, "loops": {"epoch": 0, "nan": float("nan")}}
+
+
+def test_the_document_laid_out_in_the_buffer_is_the_one_dumps_writes() -> None:
+    state = _state(2)
+    encoded = encode(state)
+    plan = layout(encoded)
+    buffer = HostBuffer(plan.size)
+    try:
+        copy_document(encoded, buffer, plan)
+        assert bytes(buffer.bytes[: plan.size].numpy()) == dumps(state)
+    finally:
+        buffer.close()
+
+
+@pytest.fixture()
+def captured(capture_log) -> structlog.testing.LogCapture:
+    return capture_log(writer_module)
+
+
+@pytest.mark.timeout(120)
+def test_the_writer_process_sends_each_snapshot_and_a_lost_writer_is_restarted(captured) -> None:
+    agent, worker = _stores()
+    snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
+    try:
+        for step, n in ((1, 10), (2, 3_000_000), (3, 3_000_000)):  # the buffer grows once, then is kept
+            snapshot.save(_state(step, n))
+            snapshot.wait()
+            assert same(_read("agent", agent, SNAPSHOT_KEY), _state(step, n))
+        writer = snapshot._writer._process
+        assert writer.pid != os.getpid() and writer.poll() is None
+        writer.kill()  # lost: the next save starts another one
+        writer.wait()
+        snapshot.save(_state(4))
+        snapshot.wait()
+        assert same(_read("agent", agent, SNAPSHOT_KEY), _state(4))
+        assert events_named(captured, "snapshot_writer_lost")
+    finally:
+        snapshot.close()
+    assert writer.poll() is not None
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie not reaped yet counts: it holds no memory)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+TRAINER = textwrap.dedent("""
+    import sys, time, torch, torch.distributed as dist
+    from datetime import timedelta
+    from unicron_elastic.strategy.snapshots import MemorySnapshot
+    worker = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+    snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
+    snapshot.save({"w": torch.ones(1 << 20), "step": 1})
+    snapshot.wait()
+    print("writer", snapshot._writer._process.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_the_writer_ends_with_a_killed_training_process_and_frees_the_buffer(tmp_path: Path) -> None:
+    agent, _ = _stores()
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(agent.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        writer = next(int(line.split()[1]) for line in trainer.stdout if line.startswith("writer "))
+        assert "memfd:unicron-snapshot" in Path(f"/proc/{writer}/maps").read_text()  # it maps the shared buffer
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        wait_for(lambda: _gone(writer), deadline_s=60, why="the writer outlived its killed training process")
+    finally:
+        trainer.kill()
+        trainer.wait()

@@ -1,0 +1,323 @@
+"""A snapshot costs the training step one copy: the document is built in a kept host buffer, another process sends it.
+
+The training process lays the state out as a safe-state document
+(:func:`~unicron_elastic.strategy.safe_state.layout`) straight into a
+:class:`HostBuffer` it keeps between snapshots: anonymous shared memory
+(``memfd``), pinned and filled on a side CUDA stream when the state is on a
+GPU. Each array is copied once by torch (or numpy), in C; Python only walks
+the list of arrays. A child process, the *snapshot writer*
+(started with this module's :func:`main`), maps the same
+memory and does everything else outside the training interpreter: cutting
+the document into pieces, sending them to the agents' snapshot servers
+(GEMINI's placement, :class:`~unicron_elastic.strategy.snapshots.PeerServers`)
+or to torch's agent store, and deleting the previous upload.
+
+The two talk over a ``SOCK_SEQPACKET`` socket pair: a job names the
+document's size and where it goes (and passes the buffer's file descriptor
+when the buffer is new); the writer answers ``{"done": id}`` once every
+target has it or failed with a warning. One job is in flight at a time: the
+buffer is not written while the writer reads it. The writer exits when the
+training process closes its end (or dies: the socket reports end of file);
+the memory is freed when both have closed it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from unicron_elastic.api import StoreError
+from unicron_elastic.strategy.safe_state import EncodedState, Layout, layout
+
+log = structlog.get_logger(__name__)
+
+_GROWTH = 1.25  # a new buffer's headroom over the document (optimizer state appears after the first step)
+_MESSAGE = 1 << 16  # largest control message
+_WRITER_MAIN = "from unicron_elastic.strategy.snapshot_writer import main; main()"  # (not -m: the package imports it)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One snapshot for the writer to send.
+
+    Attributes:
+        id: Increasing per training process.
+        size: Bytes of the document at the start of the buffer.
+        step: The snapshot's step.
+        shard: The model shard (``tp<t>-pp<p>``) or None.
+        slot: The shard's slot (0 without shards).
+        places: Where it goes, as :meth:`~unicron_elastic.strategy.snapshots.MemorySnapshot` describes them.
+    """
+
+    id: int
+    size: int
+    step: int
+    shard: str | None
+    slot: int
+    places: dict[str, Any]
+
+
+class HostBuffer:
+    """Shared host memory the training process keeps between snapshots (a ``memfd``), as a byte tensor.
+
+    Args:
+        capacity: Bytes.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(capacity, mmap.PAGESIZE)
+        self.fd = os.memfd_create("unicron-snapshot", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.capacity)
+        self._map = mmap.mmap(self.fd, self.capacity)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._pinned = False
+
+    def pin(self) -> None:
+        """Page-lock the buffer for asynchronous copies from a GPU (once; a failure is a warning)."""
+        if self._pinned:
+            return
+        self._pinned = True
+        result = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.capacity, 0)
+        if int(result) != 0:
+            log.warning("snapshot_buffer_not_pinned", error=str(result), bytes=self.capacity)
+
+    def close(self) -> None:
+        """Release this process's mapping and descriptor (the writer keeps its own until it maps another)."""
+        if self._pinned and torch.cuda.is_available():
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+        del self.bytes
+        self._map.close()
+        os.close(self.fd)
+
+
+def copy_document(encoded: EncodedState, buffer: HostBuffer, plan: Layout,
+                  stream: torch.cuda.Stream | None = None) -> None:
+    """Lay the document out in ``buffer``: its head, then each array at its offset (one copy of each).
+
+    Args:
+        encoded: The state, not copied (its tensors may be on a GPU).
+        buffer: At least ``plan.size`` bytes.
+        plan: ``layout(encoded)``.
+        stream: The side CUDA stream for tensors on a GPU (the caller waits for it before the state changes).
+    """
+    target = buffer.bytes
+    target[: len(plan.head)].copy_(torch.frombuffer(bytearray(plan.head), dtype=torch.uint8))
+    for array_, (offset, nbytes) in zip(encoded.buffers, plan.buffers):
+        start = plan.body + offset
+        if isinstance(array_, np.ndarray):
+            np.ndarray(array_.shape, array_.dtype, buffer=buffer._map, offset=start)[...] = array_
+            continue
+        if nbytes == 0:
+            continue
+        place = target[start : start + nbytes].view(array_.dtype).view(array_.shape)
+        if array_.is_cuda and stream is not None:
+            with torch.cuda.stream(stream):
+                place.copy_(array_, non_blocking=True)
+                array_.record_stream(stream)
+        else:
+            place.copy_(array_.resolve_conj().resolve_neg())
+
+
+class SnapshotWriter:
+    """The training process's side: the kept buffer, the writer process and one job in flight.
+
+    Raises:
+        OSError: The writer process cannot be started.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: HostBuffer | None = None
+        self._sent: HostBuffer | None = None  # the buffer the writer has mapped
+        self._socket: socket.socket | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._ids = 0
+        self._in_flight: int | None = None
+        self._pending: tuple[Job, torch.cuda.Event] | None = None  # copied on a side stream, not sent yet
+        self._stream: torch.cuda.Stream | None = None
+
+    def write(self, encoded: EncodedState, step: int, shard: str | None, slot: int, places: dict[str, Any]) -> None:
+        """Copy the document into the buffer now; the writer sends it (after :meth:`settle` for GPU tensors).
+
+        A snapshot still being sent is waited for first (``snapshot_writer_behind`` says for how long).
+
+        Raises:
+            StateEncodingError: The state's skeleton cannot be written as JSON.
+        """
+        started = time.monotonic()
+        self.wait()
+        waited = time.monotonic() - started
+        if waited > 0.05:
+            log.warning("snapshot_writer_behind", seconds=round(waited, 3), step=step)
+        plan = layout(encoded)
+        buffer = self._room(plan.size)
+        cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in encoded.buffers)
+        if cuda:
+            buffer.pin()
+            self._stream = self._stream or torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+        copy_document(encoded, buffer, plan, self._stream if cuda else None)
+        self._ids += 1
+        job = Job(self._ids, plan.size, step, shard, slot, places)
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._pending = (job, event)
+        else:
+            self._send(job)
+
+    def settle(self) -> None:
+        """Before the state changes (the optimizer step): the side stream's copy is done; the writer gets the job."""
+        if self._pending is None:
+            return
+        job, event = self._pending
+        self._pending = None
+        torch.cuda.current_stream().wait_event(event)
+        event.synchronize()
+        self._send(job)
+
+    def wait(self) -> None:
+        """Until the writer has sent the snapshot in flight (if any)."""
+        self.settle()
+        if self._in_flight is None:
+            return
+        try:
+            while True:
+                reply = json.loads(self._socket.recv(_MESSAGE) or b"null")
+                if reply is None:
+                    raise OSError("the snapshot writer exited")
+                if reply.get("done") == self._in_flight:
+                    break
+        except (OSError, ValueError) as exc:
+            log.warning("snapshot_writer_lost", error=str(exc)[:200], job=self._in_flight)
+            self._stop()
+        self._in_flight = None
+
+    def close(self) -> None:
+        """Wait for the snapshot in flight, then stop the writer and free the buffer."""
+        self.wait()
+        self._stop()
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+    def _room(self, size: int) -> HostBuffer:
+        """The kept buffer, replaced by a larger one when the document outgrew it."""
+        if self._buffer is None or self._buffer.capacity < size:
+            if self._buffer is not None:
+                self._buffer.close()
+            self._buffer = HostBuffer(int(size * _GROWTH))
+        return self._buffer
+
+    def _send(self, job: Job) -> None:
+        """Hand ``job`` to the writer (started on first use, restarted after it was lost); a failure is a warning."""
+        assert self._buffer is not None
+        message = json.dumps(vars(job)).encode()
+        for attempt in (0, 1):
+            try:
+                self._start()
+                fds = [] if self._sent is self._buffer else [self._buffer.fd]  # (a new buffer may reuse the number)
+                socket.send_fds(self._socket, [message], fds)
+                self._sent = self._buffer
+                self._in_flight = job.id
+                return
+            except OSError as exc:
+                log.warning("snapshot_writer_lost", error=str(exc)[:200], job=job.id, retry=attempt == 0)
+                self._stop()
+
+    def _start(self) -> None:
+        if self._process is not None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _WRITER_MAIN, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        self._socket, self._sent = ours, None
+
+    def _stop(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+        self._sent, self._in_flight = None, None
+
+
+# -- the writer process ----------------------------------------------------------------------------
+class _Mapped:
+    """The writer's read-only view of the training process's buffer."""
+
+    def __init__(self) -> None:
+        self.view: memoryview | None = None
+        self._map: mmap.mmap | None = None
+
+    def replace(self, fd: int) -> None:
+        if self._map is not None:
+            self.view.release()
+            self._map.close()
+        size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        os.close(fd)
+        self.view = memoryview(self._map)
+
+
+def _places(spec: dict[str, Any], cache: dict[str, Any]) -> Any:
+    """The snapshot's places from their description (connections kept between jobs)."""
+    from unicron_elastic.strategy.snapshots import places_from
+
+    key = json.dumps(spec, sort_keys=True)
+    if key not in cache:
+        cache[key] = places_from(spec)
+    return cache[key]
+
+
+def serve(channel: socket.socket) -> None:
+    """The writer's loop: each job's document, from the shared buffer to its places; an answer per job."""
+    from unicron_elastic.strategy.snapshots import upload
+
+    mapped, cache = _Mapped(), {}
+    while True:
+        message, fds, _, _ = socket.recv_fds(channel, _MESSAGE, 1)
+        if not message:
+            return  # the training process closed its end, or died
+        for fd in fds:
+            mapped.replace(fd)
+        job = Job(**json.loads(message))
+        try:
+            upload(_places(job.places, cache), mapped.view[: job.size], job.step, job.shard, job.slot)
+        except (RuntimeError, OSError, ValueError, LookupError, StoreError) as exc:
+            log.warning("snapshot_upload_failed", error=str(exc)[:200], step=job.step)
+        channel.send(json.dumps({"done": job.id}).encode())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The snapshot writer process: serve jobs on the inherited socket whose number is the first argument."""
+    args = sys.argv[1:] if argv is None else argv
+    os.nice(5)  # the training process's step comes first
+    channel = socket.socket(fileno=int(args[0]))
+    try:
+        serve(channel)
+    except ConnectionError:
+        pass
+    finally:
+        channel.close()
+
+
+if __name__ == "__main__":
+    main()
