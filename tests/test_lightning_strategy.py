@@ -167,6 +167,19 @@ def test_snapshots_on_every_step_change_neither_the_losses_nor_the_parameters(tm
     assert proc.stdout.count("snapshot_saved") + proc.stderr.count("snapshot_saved") == STEPS  # one per step
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_that_crashes_rejoins_instead_of_taking_its_crash_for_the_end_of_training(tmp_path: Path,
+                                                                                        baseline) -> None:
+    """A Python exception in a rank runs Lightning's teardown too: it must not tell the restarted rank that
+    training finished (it did, and the rank exited 0 having trained nothing, the run one rank short)."""
+    proc = launch(tmp_path, [fail_at(rank=2, step=1, micro_batch=5, kind="raise", message="boom")], "--hold-for-joiner",
+                  "3")
+    check_survivors(tmp_path, proc, 2, baseline)
+    joiner = summary(tmp_path, 2)
+    assert joiner["joined_at"] is not None and joiner["global_step"] == STEPS
+    assert_params(tmp_path, 2, baseline)
+
+
 def kill_everyone(step: int) -> list[Fault]:
     return [fail_at(rank=r, step=step, micro_batch=r) for r in range(WORLD)]
 

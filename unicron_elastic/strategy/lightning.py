@@ -211,6 +211,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._world_stores: list[dist.Store] = []  # where each world bootstrapped (one small object each)
         self._local_only = False  # a joiner until its first step: Lightning's collectives stay local
         self._stopping = False  # the members agreed to stop after the current step (SIGTERM)
+        self._trained = False  # fit ended normally (on_train_end): ranks waiting to join may stop waiting
         self._last_beat: float | None = None
         self._current = (0, 0)
         self._losses: list[torch.Tensor] = []
@@ -744,6 +745,7 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         self._worker.set_paused(True)  # no more iterations: saving and teardown are not a hang
+        self._trained = True  # (fit ended normally: ranks still waiting to join may stop waiting)
 
     def on_validation_start(self) -> None:
         self._worker.set_paused(True)  # validation between steps is not a hang
@@ -810,7 +812,10 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._worker.set_paused(True)  # no more iterations (also after an exception): the teardown is not a hang
         if self._feed is not None:
             self._feed.close()  # the DataLoader's worker processes
-        if self.engine is not None and self.engine.pg is not None and self.retired_at is None:
+        # training is over only when fit ended normally or on an agreed stop: after a crash the restarted ranks
+        # must resume, not conclude that the others finished
+        ended = self._trained or self._stopping
+        if ended and self.engine is not None and self.engine.pg is not None and self.retired_at is None:
             self.engine.finish()
         if self._memory is not None:
             self._memory.close()  # (the snapshot in flight is sent first)
