@@ -161,6 +161,25 @@ def _cli_keeps_the_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(unicron_elastic.cli, "configure_logging", lambda *args, **kwargs: None)
 
 
+def snapshots_saved(output: str) -> dict[str | None, set[int]]:
+    """``{shard: steps}`` of the in-memory snapshots a run's output says landed (``snapshot_saved`` lines)."""
+    saved: dict[str | None, set[int]] = {}
+    for line in output.splitlines():
+        if "snapshot_saved" in line:
+            shard = re.search(r"shard=(\S+)", line)
+            step = re.search(r"step=(\d+)", line)
+            name = None if shard is None or shard.group(1) == "None" else shard.group(1)
+            saved.setdefault(name, set()).add(int(step.group(1)))
+    return saved
+
+
+def newest_snapshot(output: str) -> int | None:
+    """The newest step every shard's snapshot landed for before the first rank rejoined (what it resumed from)."""
+    saved = snapshots_saved(output.split("rank_rejoined", 1)[0])
+    common = set.intersection(*saved.values()) if saved else set()
+    return max(common) if common else None
+
+
 def json_log_entries(path: str | os.PathLike[str]) -> list[dict]:
     """The JSON lines of a ``--log-format=json`` launcher log (other lines, e.g. torch's, skipped)."""
     entries = []

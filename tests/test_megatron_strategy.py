@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BIN, EXAMPLES
+from conftest import BIN, EXAMPLES, newest_snapshot
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.testing import Fault, fail_at, faults_env
 
@@ -273,8 +273,9 @@ def test_every_replica_lost_resumes_every_shard_from_the_memory_snapshot(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(4):
         s = summary(tmp_path, r)
-        # each shard's snapshot of step 3 is written in the background: the newest step every shard has is used
-        assert s["state_from"] == "memory" and s["joined_at"] in (2, 3), (r, s["state_from"], s["joined_at"])
+        # the newest step every shard's snapshot landed for (one due while a writer is busy is skipped)
+        assert s["state_from"] == "memory", (r, s["state_from"])
+        assert s["joined_at"] == newest_snapshot(proc.stdout + proc.stderr), (r, s["joined_at"])
     assert_every_shard_equals(tmp_path, reference(2, 1), 2 * layout.size)
 
 

@@ -114,3 +114,20 @@ def test_the_writer_ends_with_a_killed_training_process_and_frees_the_buffer(tmp
     finally:
         trainer.kill()
         trainer.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_due_while_the_previous_is_still_sent_is_skipped_not_waited_for(captured) -> None:
+    agent, worker = _stores()
+    snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
+    try:
+        assert snapshot.save(_state(1))  # the writer is still starting (an interpreter, torch): step 1 in flight
+        assert not snapshot.save(_state(2))
+        assert [e["step"] for e in events_named(captured, "snapshot_skipped")] == [2]
+        snapshot.wait()
+        assert same(_read("agent", agent, SNAPSHOT_KEY), _state(1))
+        assert snapshot.save(_state(3))  # taken again once the writer is free
+        snapshot.wait()
+        assert same(_read("agent", agent, SNAPSHOT_KEY), _state(3))
+    finally:
+        snapshot.close()

@@ -26,7 +26,7 @@ from types import ModuleType
 #: The package after whose import the strategy registers.
 TARGET = "lightning.pytorch"
 #: The module whose import registers the strategy.
-STRATEGY_MODULE = "unicron_elastic.strategy"
+STRATEGY_MODULE = "unicron_elastic.strategy.lightning"
 
 
 def _register() -> None:

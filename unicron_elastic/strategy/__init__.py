@@ -1,15 +1,27 @@
 """Partial-iteration resumption, replica state reload and reconfiguration (paper section 6).
 
-Importing this package registers the Lightning strategy ``unicron_megatron``
-(when Lightning is installed); the torch-level pieces need only torch.
+``UnicronMegatronStrategy`` (the Lightning strategy ``unicron_megatron``) is
+imported from here on first use, so the torch-level pieces (and the snapshot
+writer process) start without Lightning's import time. ``import
+unicron_elastic`` registers the strategy with Lightning whatever the import
+order (:mod:`unicron_elastic._lightning_hook`).
 """
 
 from __future__ import annotations
 
-try:
-    from unicron_elastic.strategy.lightning import STRATEGY_NAME, UnicronMegatronStrategy
-except ImportError as _error:  # Lightning is not installed: the torch-level engine still works
-    if "lightning" not in str(_error):
-        raise
+from typing import Any
 
 __all__ = ["STRATEGY_NAME", "UnicronMegatronStrategy"]
+
+
+def __getattr__(name: str) -> Any:
+    """``STRATEGY_NAME`` and ``UnicronMegatronStrategy``, from the Lightning module (imported now).
+
+    Raises:
+        AttributeError: Another name.
+    """
+    if name in __all__:
+        from unicron_elastic.strategy import lightning
+
+        return getattr(lightning, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

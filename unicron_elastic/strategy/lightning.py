@@ -470,6 +470,8 @@ class UnicronMegatronStrategy(DDPStrategy):
             log.info("rank_rejoined", step=None, state_from=None, finished_before_join=True)
             return
         self.engine.bind(module, self.optimizers[0])
+        if self._memory is not None and self.engine.leader:
+            self._memory.start()  # (its writer process starts beside the first steps, not at the first snapshot)
         if self.joining:
             self.joined_at = self.engine.finish_join()
             self.finished_before_join = self.joined_at is None

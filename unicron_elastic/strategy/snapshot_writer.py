@@ -29,7 +29,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,23 +141,28 @@ class SnapshotWriter:
         self._socket: socket.socket | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._ids = 0
-        self._in_flight: int | None = None
+        self._in_flight: Job | None = None
         self._pending: tuple[Job, torch.cuda.Event] | None = None  # copied on a side stream, not sent yet
         self._stream: torch.cuda.Stream | None = None
 
-    def write(self, encoded: EncodedState, step: int, shard: str | None, slot: int, places: dict[str, Any]) -> None:
+    def write(self, encoded: EncodedState, step: int, shard: str | None, slot: int, places: dict[str, Any]) -> bool:
         """Copy the document into the buffer now; the writer sends it (after :meth:`settle` for GPU tensors).
 
-        A snapshot still being sent is waited for first (``snapshot_writer_behind`` says for how long).
+        Never waits for the writer: while it is still sending the previous
+        snapshot, this one is skipped (``snapshot_skipped``, a warning) and the
+        next one due is taken instead.
+
+        Returns:
+            Whether the snapshot was taken.
 
         Raises:
             StateEncodingError: The state's skeleton cannot be written as JSON.
         """
-        started = time.monotonic()
-        self.wait()
-        waited = time.monotonic() - started
-        if waited > 0.05:
-            log.warning("snapshot_writer_behind", seconds=round(waited, 3), step=step)
+        self.settle()
+        if not self._idle():
+            log.warning("snapshot_skipped", step=step, reason=f"the snapshot of step {self._in_flight.step} is "
+                        "still being sent: the next one due is taken")
+            return False
         plan = layout(encoded)
         buffer = self._room(plan.size)
         cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in encoded.buffers)
@@ -175,6 +179,7 @@ class SnapshotWriter:
             self._pending = (job, event)
         else:
             self._send(job)
+        return True
 
     def settle(self) -> None:
         """Before the state changes (the optimizer step): the side stream's copy is done; the writer gets the job."""
@@ -189,19 +194,36 @@ class SnapshotWriter:
     def wait(self) -> None:
         """Until the writer has sent the snapshot in flight (if any)."""
         self.settle()
-        if self._in_flight is None:
-            return
+        while self._in_flight is not None:
+            self._reply(block=True)
+
+    def _idle(self) -> bool:
+        """Whether no snapshot is in flight any more (answers already received are read, without waiting)."""
+        while self._in_flight is not None:
+            if not self._reply(block=False):
+                return False
+        return True
+
+    def _reply(self, block: bool) -> bool:
+        """Read one answer of the writer (False: none yet, not blocking); a lost writer ends the job in flight."""
         try:
-            while True:
-                reply = json.loads(self._socket.recv(_MESSAGE) or b"null")
-                if reply is None:
-                    raise OSError("the snapshot writer exited")
-                if reply.get("done") == self._in_flight:
-                    break
-        except (OSError, ValueError) as exc:
-            log.warning("snapshot_writer_lost", error=str(exc)[:200], job=self._in_flight)
+            raw = self._socket.recv(_MESSAGE, 0 if block else socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raw, error = b"", str(exc)
+        else:
+            error = "the snapshot writer exited"
+        try:
+            reply = json.loads(raw) if raw else None
+        except ValueError:
+            reply, error = None, f"malformed answer {raw[:100]!r}"
+        if reply is None:
+            log.warning("snapshot_writer_lost", error=error[:200], step=self._in_flight.step)
             self._stop()
-        self._in_flight = None
+        elif reply.get("done") == self._in_flight.id:
+            self._in_flight = None
+        return True
 
     def close(self) -> None:
         """Wait for the snapshot in flight, then stop the writer and free the buffer."""
@@ -229,11 +251,19 @@ class SnapshotWriter:
                 fds = [] if self._sent is self._buffer else [self._buffer.fd]  # (a new buffer may reuse the number)
                 socket.send_fds(self._socket, [message], fds)
                 self._sent = self._buffer
-                self._in_flight = job.id
+                self._in_flight = job
                 return
             except OSError as exc:
-                log.warning("snapshot_writer_lost", error=str(exc)[:200], job=job.id, retry=attempt == 0)
+                log.warning("snapshot_writer_lost", error=str(exc)[:200], step=job.step, retry=attempt == 0)
                 self._stop()
+
+    def start(self) -> None:
+        """Start the writer process now (else at the first snapshot): it is ready when the first one is due.
+
+        Raises:
+            OSError: The process cannot be started.
+        """
+        self._start()
 
     def _start(self) -> None:
         if self._process is not None:
@@ -309,7 +339,7 @@ def serve(channel: socket.socket) -> None:
 def main(argv: list[str] | None = None) -> None:
     """The snapshot writer process: serve jobs on the inherited socket whose number is the first argument."""
     args = sys.argv[1:] if argv is None else argv
-    os.nice(5)  # the training process's step comes first
+    os.nice(19)  # the training process's step comes first
     channel = socket.socket(fileno=int(args[0]))
     try:
         serve(channel)

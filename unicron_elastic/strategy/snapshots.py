@@ -267,29 +267,41 @@ class MemorySnapshot:
         """Whether a snapshot is due at the start of ``step`` (never without a store)."""
         return self._places is not None and self.every > 0 and step % self.every == 0
 
-    def save(self, state: dict[str, Any]) -> None:
+    def save(self, state: dict[str, Any]) -> bool:
         """Copy the tensors of ``state`` now; serialize and upload in the background.
 
         Out of process (:mod:`~unicron_elastic.strategy.snapshot_writer`): one
         copy of each array into the kept host buffer, the rest in the writer
-        process (call :meth:`settle` before the state changes). Else a
-        thread of this process packs and uploads a copy. Training goes on
-        while the snapshot is sent; a snapshot still being sent is waited for
-        first (at most one in flight).
+        process (call :meth:`settle` before the state changes); while the
+        writer still sends the previous snapshot this one is skipped with a
+        warning. Else a thread of this process packs and uploads a copy, a
+        snapshot still being sent waited for first. Training goes on while
+        the snapshot is sent (at most one in flight).
+
+        Returns:
+            Whether the snapshot was taken (False: skipped).
 
         Raises:
             StateEncodingError: ``state`` holds a value the safe format cannot
                 carry (raised here, not in the background).
         """
-        self.wait()
         step = _step(state)
         if self._writer is not None:
-            self._writer.write(encode(state), step, self.shard, self._slot(step), self._spec)
-            return
+            return self._writer.write(encode(state), step, self.shard, self._slot(step), self._spec)
+        self.wait()
         frozen = encode(state, copy=True)
         self._thread = threading.Thread(target=self._upload, args=(frozen, step), name="unicron-snapshot",
                                         daemon=True)
         self._thread.start()
+        return True
+
+    def start(self) -> None:
+        """Start the snapshot writer process now, if there is one and snapshots are on (a rank that will save)."""
+        if self._writer is not None and self.every > 0:
+            try:
+                self._writer.start()
+            except OSError as exc:  # (the first snapshot tries again)
+                log.warning("snapshot_writer_lost", error=str(exc)[:200])
 
     def settle(self) -> None:
         """Before the saved state changes: a copy from a GPU still running on its side stream is finished."""
