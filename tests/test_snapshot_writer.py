@@ -121,11 +121,11 @@ def test_a_snapshot_due_while_the_previous_is_still_sent_is_skipped_not_waited_f
     agent, worker = _stores()
     snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
     try:
-        assert snapshot.save(_state(1))  # the writer is still starting (an interpreter, torch): step 1 in flight
+        assert snapshot.save(_state(1, 12_000_000))  # 48 MB: still being sent when the next one is due
         assert not snapshot.save(_state(2))
         assert [e["step"] for e in events_named(captured, "snapshot_skipped")] == [2]
         snapshot.wait()
-        assert same(_read("agent", agent, SNAPSHOT_KEY), _state(1))
+        assert same(_read("agent", agent, SNAPSHOT_KEY), _state(1, 12_000_000))
         assert snapshot.save(_state(3))  # taken again once the writer is free
         snapshot.wait()
         assert same(_read("agent", agent, SNAPSHOT_KEY), _state(3))

@@ -471,7 +471,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             return
         self.engine.bind(module, self.optimizers[0])
         if self._memory is not None and self.engine.leader:
-            self._memory.start()  # (its writer process starts beside the first steps, not at the first snapshot)
+            self._memory.start()  # its writer process is ready before the first step (~1 s, once)
         if self.joining:
             self.joined_at = self.engine.finish_join()
             self.finished_before_join = self.joined_at is None

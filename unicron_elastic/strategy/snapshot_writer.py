@@ -12,7 +12,9 @@ the document into pieces, sending them to the agents' snapshot servers
 (GEMINI's placement, :class:`~unicron_elastic.strategy.snapshots.PeerServers`)
 or to torch's agent store, and deleting the previous upload.
 
-The two talk over a ``SOCK_SEQPACKET`` socket pair: a job names the
+The two talk over a ``SOCK_SEQPACKET`` socket pair. The writer first says it
+is ready (its imports done, about 1 s; the training process waits for that
+once, before its first snapshot, so that snapshot is not skipped). A job names the
 document's size and where it goes (and passes the buffer's file descriptor
 when the buffer is new); the writer answers ``{"done": id}`` once every
 target has it or failed with a warning. One job is in flight at a time: the
@@ -36,13 +38,14 @@ import numpy as np
 import structlog
 import torch
 
-from unicron_elastic.api import StoreError
+from unicron_elastic.api import ConfigError, StoreError
 from unicron_elastic.strategy.safe_state import EncodedState, Layout, layout
 
 log = structlog.get_logger(__name__)
 
 _GROWTH = 1.25  # a new buffer's headroom over the document (optimizer state appears after the first step)
 _MESSAGE = 1 << 16  # largest control message
+READY_TIMEOUT_S = 60.0  # the writer's start (an interpreter, torch) on a loaded machine
 _WRITER_MAIN = "from unicron_elastic.strategy.snapshot_writer import main; main()"  # (not -m: the package imports it)
 
 
@@ -258,7 +261,7 @@ class SnapshotWriter:
                 self._stop()
 
     def start(self) -> None:
-        """Start the writer process now (else at the first snapshot): it is ready when the first one is due.
+        """Start the writer process now (else at the first snapshot) and wait until it is ready (~1 s).
 
         Raises:
             OSError: The process cannot be started.
@@ -274,6 +277,25 @@ class SnapshotWriter:
                 [sys.executable, "-c", _WRITER_MAIN, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         self._socket, self._sent = ours, None
+        self._ready()
+
+    def _ready(self) -> None:
+        """Wait until the writer has loaded what it needs (~1 s, once): the first snapshot is sent at once.
+
+        Raises:
+            OSError: It exited or did not say so within :data:`READY_TIMEOUT_S` (stopped again).
+        """
+        self._socket.settimeout(READY_TIMEOUT_S)
+        try:
+            reply = self._socket.recv(_MESSAGE)
+            if json.loads(reply or b"null") != {"ready": True}:
+                raise OSError(f"the snapshot writer did not start: {reply[:100]!r}")
+        except (OSError, ValueError) as exc:
+            self._stop()
+            raise OSError(f"the snapshot writer did not start: {exc}") from None
+        finally:
+            if self._socket is not None:
+                self._socket.settimeout(None)
 
     def _stop(self) -> None:
         if self._socket is not None:
@@ -322,6 +344,7 @@ def serve(channel: socket.socket) -> None:
     from unicron_elastic.strategy.snapshots import upload
 
     mapped, cache = _Mapped(), {}
+    channel.send(json.dumps({"ready": True}).encode())
     while True:
         message, fds, _, _ = socket.recv_fds(channel, _MESSAGE, 1)
         if not message:
@@ -331,7 +354,7 @@ def serve(channel: socket.socket) -> None:
         job = Job(**json.loads(message))
         try:
             upload(_places(job.places, cache), mapped.view[: job.size], job.step, job.shard, job.slot)
-        except (RuntimeError, OSError, ValueError, LookupError, StoreError) as exc:
+        except (RuntimeError, OSError, ValueError, LookupError, StoreError, ConfigError) as exc:
             log.warning("snapshot_upload_failed", error=str(exc)[:200], step=job.step)
         channel.send(json.dumps({"done": job.id}).encode())
 
