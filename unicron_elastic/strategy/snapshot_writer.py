@@ -45,6 +45,7 @@ log = structlog.get_logger(__name__)
 
 _GROWTH = 1.25  # a new buffer's headroom over the document (optimizer state appears after the first step)
 _MESSAGE = 1 << 16  # largest control message
+WRITER_NICENESS = 5  # the writer yields the CPU to the training process, without starving on a busy node
 READY_TIMEOUT_S = 60.0  # the writer's start (an interpreter, torch) on a loaded machine
 _WRITER_MAIN = "from unicron_elastic.strategy.snapshot_writer import main; main()"  # (not -m: the package imports it)
 
@@ -344,6 +345,7 @@ def serve(channel: socket.socket) -> None:
     from unicron_elastic.strategy.snapshots import upload
 
     mapped, cache = _Mapped(), {}
+    os.nice(WRITER_NICENESS)  # (after the imports: a loaded machine would starve them)
     channel.send(json.dumps({"ready": True}).encode())
     while True:
         message, fds, _, _ = socket.recv_fds(channel, _MESSAGE, 1)
@@ -362,7 +364,6 @@ def serve(channel: socket.socket) -> None:
 def main(argv: list[str] | None = None) -> None:
     """The snapshot writer process: serve jobs on the inherited socket whose number is the first argument."""
     args = sys.argv[1:] if argv is None else argv
-    os.nice(19)  # the training process's step comes first
     channel = socket.socket(fileno=int(args[0]))
     try:
         serve(channel)
