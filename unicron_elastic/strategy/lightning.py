@@ -734,9 +734,10 @@ class UnicronMegatronStrategy(DDPStrategy):
         return closure_loss
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.retired_at is not None:  # no gradients to step with (nor to unscale: a scaler would refuse)
-            return closure()
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.retired_at is not None:  # no gradients to step with (nor to unscale: a loss scaler would refuse)
+            output = closure()
+        else:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.next_step
         self.engine.next_step = step + 1
         now = time.monotonic()
