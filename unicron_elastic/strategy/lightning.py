@@ -470,6 +470,8 @@ class UnicronMegatronStrategy(DDPStrategy):
             log.info("rank_rejoined", step=None, state_from=None, finished_before_join=True)
             return
         self.engine.bind(module, self.optimizers[0])
+        if self.layout.stage(self.env.launch_rank) < self.pp - 1:  # (a stage that scales no loss: once, not per
+            start_scale(self.precision_plugin, self.root_device)  # micro-batch)
         if self._memory is not None and self.engine.leader:
             self._memory.start()  # its writer process is ready before the first step (~1 s, once)
         if self.joining:
@@ -676,8 +678,6 @@ class UnicronMegatronStrategy(DDPStrategy):
         elif not isinstance(output, torch.Tensor):
             raise ConfigError(f"pipeline_forward on stage {stage} must return the activations for the next stage "
                               f"(a tensor), got {type(output).__name__}")
-        else:
-            start_scale(self.precision_plugin, output.device)
         return output
 
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:

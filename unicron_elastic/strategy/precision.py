@@ -97,7 +97,7 @@ def scaled(plugin: Any, loss: torch.Tensor) -> torch.Tensor:
 
 
 def start_scale(plugin: Any, device: torch.device) -> None:
-    """Start the scaler's scale on a pipeline stage before the last (at each of its forwards; cheap).
+    """Start the scaler's scale on a pipeline stage before the last (once, at ``setup``).
 
     Such a stage scales no loss, yet Lightning unscales its gradients (which
     the last stage's scaled loss produced): its scaler needs a scale, the
