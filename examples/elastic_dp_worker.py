@@ -85,7 +85,7 @@ def main() -> None:
         store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
         timeout=timedelta(seconds=20), hook=maybe_fail, members=members, joining=restarted or rank not in members,
         schedule={int(k): v for k, v in json.loads(args.schedule).items()},
-        grad_dtype=getattr(torch, args.grad_dtype), pause=worker.set_paused,
+        grad_dtype=getattr(torch, args.grad_dtype), pause=worker.set_paused, report_waiting=worker.waiting,
         max_world=int(os.environ.get(MAX_WORLD_ENV, world)),  # a node that grows the run joins past WORLD_SIZE
     )
     start = ddp.join() if restarted or rank not in members else 0

@@ -34,26 +34,30 @@ LOOPBACK = "127.0.0.1"
 @pytest.mark.parametrize("own, live, expected", [
     (0, [0, 1], [1]),
     (1, [0, 1], [0]),  # wraps around
-    (2, [0, 1, 2, 3], [3]),
-    (3, [0, 1, 2, 3], [0]),
-    (1, [0, 3], [3]),  # its successor is gone: the next live one
-    (1, [3, 0, 1], [3]),  # any order
+    (2, [0, 1, 2, 3], [3, 0]),  # two holders from three nodes on
+    (3, [0, 1, 2, 3], [0, 1]),
+    (1, [0, 1, 2], [2, 0]),
+    (1, [0, 3], [3, 0]),  # its successor is gone: the next live ones
+    (1, [3, 0, 1], [3, 0]),  # any order
     (0, [0], [0]),  # alone: its own node
     (2, [], [2]),
 ])
-def test_the_snapshot_goes_to_the_next_live_node_in_ring_order(own: int, live: list[int], expected: list[int]) -> None:
+def test_the_snapshot_goes_to_the_next_two_live_nodes_in_ring_order(own: int, live: list[int],
+                                                                   expected: list[int]) -> None:
     assert snapshot_targets(own, live) == expected
 
 
 @given(st.integers(0, 63), st.sets(st.integers(0, 63)))
-def test_the_target_is_another_live_node_and_no_live_node_lies_between(own: int, live: set[int]) -> None:
-    (target,) = snapshot_targets(own, sorted(live))
+def test_the_targets_are_other_live_nodes_and_no_live_node_lies_between(own: int, live: set[int]) -> None:
+    targets = snapshot_targets(own, sorted(live))
     others = live - {own}
     if not others:
-        assert target == own
+        assert targets == [own]
         return
-    assert target in others
-    assert all((node - own) % 64 >= (target - own) % 64 for node in others)
+    assert len(targets) == min(2, len(others)) == len(set(targets)) and set(targets) <= others
+    distance = [(node - own) % 64 for node in targets]  # the nearest ones, in ring order
+    assert distance == sorted(distance)
+    assert all((node - own) % 64 >= distance[-1] for node in others - set(targets))
 
 
 # -- real etcd, two nodes' agents ----------------------------------------------------------------
@@ -124,6 +128,35 @@ def test_the_joiner_takes_the_newest_step_of_every_server(store: StatusStore, ag
         leader.wait()
     assert all(point.snapshots.check([SNAPSHOT_KEY]) for point in agents)  # one on each node
     assert same(_snapshot(store, agents[0], node=0).load(), new)
+
+
+def test_with_three_nodes_two_hold_it_and_it_survives_losing_either(
+        store: StatusStore, captured: structlog.testing.LogCapture) -> None:
+    points = [MeetingPoint(store, "three", 0, 2, group_rank, 3, host=LOOPBACK) for group_rank in range(3)]
+    try:
+        state = _state(4)
+        leader = _snapshot(store, points[0], node=0)
+        leader.save(state)
+        leader.wait()
+        assert [point.snapshots.check([SNAPSHOT_KEY]) for point in points] == [False, True, True]
+        points[1].close()  # one holder is lost (or frozen): the other one still has it
+        assert same(_snapshot(store, points[2], node=2).load(), state)
+    finally:
+        for point in points:
+            point.close()
+
+
+def test_a_stale_writer_never_replaces_a_newer_snapshot(
+        store: StatusStore, agents: list[MeetingPoint], captured: structlog.testing.LogCapture) -> None:
+    """A writer frozen with an old step's upload and resumed after the group moved on: the step fences it."""
+    leader = _snapshot(store, agents[0], node=0)
+    leader.save(_state(7))
+    leader.wait()
+    stale = _snapshot(store, agents[0], node=0)
+    stale.save(_state(5))
+    stale.wait()
+    assert same(_snapshot(store, agents[1], node=1).load(), _state(7))
+    assert [(e["step"], e["held"]) for e in events_named(captured, "snapshot_stale_refused")] == [(5, 7)]
 
 
 def test_alone_the_snapshot_stays_on_its_node_with_one_warning(

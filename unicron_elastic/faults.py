@@ -18,7 +18,7 @@ from pathlib import Path
 
 FAULTS_ENV = "UNICRON_FAULTS"
 FAULT_LOG_ENV = "UNICRON_FAULT_LOG"
-FAULT_KINDS = ("kill", "exit", "raise", "hang")
+FAULT_KINDS = ("kill", "exit", "raise", "hang", "stop", "stop_node")
 FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step", "before_first_group")
 
 
@@ -35,7 +35,10 @@ class Fault:
             buckets reduced) or ``after_optimizer_step``; or ``before_first_group``
             (step -1: the engine is about to build the run's first group).
         kind: ``kill`` (SIGKILL itself), ``exit`` (exit code 3), ``raise``
-            (raise ``RuntimeError(message)``) or ``hang`` (sleep forever).
+            (raise ``RuntimeError(message)``), ``hang`` (sleep forever),
+            ``stop`` (SIGSTOP itself: a hung process, silent, its connections
+            open) or ``stop_node`` (SIGSTOP its launcher and every process
+            below it: a frozen node or a partition, nothing resets).
         message: Exception message for ``raise`` (chooses the severity).
         times: Fire at most this many times, all in the rank's first
             incarnation (a restarted worker is spared); None: every time the
@@ -154,3 +157,21 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
             raise RuntimeError(fault.message or "injected failure")
         elif fault.kind == "hang":
             time.sleep(3600)
+        elif fault.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "stop_node":
+            _stop_node()
+
+
+def _stop_node() -> None:
+    """SIGSTOP this worker's launcher (its parent) and every process below it, this one last."""
+    from unicron_elastic.node.processes import process_tree
+
+    me = os.getpid()
+    for pid in process_tree(os.getppid()):
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+    os.kill(me, signal.SIGSTOP)

@@ -100,9 +100,10 @@ class WorkerChannel:
     def progress(self, step: int, micro_batch: int) -> None:
         """Micro-batch ``micro_batch`` of ``step`` is done.
 
-        Every detector's ``on_message`` sees it; the built-in ones ignore it
-        (the hang detector times iterations from :meth:`heartbeat`), so the
-        ``unicron_megatron`` strategy does not send it.
+        Every detector's ``on_message`` sees it; the hang detector counts it
+        as a sign of life (silence counts from it). The ``unicron_megatron``
+        strategy does not send it: its wait reports (:meth:`waiting`) cover
+        the silences a step may have.
         """
         self._send({"t": "progress", "step": int(step), "mb": int(micro_batch)})
 
@@ -135,6 +136,14 @@ class WorkerChannel:
     def collective(self) -> AbstractContextManager[None]:
         """Inside a collective: a stall here is a collective timeout (SEV3)."""
         return self._flag("collective")
+
+    def waiting(self, waiting: bool) -> None:
+        """Blocked on the group (a collective waiting for a peer), repeated while it lasts; False when it ends.
+
+        The hang detector spares a rank that keeps saying so and blames the
+        one that went silent: the peer it waits on.
+        """
+        self._send({"t": "state", "waiting": bool(waiting)})
 
     def report_exception(self, exc: BaseException, step: int = -1, fatal: bool = True) -> None:
         """Send an exception to the agent for classification."""

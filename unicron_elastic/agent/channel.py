@@ -70,6 +70,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "paused": (_boolean, "true or false"),
     "pause_for": (_duration, f"a finite number of seconds in [0, {MAX_DURATION:g}]"),
     "collective": (_boolean, "true or false"),
+    "waiting": (_boolean, "true or false"),
     "exiting": (_boolean, "true or false"),
     "reply": (_string(107), "a socket path of at most 107 characters"),
     "type": (_string(256), "a string of at most 256 characters"),

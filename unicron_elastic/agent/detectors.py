@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import structlog
 
 from unicron_elastic.api import StoreError
-from unicron_elastic.detection.hang import Finding, HangThresholds, IterationMonitor
+from unicron_elastic.detection.hang import Finding, HangThresholds, IterationMonitor, hang_verdict
 from unicron_elastic.events import Classification, ErrorEvent, Severity
 from unicron_elastic.node import NODE_DAEMON_ENV
 from unicron_elastic.store.client import StatusStore
@@ -27,6 +27,7 @@ from unicron_elastic.store.lease import KeptLease
 from unicron_elastic.store.watch import PrefixWatch, WatchEvent
 
 log = structlog.get_logger(__name__)
+_THIS_NODE = "this node"  # the node of every rank a hang detector watches (its agent's own)
 
 
 class DetectorContext(Protocol):
@@ -203,6 +204,9 @@ class ExceptionDetector(Detector):
 class HangDetector(Detector):
     """Online statistical monitoring of iteration times, one monitor per rank.
 
+    A rank that reports it is waiting on its group (and keeps reporting it)
+    is spared; the one that went silent is hung (:func:`~unicron_elastic.detection.hang.hang_verdict`).
+    A ``progress`` message (a micro-batch done) is a sign of life too.
     Only this agent's workers get a monitor: messages from any other rank are
     dropped (counted in ``dropped``), and monitors of ranks no longer running
     here are removed when workers start, so the table stays bounded.
@@ -237,7 +241,7 @@ class HangDetector(Detector):
         self._changed.set()
 
     def on_message(self, msg: dict[str, Any], received: float) -> None:
-        if msg["t"] not in ("beat", "state"):
+        if msg["t"] not in ("beat", "state", "progress"):
             return
         if msg["rank"] not in self.monitors and not _own_rank(self.ctx, msg["rank"]):
             _note_dropped(self, msg)
@@ -245,12 +249,14 @@ class HangDetector(Detector):
         with self._lock:
             monitor = self.monitors.setdefault(msg["rank"], IterationMonitor(self.thresholds))
             before = monitor.deadline()
+            finding = None
             if msg["t"] == "beat":
                 finding = monitor.heartbeat(received, float(msg["dur"]))
+            elif msg["t"] == "progress":
+                monitor.sign(received)
             else:
                 monitor.set_state(received, paused=msg.get("paused"), in_collective=msg.get("collective"),
-                                  pause_for=msg.get("pause_for"))
-                finding = None
+                                  pause_for=msg.get("pause_for"), waiting=msg.get("waiting"))
             self._note_deadline(before, monitor.deadline())
         if finding is not None:
             self.ctx.hang(msg["rank"], finding)
@@ -273,11 +279,12 @@ class HangDetector(Detector):
             self._changed.clear()
             now = time.monotonic()
             with self._lock:
-                found = [(rank, m.check(now)) for rank, m in self.monitors.items()]
+                reports = {rank: m.report(rank, _THIS_NODE) for rank, m in self.monitors.items()}
+                verdict = hang_verdict(reports, {_THIS_NODE}, now)  # (every monitor is of this agent's node: alive)
+                found = [(rank, self.monitors[rank].finding(now)) for rank in verdict.hung]
                 deadlines = [d for d in (m.deadline() for m in self.monitors.values()) if d is not None]
             for rank, finding in found:
-                if finding is not None:
-                    self.ctx.hang(rank, finding)
+                self.ctx.hang(rank, finding)
             sleep = self.interval if not deadlines else min(self.interval, max(min(deadlines) - now, 0.0) + 0.001)
             self._changed.wait(sleep)
 

@@ -14,6 +14,15 @@ decides:
   (``collective_timeout``) if the worker said it is inside a collective, else
   SEV2 (``task_hang``).
 
+A rank blocked in a collective of its group, waiting on a peer, says so and
+repeats it while it waits (``waiting``, see
+:class:`~unicron_elastic.strategy.watch.GroupWatch`): it is alive and not the
+one to blame, so its deadline moves with every such report. The peer that
+stopped answering sends nothing (a stopped process cannot), so its silence
+makes it the hung one. :func:`hang_verdict` is the decision over every rank's
+report and the nodes' liveness: a rank of a node whose lease expired is not
+blamed alone, its node is lost.
+
 When another worker of the task fails, every survivor may stall in a
 collective with it (or with a survivor that is already regrouping) until it
 notices: :meth:`IterationMonitor.peer_failed` starts the silence count
@@ -29,6 +38,7 @@ configuration has warmed up (statistics are reset per configuration).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from unicron_elastic.api import ConfigError
@@ -117,6 +127,7 @@ class IterationMonitor:
         self._pause_until: float | None = None
         self._grace_until: float | None = None
         self.in_collective = False
+        self.waiting = False
         self._reported_hang = False
 
     @property
@@ -161,8 +172,13 @@ class IterationMonitor:
         self.last_beat = now
         self._grace_until = None
         self.in_collective = False
+        self.waiting = False
         self._reported_hang = False
         return finding
+
+    def sign(self, now: float) -> None:
+        """A sign of life that is not an iteration (a micro-batch done): silence counts from ``now``."""
+        self.last_beat = max(self.last_beat, now)
 
     def peer_failed(self, now: float) -> None:
         """Another worker of the task failed at ``now``: silence counts from ``peer_failure_grace`` later.
@@ -175,12 +191,19 @@ class IterationMonitor:
         self._grace_until = until if self._grace_until is None else max(self._grace_until, until)
 
     def set_state(self, now: float, *, paused: bool | None = None, in_collective: bool | None = None,
-                  pause_for: float | None = None) -> None:
-        """The worker entered or left a pause (checkpoint, regroup) or a collective.
+                  pause_for: float | None = None, waiting: bool | None = None) -> None:
+        """The worker entered or left a pause (checkpoint, regroup), a collective, or a wait on its group.
 
         A pause with ``pause_for`` seconds protects the worker only that long:
         after it, silence counts towards a hang again (a stuck regroup is found).
+        ``waiting`` True is repeated while the worker waits on its group: each
+        report counts as a sign of life; False ends the wait, and silence
+        counts from then.
         """
+        if waiting is not None:
+            if waiting or self.waiting:
+                self.last_beat = now
+            self.waiting = waiting
         if paused is not None:
             if self.paused and not paused:
                 self.last_beat = now  # the pause does not count towards a hang
@@ -207,11 +230,20 @@ class IterationMonitor:
         """Seconds without a heartbeat that are not yet a hang: ``hang_factor`` x mean, at least ``min_silence``."""
         return max(self.thresholds.hang_factor * self.mean, self.thresholds.min_silence)
 
+    def report(self, rank: int, node: str) -> RankReport:
+        """What this monitor knows of ``rank`` (on ``node``), for :func:`hang_verdict`."""
+        phase = "waiting" if self.waiting else "paused" if self.paused else "running"
+        return RankReport(rank, node, phase, self.last_beat, self.deadline())
+
     def check(self, now: float) -> Finding | None:
         """A hang finding if the worker has been silent too long (reported once per hang)."""
         deadline = self.deadline()
         if deadline is None or now <= deadline:
             return None
+        return self.finding(now)
+
+    def finding(self, now: float) -> Finding:
+        """The hang finding of a worker found silent at ``now`` (marks it reported: once per hang)."""
         self._reported_hang = True
         silent = now - self.last_beat
         if self.in_collective:
@@ -221,3 +253,70 @@ class IterationMonitor:
                        f"no iteration for {silent:.2f}s (> {self.thresholds.hang_factor}x mean {self.mean:.3f}s, "
                        f"at least {self.thresholds.min_silence}s)",
                        self.last_beat)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank as its agent's monitor sees it.
+
+    Attributes:
+        rank: The global rank.
+        node: The node it runs on.
+        phase: ``running`` (computing: its heartbeats count), ``waiting``
+            (blocked on its group, saying so), ``paused`` (a declared pause).
+        last_sign: Monotonic time of its last heartbeat or wait report.
+        deadline: Monotonic time after which its silence is a hang; None
+            while no alarm is possible (warming up, an unbounded pause, a
+            hang already reported).
+    """
+
+    rank: int
+    node: str
+    phase: str
+    last_sign: float
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    """Who stopped answering, and who is only waiting on them.
+
+    Attributes:
+        hung: Ranks silent past their deadline on a live node: restart each (SEV2).
+        lost_nodes: Nodes whose lease expired: lost as a whole (SEV1), their
+            ranks are not blamed one by one.
+        waiting: Ranks blocked on their group and still saying so: spared.
+    """
+
+    hung: tuple[int, ...]
+    lost_nodes: tuple[str, ...]
+    waiting: tuple[int, ...]
+
+
+def hang_verdict(reports: Mapping[int, RankReport], live_nodes: Collection[str], now: float) -> HangVerdict:
+    """Decide, from every rank's report and the nodes' liveness, which ranks are hung.
+
+    A rank waiting on its group keeps reporting while it waits, so it stays
+    within its deadline: only the rank that went silent is blamed, never the
+    peers blocked on it. A node whose lease expired (not in ``live_nodes``)
+    is lost as a whole: its ranks cannot report, and nobody on it can restart
+    them. A slow rank is never blamed while its heartbeats (or its wait
+    reports) keep coming within its deadline.
+
+    Args:
+        reports: Rank -> its report.
+        live_nodes: Nodes whose lease is alive.
+        now: Monotonic time of the decision.
+
+    Returns:
+        The verdict (ranks and nodes sorted).
+    """
+    hung, lost, waiting = [], set(), []
+    for rank, report in sorted(reports.items()):
+        if report.node not in live_nodes:
+            lost.add(report.node)
+        elif report.deadline is not None and now > report.deadline:
+            hung.append(rank)
+        elif report.phase == "waiting":
+            waiting.append(rank)
+    return HangVerdict(tuple(hung), tuple(sorted(lost)), tuple(waiting))

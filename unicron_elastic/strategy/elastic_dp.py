@@ -105,6 +105,7 @@ from unicron_elastic.strategy.protocol import Excluded, Protocol, ReplicaBroken,
 from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMeeting, live_replicas, stages_to_backpropagate
 from unicron_elastic.strategy.state_transfer import broadcast_state
 from unicron_elastic.strategy.transport import CollectiveTransport, GlooTransport, is_peer_failure
+from unicron_elastic.strategy.watch import GroupWatch, WatchTimes
 
 __all__ = ["ElasticDataParallel", "Excluded", "ReplicaBroken", "Retired", "StepReport"]
 
@@ -189,6 +190,11 @@ class ElasticDataParallel:
             stage, the previous stage's output otherwise); the loss on the last stage.
         pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``.
         transport: Makes and aborts the engine's groups (default: gloo).
+        report_waiting: Called as ``report_waiting(True)`` (repeated) while this
+            rank waits on its group for a peer, ``report_waiting(False)`` when
+            the wait ends (e.g. ``Worker.waiting``: the hang detector spares
+            it and blames the peer that went silent); see :mod:`~unicron_elastic.strategy.watch`.
+        watch_times: When a wait is reported and the members' liveness checked.
 
     Raises:
         ValueError: ``max_world`` is smaller than ``world_size``.
@@ -224,6 +230,8 @@ class ElasticDataParallel:
         stage_fn: StageFn | None = None,
         pipeline_schedule: str = "1f1b",
         transport: CollectiveTransport | None = None,
+        report_waiting: Callable[[bool], None] | None = None,
+        watch_times: WatchTimes | None = None,
         overflow: Callable[[torch.Tensor, int], bool] | None = None,
     ) -> None:
         if max_world is not None and max_world < world_size:
@@ -249,6 +257,8 @@ class ElasticDataParallel:
         self.pause = pause or (lambda paused, bound: None)
         self.on_drop = on_drop or (lambda: None)
         self.transport = transport or GlooTransport()
+        #: Watches this rank's waits on its groups: reports them, and gives a group up once a member is gone.
+        self.watch = GroupWatch(report_waiting or (lambda waiting: None), self._gone, self._interrupt, watch_times)
         self.state_source: str | None = None  # where a joiner's state came from
         self.stop_requested = False  # this rank was asked to stop (request_stop): sent in every exchange from now on
         self.stop_agreed = False  # a member asked to stop, as an exchange of the members said
@@ -505,6 +515,26 @@ class ElasticDataParallel:
         alive = {r for r, seen in live.items() if noted.get(r, seen) == seen}
         return live_replicas(self.layout, alive, replicas)
 
+    def _gone(self) -> str | None:
+        """(The watch's thread) why this rank's group cannot complete: members gone; None while all are alive.
+
+        A member is gone when its liveness key is (its agent restarted it
+        after a hang, or its node's lease expired: a frozen node) or names
+        another incarnation than the group was formed with.
+        """
+        members = list(self.members)
+        alive = self._alive_among(members) if members and self.pg is not None else None
+        missing = sorted(set(members) - alive) if alive is not None else []
+        if not missing:
+            return None
+        return f"generation {self.generation}: member(s) {missing} gone (liveness key expired or replaced)"
+
+    def _interrupt(self, reason: str) -> None:
+        """(The watch's thread) make this rank's operations in flight on its groups fail now."""
+        for pg in (self.pg, self.world_pg):
+            if pg is not None:
+                self.transport.interrupt(pg)
+
     def _note_incarnations(self) -> None:
         """Remember which incarnation of each member's ranks this group was formed with."""
         self._incarnations = self.meeting.incarnations(self.layout.ranks_of(self.members))
@@ -621,7 +651,8 @@ class ElasticDataParallel:
         if group is None:
             raise RuntimeError("no group to agree on the members in")
         payload = self._encode(self._offer(effect.offer), torch.int64).to(self.transport.device)
-        group.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
+        with self.watch.waiting("agree"):
+            group.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
         return self._decode(payload.cpu())
 
     def _announce(self, effect: P.Announce) -> None:
@@ -643,6 +674,7 @@ class ElasticDataParallel:
         are torn down while running), so a finished rank would exit with SIGABRT.
         """
         self._drop_group()
+        self.watch.close()
         self._prefetch = None
         if self._reader is not None:
             self._reader.shutdown(wait=False)
@@ -931,7 +963,7 @@ class ElasticDataParallel:
             self.forward_only.append(step)
         links = StageLinks(layout.neighbour(self.members, self.rank, stage - 1) if stage > 0 else None,
                            layout.neighbour(self.members, self.rank, stage + 1) if stage < stages - 1 else None,
-                           self.world_pg, send_gradients=stage - 1 in backward)
+                           self.world_pg, send_gradients=stage - 1 in backward, waiting=self.watch.waiting)
 
         def forward(position: int, received: torch.Tensor | None) -> torch.Tensor:
             j = micro_batches[position]
@@ -956,7 +988,8 @@ class ElasticDataParallel:
             if self.world_pg is None:
                 raise RuntimeError("the group failed before the step's commit")
             payload = self._encode(self._offer(effect.offer), torch.int64, self._overflowed()).to(self.transport.device)
-            self.world_pg.allreduce([payload]).wait()
+            with self.watch.waiting("commit"):
+                self.world_pg.allreduce([payload]).wait()
             slots = payload.cpu()
             self.overflow_agreed = bool(slots[-2] > 0)
             return local.new_zeros(0), self._decode(slots)
@@ -968,7 +1001,8 @@ class ElasticDataParallel:
         buf[: end - start].copy_(local[start:end])
         if effect.last:  # the next step's members ride along (the leader's proposal, zeros elsewhere)
             buf[end - start :].copy_(self._encode(effect.offer, local.dtype))
-        self.pg.allreduce([buf]).wait()
+        with self.watch.waiting("reduce"):
+            self.pg.allreduce([buf]).wait()
         return buf[: end - start], self._decode(buf[end - start :]) if effect.last else None
 
     def _overflowed(self) -> bool:

@@ -398,6 +398,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             get_state=self._state, set_state=self._load_state,
             on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
             pause=self._worker.set_paused,  # a regroup is a declared, bounded pause, not a hang
+            report_waiting=self._worker.waiting,  # blocked on a peer: spared by the hang detector
             on_drop=self._drop_world,  # a survivor blocked in a TP collective (or Lightning's) fails too
             max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
             model_parallel=self.layout, stage_fn=self._stage_forward if self.pp > 1 else None,

@@ -148,12 +148,24 @@ class StageLinks:
         group: A ``torch.distributed`` process group object (default: the default group).
         send_gradients: Send the gradient of this stage's input to the previous
             stage (False when the previous stage runs forward only).
+        waiting: ``waiting(what)``, a context manager around each wait on a
+            neighbour (the engine's :meth:`~unicron_elastic.strategy.watch.GroupWatch.waiting`);
+            None: none.
     """
 
     previous: int | None
     next: int | None
     group: Any = None
     send_gradients: bool = True
+    waiting: Any = None
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for ``work`` (a receive or send) inside :attr:`waiting`."""
+        if self.waiting is None:
+            work.wait()
+            return
+        with self.waiting(what):
+            work.wait()
 
     @property
     def first(self) -> bool:
@@ -186,12 +198,12 @@ def _send(tensor: torch.Tensor, peer: int, group: Any, pending: list[Any]) -> No
     pending.append((header, payload))  # (kept alive until the sends completed)
 
 
-def _recv(peer: int, group: Any, device: torch.device) -> torch.Tensor:
+def _recv(peer: int, group: Any, device: torch.device, links: StageLinks) -> torch.Tensor:
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    group.recv([header], peer, 0).wait()
+    links.wait(group.recv([header], peer, 0), "pipeline_recv")
     ndim = int(header[1])
     tensor = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=_DTYPES[int(header[0])], device=device)
-    group.recv([tensor], peer, 0).wait()
+    links.wait(group.recv([tensor], peer, 0), "pipeline_recv")
     return tensor
 
 
@@ -228,7 +240,7 @@ def run_pipeline(forward: Callable[[int, torch.Tensor | None], torch.Tensor], sc
     pending: list[Any] = []
     for op in schedule:
         if op.kind == "F":
-            received = None if links.first else _recv(links.previous, group, device)
+            received = None if links.first else _recv(links.previous, group, device, links)
             if received is not None and wants_input_grad:
                 received.requires_grad_()
             with torch.set_grad_enabled(backward):  # forward only: no graph, no activations held
@@ -244,12 +256,12 @@ def run_pipeline(forward: Callable[[int, torch.Tensor | None], torch.Tensor], sc
             if links.last:
                 output.backward()
             else:
-                output.backward(_recv(links.next, group, device))
+                output.backward(_recv(links.next, group, device, links))
             if on_backward is not None:
                 on_backward(op.j)
             if received is not None and wants_input_grad:
                 _send(received.grad, links.previous, group, pending)
     for work in pending:
         if hasattr(work, "wait"):
-            work.wait()
+            links.wait(work, "pipeline_send")
     return [losses[j] for j in sorted(losses)]

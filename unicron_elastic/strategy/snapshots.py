@@ -7,11 +7,12 @@ Two tiers behind the replicas:
   (:mod:`~unicron_elastic.strategy.snapshot_writer`) sends it into the memory
   of an agent, not of any worker, so it survives the loss of every worker of
   the group (a store only this process reaches: a thread of its own).
-  Under ``unicron-run`` that agent is the one of the *next* live node
-  in ring order (GEMINI's placement, :func:`snapshot_targets`): each agent
+  Under ``unicron-run`` those agents are the ones of the *next two* live
+  nodes in ring order (GEMINI's placement, :func:`snapshot_targets`; the
+  other node when there are two): each agent
   hosts a snapshot server and publishes its address in the meeting store
-  (:class:`PeerServers`), so losing the writer's node loses the replica, not
-  the snapshot. Under plain ``torchrun`` it is torch's agent TCPStore (the
+  (:class:`PeerServers`), so losing any one node (dead or frozen) loses a
+  replica or a copy, never the only snapshot. Under plain ``torchrun`` it is torch's agent TCPStore (the
   rank-0 node's agent).
 * :class:`DiskCheckpoints`: every ``every`` steps the leader writes the state
   in a background thread (the step goes on) to ``<directory>/step-<s>.state``;
@@ -72,23 +73,30 @@ def newest_common_step(steps: Mapping[str, Iterable[int]], shards: Sequence[str]
     return max(common) if common else None
 
 
-def snapshot_targets(own_node: int, live_nodes: Sequence[int]) -> list[int]:
+def snapshot_targets(own_node: int, live_nodes: Sequence[int], copies: int = 2) -> list[int]:
     """The nodes whose agents hold the snapshot written on ``own_node`` (GEMINI's ring).
+
+    With three or more live nodes the snapshot has two holders, so it
+    survives the loss of any one node, the writer's or a holder's, even
+    while another holder is unreachable (frozen). With two nodes the other
+    one holds it: losing it leaves the writer, whose state is live; losing
+    the writer leaves the holder.
 
     Args:
         own_node: The writer's node (group rank).
         live_nodes: The nodes whose agents are alive (any order; may include ``own_node``).
+        copies: Holders wanted (at most the other live nodes).
 
     Returns:
-        The next live node after ``own_node`` in ring order (wrapping to the
-        lowest); ``[own_node]`` only when no other node is alive (then the
-        snapshot does not survive losing that node).
+        The next ``copies`` live nodes after ``own_node`` in ring order
+        (wrapping to the lowest); ``[own_node]`` only when no other node is
+        alive (then the snapshot does not survive losing that node).
     """
     others = sorted(set(live_nodes) - {own_node})
     if not others:
         return [own_node]
-    after = [node for node in others if node > own_node]
-    return [after[0] if after else others[0]]
+    ring = [node for node in others if node > own_node] + [node for node in others if node < own_node]
+    return ring[:max(1, copies)]
 
 
 class _OneStore:
@@ -179,7 +187,7 @@ class PeerServers:
         return found
 
     def targets(self) -> list[tuple[str, dist.Store]]:
-        """The server(s) the snapshot written on this node goes to: the next live node's.
+        """The servers the snapshot written on this node goes to: the next two live nodes' (:func:`snapshot_targets`).
 
         Raises:
             StoreError: etcd is unreachable.
@@ -391,11 +399,16 @@ def upload(places: _OneStore | PeerServers, document: bytes | memoryview, step: 
         RuntimeError: (and the other ``_UNREACHABLE`` errors) likewise.
     """
     targets = places.targets()
+    key = MeetingKeys.snapshot(shard, slot)
     for where, store in targets:
         try:
+            held = _held_step(store, key)  # the step is the fencing token: a writer frozen, then resumed
+            if held is not None and held > step:
+                log.warning("snapshot_stale_refused", where=where, step=step, held=held, shard=shard)
+                continue
             if shard is not None:  # the slot's step goes first and comes back last: a step listed is there
                 store.delete_key(MeetingKeys.snapshot_step(shard, slot))
-            _put(store, MeetingKeys.snapshot(shard, slot), document, f"{step}-{uuid.uuid4().hex[:12]}")
+            _put(store, key, document, f"{step}-{uuid.uuid4().hex[:12]}")
             if shard is not None:
                 store.set(MeetingKeys.snapshot_step(shard, slot), str(step))
         except _UNREACHABLE as exc:  # its host is gone: a later save may succeed
@@ -441,6 +454,21 @@ def _put(store: dist.Store, key: str, payload: bytes | memoryview, tag: str) -> 
     if previous is not None and previous["tag"] != tag:
         for index in range(previous["pieces"]):
             store.delete_key(MeetingKeys.snapshot_piece(key, previous["tag"], index))
+
+
+def _held_step(store: dist.Store, key: str) -> int | None:
+    """The step of the snapshot under ``key`` in ``store`` (from its head's tag), or None (none, malformed).
+
+    A writer never replaces a newer snapshot with an older one: a writer that
+    was frozen (its node stopped, then resumed after the group moved on) may
+    still hold an upload of an old step.
+
+    Raises:
+        RuntimeError: The store failed (its host is gone).
+    """
+    head = _old_head(store, key)
+    step = head["tag"].split("-", 1)[0] if head is not None else ""
+    return int(step) if step.isdigit() else None
 
 
 def _old_head(store: dist.Store, key: str) -> dict[str, Any] | None:

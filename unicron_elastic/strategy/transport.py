@@ -7,9 +7,13 @@ step's commit and the pipeline's point-to-point), and drops a broken one at
 once so that peers blocked on it fail within milliseconds. A
 :class:`CollectiveTransport` makes and aborts them for one backend:
 
-* :class:`GlooTransport` (CPU, the default; tested): ``ProcessGroupGloo``;
-  the engine releases a dropped one at once, whose destructor closes its
-  sockets (torch 2.13's ``abort()`` does not).
+* :class:`GlooTransport` (CPU, the default; tested): ``ProcessGroupGloo``.
+  gloo's ``abort()`` closes nothing, and its destructor waits for an
+  operation in flight (for its timeout when the peer froze), so the transport
+  shuts down the group's own connections itself (:meth:`GlooTransport.interrupt`):
+  operations in flight fail at once here and at every peer, and a peer that
+  was frozen and resumes finds its connections closed (it cannot complete a
+  collective with a group that moved on).
 * :class:`NcclTransport` (GPU): ``ProcessGroupNCCL`` whose communicators are
   aborted (``abort()``) when dropped, which fails this rank's pending
   operations. NCCL has no connection reset: a peer waiting on a dead or
@@ -22,15 +26,18 @@ once so that peers blocked on it fail within milliseconds. A
 
 from __future__ import annotations
 
+import os
+import socket
 from abc import ABC, abstractmethod
 from datetime import timedelta
 
-import os
-
+import structlog
 import torch
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
+
+log = structlog.get_logger(__name__)
 
 
 class CollectiveTransport(ABC):
@@ -58,6 +65,10 @@ class CollectiveTransport(ABC):
     def abort(self, pg: dist.ProcessGroup) -> None:
         """Abort ``pg``'s pending work (never raises); the engine then releases its last reference."""
 
+    def interrupt(self, pg: dist.ProcessGroup) -> None:
+        """Make ``pg``'s operations in flight fail now, from any thread (never raises): a peer stopped answering."""
+        self.abort(pg)
+
 
 class GlooTransport(CollectiveTransport):
     """gloo groups (CPU tensors; CUDA tensors are staged through host memory)."""
@@ -67,20 +78,74 @@ class GlooTransport(CollectiveTransport):
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         super().__init__(device)
 
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        super().__init__(device)
+        self._connections: dict[int, set[tuple[int, str]]] = {}  # id(pg) -> its sockets (fd, inode)
+
     def new_group(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        """A gloo group; the sockets it connects while it forms (its full mesh) are noted as its own."""
+        before = stream_sockets()
+        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._connections[id(pg)] = stream_sockets() - before
+        return pg
 
     def abort(self, pg: dist.ProcessGroup) -> None:
-        """Abort; the sockets close when the engine releases the group (its destructor).
+        """Shut the group's connections down (:meth:`interrupt`) and forget them; the engine releases the group."""
+        self.interrupt(pg)
+        self._connections.pop(id(pg), None)
 
-        ``ProcessGroupGloo.abort()`` does not close them (torch 2.13): a
-        survivor whose pending operation is with *this* rank stays blocked
-        until the group object is destroyed.
+    def interrupt(self, pg: dist.ProcessGroup) -> None:
+        """Shut down the group's connections: its operations in flight fail here and at every peer.
+
+        ``ProcessGroupGloo.abort()`` closes nothing (torch 2.13), and the
+        group's destructor waits for an operation in flight, which with a
+        frozen peer lasts until the group's timeout. A connection shut down
+        makes gloo fail that operation at once ("Connection closed by peer"),
+        here and at the peers, as a reset would. Only the group's own
+        connected sockets are touched (noted when it formed, and only while
+        the descriptor still names the same socket); its listening socket is
+        left alone (gloo's listener aborts the process on an error).
         """
+        for fd, inode in self._connections.get(id(pg), ()):
+            shut_down(fd, inode)
         try:
             pg.abort()
         except RuntimeError:
             pass
+
+
+def stream_sockets() -> set[tuple[int, str]]:
+    """This process's socket descriptors, as ``(fd, inode)`` (empty where ``/proc`` is not readable)."""
+    found = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (or the listing's own descriptor)
+            continue
+        if target.startswith("socket:"):
+            found.add((int(name), target))
+    return found
+
+
+def shut_down(fd: int, inode: str) -> None:
+    """Shut down the connected stream socket ``fd`` if it is still ``inode`` (never raises, never closes it)."""
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}") != inode:
+            return  # closed, and the number reused: not the group's any more
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected (any more)
+        pass
+    finally:
+        sock.detach()  # the descriptor stays gloo's
 
 
 def nccl_error_handling() -> None:

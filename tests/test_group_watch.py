@@ -1,0 +1,115 @@
+"""The engine's watch over its waits (in-process): report a wait, refresh it, give the group up once a member is gone.
+
+And the gloo transport's interrupt: a collective blocked on a peer that never
+answers (a frozen one: no reset) fails at once, here and at the peer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unicron_elastic.api import ConfigError
+from unicron_elastic.strategy.transport import GlooTransport
+from unicron_elastic.strategy.watch import GroupWatch, WatchTimes
+
+FAST = WatchTimes(report_after=0.05, refresh=0.05, check_after=0.1, poll=0.05)
+
+
+def _until(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_a_short_wait_is_not_reported_and_a_long_one_is_repeated_then_closed() -> None:
+    reports: list[bool] = []
+    watch = GroupWatch(reports.append, lambda: None, lambda reason: None, FAST)
+    try:
+        with watch.waiting("reduce"):
+            pass  # completes at once: nothing said
+        time.sleep(0.15)
+        assert reports == []
+        with watch.waiting("reduce"):
+            _until(lambda: len(reports) >= 3)  # said, and said again while it lasts
+        assert reports[:-1] == [True] * (len(reports) - 1) and reports[-1] is False
+        assert watch.interrupted == 0
+    finally:
+        watch.close()
+
+
+def test_a_member_gone_during_a_wait_interrupts_it_once_and_the_next_wait_is_watched_again() -> None:
+    gone: list[str] = []
+    interrupts: list[str] = []
+    released = threading.Event()
+
+    def interrupt(reason: str) -> None:
+        interrupts.append(reason)
+        released.set()
+
+    watch = GroupWatch(lambda waiting: None, lambda: gone[0] if gone else None, interrupt, FAST)
+    try:
+        with watch.waiting("reduce"):
+            time.sleep(0.3)
+            assert interrupts == []  # every member alive: the wait goes on
+            gone.append("member 2 gone")
+            assert released.wait(5)
+        assert interrupts == ["member 2 gone"] and watch.interrupted == 1
+        gone.clear()
+        with watch.waiting("commit"):
+            time.sleep(0.3)
+        assert watch.interrupted == 1
+    finally:
+        watch.close()
+
+
+def test_a_check_that_fails_leaves_the_wait_to_its_timeout() -> None:
+    def gone() -> str | None:
+        raise RuntimeError("etcd unreachable")
+
+    interrupts: list[str] = []
+    watch = GroupWatch(lambda waiting: None, gone, interrupts.append, FAST)
+    try:
+        with watch.waiting("reduce"):
+            time.sleep(0.3)
+        assert interrupts == []
+    finally:
+        watch.close()
+
+
+@pytest.mark.parametrize("field", ["report_after", "refresh", "check_after", "poll"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), 61, "1"])
+def test_watch_times_out_of_range_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        WatchTimes(**{field: value})
+
+
+def test_the_gloo_transport_interrupts_a_collective_blocked_on_a_silent_peer() -> None:
+    """Rank 1 never reaches the all-reduce (as if frozen): rank 0's wait fails within a second of the interrupt."""
+    store, transport = dist.HashStore(), GlooTransport()
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def make(rank: int) -> None:
+        groups[rank] = transport.new_group(dist.PrefixStore("g", store), rank, 2, timedelta(seconds=60))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    work = groups[0].allreduce([torch.ones(4)])
+    time.sleep(0.2)
+    assert not work.is_completed()
+    started = time.monotonic()
+    transport.interrupt(groups[0])
+    with pytest.raises(RuntimeError, match="Connection closed by peer|Connection reset|closed"):
+        work.wait()
+    assert time.monotonic() - started < 5
+    for rank in (0, 1):
+        transport.abort(groups.pop(rank))
