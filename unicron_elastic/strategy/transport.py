@@ -77,9 +77,6 @@ class GlooTransport(CollectiveTransport):
 
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         super().__init__(device)
-
-    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
-        super().__init__(device)
         self._connections: dict[int, set[tuple[int, str]]] = {}  # id(pg) -> its sockets (fd, inode)
 
     def new_group(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
