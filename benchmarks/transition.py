@@ -37,6 +37,16 @@ the launcher, the embedded etcd), sampled from ``/proc``.
 ``--breakdown`` adds one run of each under timers
 (``_step_breakdown.py``): where the step's time goes, part by part.
 
+``--only-hang``: the faults that do not kill, side by side with the kills
+that they mirror, alternated in one run (two launchers x 2 ranks, real etcd,
+default detectors, the elastic worker, rank 2 hit in its micro-batch of step
+6): "one rank killed" vs "one rank hung" (SIGSTOP: its agent finds it silent
+and restarts it, the others wait on it, saying so), and "node killed" vs
+"node frozen" (SIGSTOP of the launcher's whole tree: the survivors give it up
+when its lease expires). Each row: seconds from the fault to the survivors'
+completed step, and the stall beyond one step (target for a frozen node:
+node TTL + 1 s).
+
 ``--ab PART[,PART]``: what one part of the step costs, measured within one run:
 one TP=2 x DP=2 run per part and ``--tp-width`` with the part on in every other
 block of 5 steps (``_ab.py``), the two kinds of step side by side. Parts:
@@ -46,7 +56,7 @@ step's commit over every rank), ``fresh-buffer`` (a reduce buffer allocated
 afresh each step instead of the one the engine keeps).
 
     python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
-                                    [--only-tp [--breakdown]] [--ab sigterm,log,commit,fresh-buffer] [--tp-width 256,512] [--tp-layers 4]
+                                    [--only-hang] [--only-tp [--breakdown]] [--ab sigterm,log,commit,fresh-buffer] [--tp-width 256,512] [--tp-layers 4]
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -417,6 +428,8 @@ def main() -> None:
     parser.add_argument("--skip-torch", action="store_true", help="only the Lightning comparison")
     parser.add_argument("--only-node-lost", action="store_true", help="only the node-lost row")
     parser.add_argument("--only-tp", action="store_true", help="only the TP=2 x DP=2 overhead")
+    parser.add_argument("--only-hang", action="store_true",
+                        help="only the rows of a hung rank and a frozen node, beside a killed rank and node")
     parser.add_argument("--tp-width", type=_widths, default=[256, 512],
                         help="model width(s) of the TP comparison, comma-separated: one block each")
     parser.add_argument("--tp-layers", type=int, default=4)
@@ -439,6 +452,9 @@ def main() -> None:
         return
     if args.only_node_lost:
         print_node_lost(args.runs, args.width)
+        return
+    if args.only_hang:
+        print_hangs(args.runs, args.width)
         return
     if args.skip_torch:
         lightning(args.runs, args.gpt_width)
@@ -466,6 +482,7 @@ def main() -> None:
     print(f"plain all-reduce loop : {fb * 1e3:8.2f} ms")
     print(f"overhead              : {overhead:+8.1f} %  (torch level; the <= 2% target is for Lightning, below)")
     print_node_lost(args.runs, args.width)
+    print_hangs(args.runs, args.width)
     lightning(args.runs, args.gpt_width)
     for width in args.tp_width:
         tensor_parallel(args.runs, width, args.tp_layers)
@@ -526,6 +543,69 @@ def print_node_lost(runs: int, width: int) -> None:
         print(f"speed-up                                        : {b / a:8.1f}x   target >= 10x: "
               f"{'met' if b / a >= 10 else 'NOT met'}")
         print("per-run (unicron, restart-all) s:", [(round(x, 3), round(y, 3)) for x, y in pairs[name]])
+
+
+HANG_STEPS = 14  # the fault at step 6 comes after the hang detector's warmup (5 steps)
+HANG_ROWS = (  # name, the fault on rank 2, whether the bench then SIGKILLs its node
+    ("one rank killed", "kill", False), ("one rank hung", "stop", False),
+    ("node killed", "hang", True), ("node frozen", "stop_node", False),
+)
+
+
+def _hang_run(etcd: EmbeddedEtcd, width: int, kind: str, kill_node_after: bool) -> tuple[float, float]:
+    """Two unicron-run launchers x 2 ranks; rank 2 hit by ``kind`` mid-step 6. Returns (fault -> step done, step)."""
+    tmp = Path(tempfile.mkdtemp(prefix="unicron_hang_"))
+    run_id = tmp.name.replace("_", "-")
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+           "--nnodes=2", "--nproc-per-node=2", "--monitor-interval=0.05", f"--node-ttl={NODE_TTL}",
+           f"--rdzv-conf=cluster={run_id},{FAST_RDZV}", ELASTIC, "--steps", str(HANG_STEPS), "--width", str(width),
+           "--out", str(tmp), "--step-time", str(NODE_STEP_TIME)]
+    env = dict(_env(tmp, [fail_at(rank=2, step=KILL_STEP, micro_batch=2, kind=kind)]),
+               PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.pop("WORLD_SIZE")
+    nodes = [subprocess.Popen(cmd, env=env, stdout=(tmp / f"node{i}.log").open("w"), stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        log = tmp / "faults.log"
+        while not (log.exists() and log.read_text().strip()):
+            time.sleep(0.005)
+        pid = json.loads(log.read_text().splitlines()[0])["pid"]
+        victim = next(p for p in nodes if pid in process_tree(p.pid))
+        survivor = next(p for p in nodes if p is not victim)
+        if kill_node_after:
+            kill_node(victim.pid)
+        survivor.wait(timeout=240)
+        steps = json.loads((tmp / "rank0.json").read_text())
+        return next_completed(steps, _kill_time(tmp)), step_time(steps)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                kill_node(p.pid, signal.SIGCONT)
+                kill_node(p.pid)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def print_hangs(runs: int, width: int) -> None:
+    """The rows of faults that do not kill beside the kills they mirror, alternated, median of ``runs``."""
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in HANG_ROWS}
+    etcd = EmbeddedEtcd().start()
+    try:
+        for _ in range(runs):
+            for name, kind, kill_after in HANG_ROWS:
+                results[name].append(_hang_run(etcd, width, kind, kill_after))
+    finally:
+        etcd.stop()
+    print(f"\n== ranks and nodes that stop answering vs die (2 launchers x 2 ranks, rank 2 hit mid-step "
+          f"{KILL_STEP}, default detectors, node TTL {NODE_TTL} s), median of {runs} ==")
+    print(f"{'fault':<17}{'fault -> step done':>20}{'stall beyond one step':>24}")
+    for name, _, _ in HANG_ROWS:
+        done = statistics.median(r[0] for r in results[name])
+        beyond = statistics.median(r[0] - r[1] for r in results[name])
+        target = f"   target <= TTL + 1 = {NODE_TTL + 1} s: {'met' if done <= NODE_TTL + 1 else 'NOT met'}" \
+            if name.startswith("node") else ""
+        print(f"{name:<17}{done:>18.3f} s{beyond:>22.3f} s{target}")
+    print("per-run (fault -> step done, step) s:",
+          {name: [(round(a, 3), round(b, 3)) for a, b in results[name]] for name in results})
 
 
 if __name__ == "__main__":
