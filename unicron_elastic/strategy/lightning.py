@@ -791,7 +791,13 @@ class UnicronMegatronStrategy(DDPStrategy):
 
         Each shard's file (``<filepath>/tp<t>-pp<p>.ckpt``) is written by that
         shard's rank of the first member replica (every replica holds the same).
+        A rank that is no member writes nothing: one that found training over
+        when it came back (a restarted rank, a frozen node resumed after the
+        group moved on) holds no trained state, and its launch rank may be 0.
         """
+        if self.finished_before_join:
+            log.info("checkpoint_not_written", reason="not a member: training finished before this rank joined")
+            return
         if self.layout.size == 1:
             super().save_checkpoint(checkpoint, filepath, storage_options)
         elif not self._local_only and self.env.global_rank() < self.layout.size:

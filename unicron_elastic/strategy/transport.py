@@ -16,11 +16,13 @@ once so that peers blocked on it fail within milliseconds. A
   collective with a group that moved on).
 * :class:`NcclTransport` (GPU): ``ProcessGroupNCCL`` whose communicators are
   aborted (``abort()``) when dropped, which fails this rank's pending
-  operations. NCCL has no connection reset: a peer waiting on a dead or
-  dropped rank fails only at its collective ``timeout``, as an error rather
-  than a killed process (:func:`nccl_error_handling`: blocking wait, no
-  asynchronous error handling), so on GPU a failure is found within the
-  collective timeout, not within milliseconds. The state a replica sends is
+  operations. NCCL has no connection reset: a peer waiting on a dead, dropped
+  or frozen rank fails when its engine's watch sees that member's liveness
+  key gone (:mod:`~unicron_elastic.strategy.watch`: the agent deleted it, or
+  the node's lease expired) and aborts its communicators (:meth:`interrupt`),
+  else at its collective ``timeout``; as an error rather than a killed
+  process (:func:`nccl_error_handling`: blocking wait, no asynchronous error
+  handling). The state a replica sends is
   staged on the GPU. **Untested**: no GPU was available to this project's sessions.
 """
 
