@@ -330,6 +330,16 @@ def test_disk_checkpoints_round_trip_and_keep_the_newest(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002.state", "step-00000003.state"]
 
 
+def test_a_stale_checkpoint_writer_never_marks_an_older_step_latest(tmp_path: Path) -> None:
+    """A writer frozen with an old step and resumed after the group wrote a newer one: the step fences it."""
+    new, stale = DiskCheckpoints(tmp_path, every=1, keep=3), DiskCheckpoints(tmp_path, every=1, keep=3)
+    new.save(7, {"model": {"w": torch.ones(2)}, "step": 7})
+    new.wait()
+    stale.save(5, {"model": {"w": torch.zeros(2)}, "step": 5})
+    stale.wait()
+    assert new.latest_step() == 7 and same(new.load(), {"model": {"w": torch.ones(2)}, "step": 7})
+
+
 def _engines(store: dist.Store, **kwargs: Any) -> ElasticDataParallel:
     torch.manual_seed(kwargs.pop("seed", 0))
     model = torch.nn.Linear(4, 2)

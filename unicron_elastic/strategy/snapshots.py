@@ -604,6 +604,13 @@ class DiskCheckpoints:
             for step_saved in sorted(files)[: -self.keep]:
                 files[step_saved].unlink(missing_ok=True)
             return
+        try:
+            newest = self.latest_step()
+        except StateDecodingError:  # a malformed ``latest`` is replaced
+            newest = None
+        if newest is not None and newest > step:  # a writer resumed after a freeze: the step fences it
+            log.warning("checkpoint_stale_not_marked", step=step, latest=newest, path=str(path))
+            return
         tmp = self.directory / "latest.tmp"
         tmp.write_text(json.dumps({"step": step, "path": path.name}))
         os.replace(tmp, self.directory / "latest")
