@@ -173,6 +173,17 @@ def snapshots_saved(output: str) -> dict[str | None, set[int]]:
     return saved
 
 
+def resumed_from_newest_snapshot(output: str, step: int | None) -> bool:
+    """Whether ``step`` is a step every shard's snapshot landed for, and none newer landed before the first rejoin.
+
+    The log lines of different processes reach the launcher's output in no guaranteed order, so a
+    snapshot's ``snapshot_saved`` line may follow the ``rank_rejoined`` of a rank that resumed from it.
+    """
+    saved = snapshots_saved(output)
+    landed = set.intersection(*saved.values()) if saved else set()
+    return step in landed and step >= (newest_snapshot(output) or 0)
+
+
 def newest_snapshot(output: str) -> int | None:
     """The newest step every shard's snapshot landed for before the first rank rejoined (what it resumed from)."""
     saved = snapshots_saved(output.split("rank_rejoined", 1)[0])
