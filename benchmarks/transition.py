@@ -135,16 +135,9 @@ def _two_nodes(etcd: EmbeddedEtcd, tmp: Path, launcher: list[str], script: str, 
     cmd = [*launcher, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--nnodes=1:2",
            "--nproc-per-node=2", "--monitor-interval=0.05", f"--rdzv-conf={conf}",
            script, "--steps", str(STEPS), "--width", str(width), "--out", str(tmp), "--step-time", str(NODE_STEP_TIME)]
-    env = dict(_env(tmp, [NODE_FAULT]), PATH=BIN + os.pathsep + os.environ["PATH"])
-    env.pop("WORLD_SIZE")
-    nodes = [subprocess.Popen(cmd, env=env, stdout=(tmp / f"node{i}.log").open("w"), stderr=subprocess.STDOUT)
-             for i in range(2)]
+    nodes = _start_nodes(tmp, cmd, NODE_FAULT)
     try:
-        log = tmp / "faults.log"
-        while not (log.exists() and log.read_text().strip()):
-            time.sleep(0.005)
-        pid = json.loads(log.read_text().splitlines()[0])["pid"]
-        victim = next(p for p in nodes if pid in process_tree(p.pid))
+        victim = _victim(tmp, nodes)
         kill_node(victim.pid)
         killed = time.time()
         for p in nodes:
@@ -155,6 +148,23 @@ def _two_nodes(etcd: EmbeddedEtcd, tmp: Path, launcher: list[str], script: str, 
         for p in nodes:
             if p.poll() is None:
                 kill_node(p.pid)
+
+
+def _start_nodes(tmp: Path, cmd: list[str], fault) -> list[subprocess.Popen]:
+    """Two launchers running ``cmd`` with ``fault``, logging to ``TMP/node<i>.log``."""
+    env = dict(_env(tmp, [fault]), PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.pop("WORLD_SIZE")
+    return [subprocess.Popen(cmd, env=env, stdout=(tmp / f"node{i}.log").open("w"), stderr=subprocess.STDOUT)
+            for i in range(2)]
+
+
+def _victim(tmp: Path, nodes: list[subprocess.Popen]) -> subprocess.Popen:
+    """The launcher of the rank whose fault fired (waits for it)."""
+    log = tmp / "faults.log"
+    while not (log.exists() and log.read_text().strip()):
+        time.sleep(0.005)
+    pid = json.loads(log.read_text().splitlines()[0])["pid"]
+    return next(p for p in nodes if pid in process_tree(p.pid))
 
 
 def node_lost(etcd: EmbeddedEtcd, width: int, rdzv: str) -> tuple[float, float]:
@@ -560,17 +570,9 @@ def _hang_run(etcd: EmbeddedEtcd, width: int, kind: str, kill_node_after: bool) 
            "--nnodes=2", "--nproc-per-node=2", "--monitor-interval=0.05", f"--node-ttl={NODE_TTL}",
            f"--rdzv-conf=cluster={run_id},{FAST_RDZV}", ELASTIC, "--steps", str(HANG_STEPS), "--width", str(width),
            "--out", str(tmp), "--step-time", str(NODE_STEP_TIME)]
-    env = dict(_env(tmp, [fail_at(rank=2, step=KILL_STEP, micro_batch=2, kind=kind)]),
-               PATH=BIN + os.pathsep + os.environ["PATH"])
-    env.pop("WORLD_SIZE")
-    nodes = [subprocess.Popen(cmd, env=env, stdout=(tmp / f"node{i}.log").open("w"), stderr=subprocess.STDOUT)
-             for i in range(2)]
+    nodes = _start_nodes(tmp, cmd, fail_at(rank=2, step=KILL_STEP, micro_batch=2, kind=kind))
     try:
-        log = tmp / "faults.log"
-        while not (log.exists() and log.read_text().strip()):
-            time.sleep(0.005)
-        pid = json.loads(log.read_text().splitlines()[0])["pid"]
-        victim = next(p for p in nodes if pid in process_tree(p.pid))
+        victim = _victim(tmp, nodes)
         survivor = next(p for p in nodes if p is not victim)
         if kill_node_after:
             kill_node(victim.pid)

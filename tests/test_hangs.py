@@ -119,6 +119,16 @@ def _finish(launchers: list[subprocess.Popen], timeout: float = 180) -> list[int
     return codes
 
 
+def _through_the_fault(out: Path, launchers: list[subprocess.Popen]) -> tuple[set[int], list[int | None]]:
+    """The processes running when the fault fired, and every launcher's exit code once the run ended."""
+    try:
+        _wait(lambda: _fired(out), launchers, "the fault")
+        before = _workers(launchers)
+    finally:
+        codes = _finish(launchers)
+    return before, codes
+
+
 def _log(out: Path) -> str:
     return "".join(path.read_text() for path in sorted(out.glob("node*.log")))
 
@@ -160,11 +170,7 @@ def test_a_hung_worker_alone_is_restarted_and_rejoins_from_a_replica(tmp_path: P
     """One node, 3 ranks; rank 2 SIGSTOPped in its micro-batch: its agent restarts it, the others wait, saying so."""
     launchers = _start(tmp_path, [fail_at(rank=2, step=FAULT_STEP, micro_batch=5, kind="stop")], 1, 3, None, "h",
                        *HOLD)
-    try:
-        _wait(lambda: _fired(tmp_path), launchers, "the fault")
-        before = _workers(launchers)
-    finally:
-        codes = _finish(launchers)
+    before, codes = _through_the_fault(tmp_path, launchers)
     assert codes == [0], _log(tmp_path)[-4000:]
     assert_survivors(tmp_path, [0, 1], before, baseline)
     assert [e["rank"] for e in _events(tmp_path, "error_event") if e["kind"] == "task_hang"] == [2]
@@ -179,11 +185,7 @@ def test_a_hung_worker_alone_is_restarted_and_rejoins_from_a_replica(tmp_path: P
 def test_a_hung_worker_of_a_two_node_job_alone_is_restarted(etcd: EmbeddedEtcd, tmp_path: Path, baseline) -> None:
     launchers = _start(tmp_path, [fail_at(rank=3, step=FAULT_STEP, bucket=0, kind="stop")], 2, 2, etcd, "h2",
                        *HOLD)
-    try:
-        _wait(lambda: _fired(tmp_path), launchers, "the fault")
-        before = _workers(launchers)
-    finally:
-        codes = _finish(launchers)
+    before, codes = _through_the_fault(tmp_path, launchers)
     assert codes == [0, 0], _log(tmp_path)[-4000:]
     assert_survivors(tmp_path, [0, 1, 2], before, baseline)
     assert [e["rank"] for e in _events(tmp_path, "worker_restarted")] == [3]
