@@ -402,13 +402,14 @@ def upload(places: _OneStore | PeerServers, document: bytes | memoryview, step: 
     key = MeetingKeys.snapshot(shard, slot)
     for where, store in targets:
         try:
-            held = _held_step(store, key)  # the step is the fencing token: a writer frozen, then resumed
+            previous = _old_head(store, key)
+            held = _head_step(previous)  # the step is the fencing token: a writer frozen, then resumed
             if held is not None and held > step:
                 log.warning("snapshot_stale_refused", where=where, step=step, held=held, shard=shard)
                 continue
             if shard is not None:  # the slot's step goes first and comes back last: a step listed is there
                 store.delete_key(MeetingKeys.snapshot_step(shard, slot))
-            _put(store, key, document, f"{step}-{uuid.uuid4().hex[:12]}")
+            _put(store, key, document, f"{step}-{uuid.uuid4().hex[:12]}", previous)
             if shard is not None:
                 store.set(MeetingKeys.snapshot_step(shard, slot), str(step))
         except _UNREACHABLE as exc:  # its host is gone: a later save may succeed
@@ -434,19 +435,19 @@ def _read_step(where: str, store: dist.Store, shard: str, slot: int) -> int | No
         return None
 
 
-def _put(store: dist.Store, key: str, payload: bytes | memoryview, tag: str) -> None:
+def _put(store: dist.Store, key: str, payload: bytes | memoryview, tag: str,
+         previous: dict[str, Any] | None) -> None:
     """Write ``payload`` under ``key`` in pieces of at most :data:`PIECE_BYTES` bytes.
 
     The pieces go first (under ``tag``, unique to this upload), then the head
-    ``key`` naming them, which replaces the previous head in one write; the
-    previous upload's pieces are deleted last. A reader sees the old snapshot
-    or the new one, never a mix.
+    ``key`` naming them, which replaces the ``previous`` head (:func:`_old_head`)
+    in one write; the previous upload's pieces are deleted last. A reader sees
+    the old snapshot or the new one, never a mix.
 
     Raises:
         RuntimeError: The store failed (its host is gone): the caller warns.
     """
     count = max(1, -(-len(payload) // PIECE_BYTES))
-    previous = _old_head(store, key)
     for index in range(count):
         piece = payload[index * PIECE_BYTES:(index + 1) * PIECE_BYTES]
         store.set(MeetingKeys.snapshot_piece(key, tag, index), bytes(piece))  # (a view of the writer's buffer: copied)
@@ -456,17 +457,13 @@ def _put(store: dist.Store, key: str, payload: bytes | memoryview, tag: str) -> 
             store.delete_key(MeetingKeys.snapshot_piece(key, previous["tag"], index))
 
 
-def _held_step(store: dist.Store, key: str) -> int | None:
-    """The step of the snapshot under ``key`` in ``store`` (from its head's tag), or None (none, malformed).
+def _head_step(head: dict[str, Any] | None) -> int | None:
+    """The step of the snapshot a head names (from its tag), or None (no head, or a tag without one).
 
     A writer never replaces a newer snapshot with an older one: a writer that
     was frozen (its node stopped, then resumed after the group moved on) may
     still hold an upload of an old step.
-
-    Raises:
-        RuntimeError: The store failed (its host is gone).
     """
-    head = _old_head(store, key)
     step = head["tag"].split("-", 1)[0] if head is not None else ""
     return int(step) if step.isdigit() else None
 
