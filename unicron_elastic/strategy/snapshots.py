@@ -442,7 +442,8 @@ def _put(store: dist.Store, key: str, payload: bytes | memoryview, tag: str,
     The pieces go first (under ``tag``, unique to this upload), then the head
     ``key`` naming them, which replaces the ``previous`` head (:func:`_old_head`)
     in one write; the previous upload's pieces are deleted last. A reader sees
-    the old snapshot or the new one, never a mix.
+    the old snapshot or the new one, never a mix. It returns once the store
+    has the new head (another client reads it from then on).
 
     Raises:
         RuntimeError: The store failed (its host is gone): the caller warns.
@@ -452,6 +453,8 @@ def _put(store: dist.Store, key: str, payload: bytes | memoryview, tag: str,
         piece = payload[index * PIECE_BYTES:(index + 1) * PIECE_BYTES]
         store.set(MeetingKeys.snapshot_piece(key, tag, index), bytes(piece))  # (a view of the writer's buffer: copied)
     store.set(key, json.dumps({"pieces": count, "bytes": len(payload), "tag": tag}))
+    if not store.check([key]):  # (a set is not answered: this round trip is; the server has it all once it answers)
+        raise RuntimeError(f"the snapshot head {key!r} was not stored")
     if previous is not None and previous["tag"] != tag:
         for index in range(previous["pieces"]):
             store.delete_key(MeetingKeys.snapshot_piece(key, previous["tag"], index))
