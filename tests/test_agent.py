@@ -7,7 +7,6 @@ the event (severity, kind) and the action taken.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -75,6 +74,7 @@ def actions(r: Run) -> list[tuple[str, int]]:
     return [(a["action"], a["rank"]) for a in r.of("agent_action")]
 
 
+@pytest.mark.compat
 @pytest.mark.timeout(120)
 def test_sev2_process_exit_restarts_only_the_failed_rank(tmp_path: Path) -> None:
     r = run(tmp_path, [fail_at(rank=1, step=8, kind="kill")])
@@ -244,14 +244,6 @@ def test_node_loss_is_published_as_sev1_by_a_peer(etcd: EmbeddedEtcd, tmp_path: 
     event = found[0]
     assert event["severity"] == "SEV1" and event["node"] == victim.rsplit("/", 1)[-1]
     assert event["detected_at"] - killed_at <= 2 * 1 + 0.5  # <= 2 x lease TTL (+ watch slack)
-
-
-def test_torch_private_fields_used_by_per_rank_restart_exist() -> None:
-    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
-
-    source = inspect.getsource(SubprocessContext)
-    for name in ("subprocess_handlers", "_running_local_ranks", "_failures", "_numa_options"):
-        assert f"self.{name}" in source, name
 
 
 @pytest.mark.e2e

@@ -168,10 +168,14 @@ def _training(out: Path, nproc: int) -> bool:
 
 
 def _signal_cases() -> list:
-    """Every signal x world x phase; the default tier runs SIGTERM to a training job of 2 (the rest: -m e2e)."""
+    """Every signal x world x phase; the default tier runs SIGTERM to a training job of 2 (the rest: -m e2e).
+
+    The compat selection runs SIGTERM and SIGINT (Ctrl-C) to a training job of 2.
+    """
     return [pytest.param(sig, nproc, phase, repeat, id=f"{sig.name}-{nproc}-{phase}-{repeat}",
-                         marks=() if (sig, nproc, phase, repeat) == (signal.SIGTERM, 2, "training", 0)
-                         else pytest.mark.e2e)
+                         marks=(() if (sig, nproc, phase, repeat) == (signal.SIGTERM, 2, "training", 0)
+                                else (pytest.mark.e2e,))
+                         + ((pytest.mark.compat,) if (nproc, phase, repeat) == (2, "training", 0) else ()))
             for sig in (signal.SIGINT, signal.SIGTERM) for nproc in (1, 2) for phase in ("rendezvous", "training")
             for repeat in range(REPEAT)]
 
@@ -229,6 +233,7 @@ def test_a_second_signal_does_not_break_off_the_stop(tmp_path: Path, job_tmp: Pa
     assert "stop_signal_ignored" in text and "worker_restarted" not in text, text[-3000:]
 
 
+@pytest.mark.compat
 @pytest.mark.e2e
 @pytest.mark.timeout(90)
 def test_stop_takes_no_longer_than_the_shutdown_timeout(tmp_path: Path, job_tmp: Path,
@@ -426,16 +431,6 @@ def test_embedded_etcd_started_from_a_thread_outlives_the_thread() -> None:
             assert store.healthy()
     finally:
         server.stop()
-
-
-def test_torch_signal_handler_name_replaced_by_the_agent_exists() -> None:
-    """``_torch_compat.use_signal_handler`` replaces the handler torch registers when workers start."""
-    import inspect
-
-    from torch.distributed.elastic.multiprocessing import api
-
-    assert callable(api._terminate_process_handler)
-    assert "signal.signal(sig, _terminate_process_handler)" in inspect.getsource(api.PContext.start)
 
 
 # -- item 11: one clear line, exit 2 -----------------------------------------------------------

@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser
 
-from unicron_elastic.agent import UnicronAgent
+from unicron_elastic.agent import UnicronAgent, _torch_compat
 from unicron_elastic.agent.agent import (
     ALL_DETECTORS,
     AgentConfig,
@@ -62,6 +62,7 @@ def get_parser() -> argparse.ArgumentParser:
         "--standalone starts a private etcd for the run."
     )
     parser.set_defaults(rdzv_backend="unicron")
+    _torch_compat.add_shutdown_timeout_flag(parser)  # (torch's own from 2.12)
     group = parser.add_argument_group("unicron agent")
     group.add_argument("--detectors", default=",".join(ALL_DETECTORS),
                        help="comma-separated detectors to run (default: %(default)s)")
@@ -112,7 +113,8 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
 
 
 def launch(
-    config: LaunchConfig, entrypoint: Any, args: list[str], agent: AgentConfig | None = None
+    config: LaunchConfig, entrypoint: Any, args: list[str], agent: AgentConfig | None = None,
+    shutdown_timeout: int | None = None,
 ) -> dict[int, Any]:
     """Run one node's agent until the job ends.
 
@@ -120,6 +122,10 @@ def launch(
         config: The launch configuration (from torchrun's ``config_from_args``).
         entrypoint: Script path or callable of the workers.
         args: Arguments of the entrypoint.
+        agent: unicron's agent settings (defaults if None).
+        shutdown_timeout: Seconds the workers get between the stop signal and
+            SIGKILL (None: ``config``'s where this torch has it, else
+            ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30).
 
     Returns:
         The workers' return values by global rank; empty when the run had
@@ -130,7 +136,10 @@ def launch(
         ChildFailedError: A worker failed and the agent gave up.
         NodeGaveUp: A SEV1 failure: this node leaves (the rendezvous stays open
             for the others).
+        ConfigError: The shutdown timeout is negative or its variable not a number.
     """
+    if shutdown_timeout is None:
+        shutdown_timeout = _torch_compat.shutdown_timeout(config, argparse.Namespace())
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
         log.warning("no_run_id_generated", run_id=config.run_id)
@@ -155,11 +164,7 @@ def launch(
         master_addr=master_addr,
         master_port=master_port,
         local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
+        **_torch_compat.worker_spec_options(config),
     )
     elastic_agent = UnicronAgent(
         spec=spec,
@@ -167,7 +172,7 @@ def launch(
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
+        shutdown_timeout=shutdown_timeout,
     )
     shutdown_rdzv = True
     try:  # from here on the agent's temp dir exists: close() removes it, whatever happens
@@ -231,7 +236,7 @@ def _run(args: argparse.Namespace, unicron: AgentConfig) -> None:
             config, cmd, cmd_args = config_from_args(args)
         except ValueError as exc:  # torchrun's own flag checks (--nnodes, --nproc-per-node ...)
             raise ConfigError(f"bad torchrun flag: {exc}") from None
-        launch(config, cmd, cmd_args, unicron)
+        launch(config, cmd, cmd_args, unicron, _torch_compat.shutdown_timeout(config, args))
     finally:
         begin_shutdown()  # a second signal must not break off the clean-up
         if etcd is not None:

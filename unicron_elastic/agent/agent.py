@@ -259,8 +259,12 @@ def make_detectors(config: AgentConfig, pm: Any = None) -> list[Detector]:
 class UnicronAgent(LocalElasticAgent):
     """The agent ``unicron-run`` builds (``LocalElasticAgent`` arguments plus ``config``)."""
 
-    def __init__(self, *args: Any, config: AgentConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, config: AgentConfig | None = None,
+                 shutdown_timeout: int = _torch_compat.DEFAULT_SHUTDOWN_TIMEOUT_S, **kwargs: Any) -> None:
+        if _torch_compat.agent_takes_shutdown_timeout():
+            kwargs["shutdown_timeout"] = shutdown_timeout
         super().__init__(*args, **kwargs)
+        self.shutdown_timeout = shutdown_timeout  # every stop of the workers, a restart's included (_shutdown)
         self.config = config or AgentConfig()
         self.node = self.config.node
         self.generation = 0
@@ -411,16 +415,24 @@ class UnicronAgent(LocalElasticAgent):
         finally:
             self._restarting = False
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int | None = None) -> None:
         """Stop the workers; unless for a restart, stop for good first (never respawn again).
 
         torch calls this from ``run()`` on a signal (``death_sig`` is that
         signal) and on any error or the end of the run, and from
-        :meth:`_stop_workers` before a restart of the group.
+        :meth:`_stop_workers` before a restart of the group; torch before 2.12
+        passes no ``timeout``. The workers get :attr:`shutdown_timeout` seconds
+        after ``death_sig`` whatever the release (torch's own ``_shutdown`` is
+        left the rest of its clean-up: its watchdog and health-check server).
         """
         if not self._restarting:
             self._close_for_good()
-        super()._shutdown(death_sig, timeout)
+        pcontext, self._pcontext = self._pcontext, None
+        try:
+            super()._shutdown(death_sig)  # (no workers to stop: they are ours to stop)
+        finally:
+            self._pcontext = pcontext
+        _torch_compat.stop_workers(pcontext, death_sig, self.shutdown_timeout if timeout is None else timeout)
 
     def _close_for_good(self) -> None:
         """Under the lock: no detection acts and no worker is respawned from now on.
@@ -823,7 +835,7 @@ class UnicronAgent(LocalElasticAgent):
         self._close_for_good()
         if self._dir is None:
             return
-        deadline = time.monotonic() + max(2.0, float(self._shutdown_timeout or 0))
+        deadline = time.monotonic() + max(2.0, float(self.shutdown_timeout))
         if self._meeting is not None:  # revoking the lease may wait on an unreachable etcd: bounded too
             self._bounded(self._meeting.close, "meeting", deadline)
             self._meeting = None
