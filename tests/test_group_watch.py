@@ -90,6 +90,7 @@ def test_watch_times_out_of_range_are_refused(field: str, value: object) -> None
         WatchTimes(**{field: value})
 
 
+@pytest.mark.compat
 def test_the_gloo_transport_interrupts_a_collective_blocked_on_a_silent_peer() -> None:
     """Rank 1 never reaches the all-reduce (as if frozen): rank 0's wait fails within a second of the interrupt."""
     store, transport = dist.HashStore(), GlooTransport()

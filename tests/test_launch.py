@@ -96,6 +96,7 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.compat
 @pytest.mark.timeout(90)
 def test_unicron_run_standalone_needs_no_etcd_and_leaves_none_behind(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"

@@ -137,6 +137,7 @@ def test_the_dataloaders_workers_load_the_micro_batches_and_a_kill_keeps_the_tra
         assert len(here) == done["on_demand"] * 4  # 4 samples per micro-batch, loaded by the rank itself
 
 
+@pytest.mark.compat
 @pytest.mark.timeout(300)
 def test_restarted_rank_rejoins_with_state_from_a_replica(tmp_path: Path, baseline) -> None:
     proc = launch(tmp_path, [fail_at(rank=2, step=1, micro_batch=5)], step_time=1.5)

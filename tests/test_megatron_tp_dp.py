@@ -65,6 +65,7 @@ def run(tmp_path: Path, failure_free, tp: int, pp: int, victim: int, fault: Faul
     return reports
 
 
+@pytest.mark.compat
 @pytest.mark.matrix  # (the Lightning tests cover TP2xDP2; this one runs with -m matrix)
 @pytest.mark.timeout(400)
 def test_tp2_killing_one_rank_loses_its_replica_and_the_other_replica_finishes(tmp_path: Path, failure_free) -> None:

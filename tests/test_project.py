@@ -22,7 +22,7 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_them() -> None:
     assert len(commands) == 2, commands
     ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
     assert ci[:2] == commands  # the README's commands first: the default tier ...
-    assert ci[2:] == ['python -m pytest -m "e2e and not matrix"']  # ... then the e2e tier
+    assert ci[2:] == ["bash .ci/compat", 'python -m pytest -m "e2e and not matrix"']  # ... compat, e2e
 
 
 def test_the_readme_names_each_test_tier_with_its_command() -> None:
@@ -47,6 +47,24 @@ def test_every_module_the_architecture_page_names_exists() -> None:
     named = set(re.findall(r"unicron_elastic/[A-Za-z0-9_/]+\.py", text))
     assert named, "docs/architecture.md names no module"
     assert sorted(p for p in named if not (ROOT / p).exists()) == []
+
+
+def test_the_compat_environment_installs_each_dependency_at_the_lower_bound_pyproject_states() -> None:
+    import tomllib  # (the test tools' Python: 3.11+)
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = dict(line.split("==") for line in (ROOT / "constraints-oldest.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    for dependency in map(Requirement, project["dependencies"]):
+        lower = next(Version(s.version) for s in dependency.specifier if s.operator == ">=")
+        pinned = Version(pins[dependency.name])
+        assert pinned.release[:len(lower.release)] == lower.release, (dependency, pinned)  # the bound itself
+        assert dependency.specifier.contains(pinned), (dependency, pinned)
+    oldest_python = Version(project["requires-python"].removeprefix(">="))
+    assert f"python{oldest_python}" in (ROOT / ".ci/compat").read_text()
 
 
 def test_constraints_pin_cpu_torch() -> None:

@@ -25,6 +25,7 @@ from unicron_elastic.store import StatusStore
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.keys import MeetingKeys
 
+pytestmark = pytest.mark.compat  # the backend contract and the handler's use of torch's rendezvous internals
 
 @pytest.fixture()
 def backend(store: StatusStore) -> UnicronRendezvousBackend:
