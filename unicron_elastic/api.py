@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 V = TypeVar("V")
 
@@ -130,13 +130,19 @@ def finite_positive(
     return number
 
 
+_DEFAULT_HOST, _DEFAULT_PORT = "127.0.0.1", 2379
+
+
 @dataclass(frozen=True)
 class EtcdConfig:
     """How to reach the etcd cluster that holds unicron's shared state.
 
     Attributes:
-        host: Host name or address of one etcd member.
+        host: Host name or address of the first etcd member.
         port: Client port of that member.
+        members: Every member's ``(host, port)``, in the order they are tried
+            (empty: the one member ``host``/``port``; else ``host``/``port``
+            are its first). A client that loses its member moves on to the next.
         cluster: Name of the unicron cluster; every key lives under
             ``/unicron/<cluster>/``.
         request_timeout: Seconds one gRPC request may take (> 0, at most
@@ -155,8 +161,8 @@ class EtcdConfig:
             included); the message names it.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 2379
+    host: str = _DEFAULT_HOST
+    port: int = _DEFAULT_PORT
     cluster: str = "default"
     request_timeout: float = 5.0
     reconnect_timeout: float = 30.0
@@ -165,11 +171,23 @@ class EtcdConfig:
     cert_cert: str | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    members: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.host:
-            raise ConfigError("etcd host must not be empty")
-        object.__setattr__(self, "port", finite_positive("etcd port", self.port, 65535, integer=True))
+        members = tuple(self.members) or ((self.host, self.port),)
+        if self.members and (self.host, self.port) not in ((_DEFAULT_HOST, _DEFAULT_PORT), tuple(members[0])):
+            raise ConfigError(f"etcd host:port {member_endpoint(self.host, self.port)} is not the first of "
+                              f"the members {_join(members)}: give the members alone")
+        checked = []
+        for host, port in members:  # (a list of lists when it was read back from JSON)
+            if not host:
+                raise ConfigError("etcd host must not be empty")
+            checked.append((str(host), finite_positive(f"etcd port of {host}", port, 65535, integer=True)))
+        if len(set(checked)) != len(checked):
+            raise ConfigError(f"etcd members {_join(checked)} name a member twice")
+        object.__setattr__(self, "members", tuple(checked))
+        object.__setattr__(self, "host", checked[0][0])
+        object.__setattr__(self, "port", checked[0][1])
         if not self.cluster or "/" in self.cluster:
             raise ConfigError(f"cluster name {self.cluster!r} must be non-empty and contain no '/'")
         request = finite_positive("request_timeout", self.request_timeout)
@@ -183,5 +201,14 @@ class EtcdConfig:
 
     @property
     def endpoint(self) -> str:
-        """The ``host:port`` string of the configured member."""
-        return f"{self.host}:{self.port}"
+        """The members as ``etcdctl --endpoints`` writes them: ``host:port[,host:port...]``."""
+        return _join(self.members)
+
+
+def member_endpoint(host: str, port: int) -> str:
+    """``host:port`` (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _join(members: Any) -> str:
+    return ",".join(member_endpoint(host, port) for host, port in members)

@@ -113,7 +113,7 @@ def add_etcd_options(parser: argparse.ArgumentParser, timeout: float = 5.0) -> N
         timeout: Default of ``--timeout``: 5 s for one-shot commands, longer for daemons,
             which must ride out an etcd restart.
     """
-    parser.add_argument("--endpoint", required=True, help="etcd HOST:PORT (the --rdzv-endpoint)")
+    parser.add_argument("--endpoint", required=True, help="etcd members, HOST:PORT[,HOST:PORT...] (the --rdzv-endpoint)")
     parser.add_argument("--cluster", default="default")
     parser.add_argument("--ca-cert", default=None, help="CA certificate file; enables TLS")
     parser.add_argument("--cert", default=None, help="client certificate file for mutual TLS (with --key)")
@@ -133,13 +133,13 @@ def etcd_config(args: argparse.Namespace):
         ConfigError: --cert without --key (or the reverse), a bad endpoint, a password problem.
     """
     from unicron_elastic.api import EtcdConfig
-    from unicron_elastic.rendezvous.options import etcd_password, parse_endpoint
+    from unicron_elastic.rendezvous.options import etcd_password, parse_endpoints
 
     if (args.cert is None) != (args.key is None):
         raise ConfigError("--cert and --key must be given together")
-    host, port = parse_endpoint(args.endpoint)
+    members = parse_endpoints(args.endpoint, flag="--endpoint")
     password = etcd_password(args.user, None, args.password_file, names=_STATUS_PASSWORD_NAMES)
-    return EtcdConfig(host=host, port=port, cluster=args.cluster, reconnect_timeout=args.timeout,
+    return EtcdConfig(members=members, cluster=args.cluster, reconnect_timeout=args.timeout,
                       ca_cert=args.ca_cert, cert_cert=args.cert, cert_key=args.key, user=args.user, password=password)
 
 

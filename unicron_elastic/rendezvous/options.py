@@ -158,15 +158,42 @@ def _seconds(values: dict[str, Any], key: str) -> timedelta | None:
     return timedelta(seconds=values[key]) if key in values else None
 
 
-def parse_endpoint(endpoint: str, default_port: int = 2379) -> tuple[str, int]:
+def parse_endpoints(endpoints: str, flag: str = "--rdzv-endpoint") -> tuple[tuple[str, int], ...]:
+    """Split a comma-separated list of etcd members, ``HOST[:PORT][,HOST[:PORT]...]`` (as ``etcdctl --endpoints``).
+
+    Args:
+        endpoints: The list (one member is a list of one).
+        flag: The option or variable it came from, for errors.
+
+    Returns:
+        Each member's ``(host, port)``, in the order given.
+
+    Raises:
+        ConfigError: The list is empty, an entry is empty or malformed, or a
+            member is named twice; the message names the entry.
+    """
+    entries = [entry.strip() for entry in (endpoints or "").split(",")]
+    if entries == [""]:
+        raise ConfigError(f"{flag} must name the etcd members as HOST:PORT[,HOST:PORT...]")
+    members = []
+    for entry in entries:
+        if not entry:
+            raise ConfigError(f"{flag} {endpoints!r}: an empty entry in the list")
+        members.append(parse_endpoint(entry, flag=flag))
+    if len(set(members)) != len(members):
+        raise ConfigError(f"{flag} {endpoints!r}: a member is named twice")
+    return tuple(members)
+
+
+def parse_endpoint(endpoint: str, default_port: int = 2379, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
     """Split ``HOST[:PORT]`` (IPv6 in brackets) into host and port.
 
     Raises:
-        ConfigError: The endpoint is empty or its port is not a number.
+        ConfigError: The endpoint is empty or malformed, or its port is not a number.
     """
     endpoint = (endpoint or "").strip()
     if not endpoint:
-        raise ConfigError("--rdzv-endpoint must name the etcd server as HOST:PORT")
+        raise ConfigError(f"{flag} must name the etcd server as HOST:PORT")
     if endpoint.startswith("["):
         host, _, rest = endpoint[1:].partition("]")
         port_text = rest.lstrip(":")
@@ -174,12 +201,14 @@ def parse_endpoint(endpoint: str, default_port: int = 2379) -> tuple[str, int]:
         host, port_text = endpoint.split(":")
     else:
         host, port_text = endpoint, ""
+    if not host or any(c.isspace() or c in "/,@" for c in host):
+        raise ConfigError(f"{flag} {endpoint!r}: not HOST[:PORT]")
     if not port_text:
         return host, default_port
     try:
         return host, int(port_text)
     except ValueError:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port_text!r} is not a number") from None
+        raise ConfigError(f"{flag} {endpoint!r}: port {port_text!r} is not a number") from None
 
 
 _TLS_FILE_KEYS = ("ca_cert", "cert_key", "cert_cert")
@@ -205,7 +234,7 @@ def parse_options(endpoint: str, run_id: str, config: dict[str, Any]) -> Backend
     """Validate the rendezvous parameters of the unicron backend.
 
     Args:
-        endpoint: ``--rdzv-endpoint`` (etcd ``HOST[:PORT]``).
+        endpoint: ``--rdzv-endpoint`` (etcd members, ``HOST[:PORT][,HOST[:PORT]...]``).
         run_id: ``--rdzv-id``.
         config: ``RendezvousParameters.config`` (``--rdzv-conf`` plus keys
             torchrun adds itself).
@@ -229,10 +258,8 @@ def parse_options(endpoint: str, run_id: str, config: dict[str, Any]) -> Backend
     for key in _INT_KEYS:
         if key in config:
             values[key] = _number(key, config[key], int)
-    host, port = parse_endpoint(endpoint)
     etcd = EtcdConfig(
-        host=host,
-        port=port,
+        members=parse_endpoints(endpoint),
         cluster=str(config.get("cluster", "default")),
         request_timeout=values.get("request_timeout", 5.0),
         reconnect_timeout=values.get("reconnect_timeout", 30.0),

@@ -39,11 +39,12 @@ def patch_watch_module() -> bool:
     return True
 
 
-def new_client(config: EtcdConfig) -> etcd3.Etcd3Client:
-    """Build a fresh etcd v3 client for ``config``.
+def new_client(config: EtcdConfig, member: int = 0) -> etcd3.Etcd3Client:
+    """Build a fresh etcd v3 client for one member of ``config``.
 
     Args:
         config: Where and how to connect.
+        member: The index of the member in ``config.members``.
 
     Returns:
         A new client with its own gRPC channel.
@@ -52,10 +53,11 @@ def new_client(config: EtcdConfig) -> etcd3.Etcd3Client:
         ConfigError: A TLS file (``ca_cert``, ``cert_key``, ``cert_cert``)
             cannot be read; retrying would not help.
     """
+    host, port = config.members[member]
     try:
         client = etcd3.client(
-            host=config.host,
-            port=config.port,
+            host=host,
+            port=port,
             ca_cert=config.ca_cert,
             cert_key=config.cert_key,
             cert_cert=config.cert_cert,

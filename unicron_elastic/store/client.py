@@ -41,11 +41,17 @@ from unicron_elastic.api import (
     MalformedValueError,
     StoreError,
     StoreUnavailableError,
+    member_endpoint,
 )
 from unicron_elastic.store import _etcd3_compat
 from unicron_elastic.store.keys import Keys
 
 log = structlog.get_logger(__name__)
+
+#: Seconds a request may take on a member the store just moved to, until one succeeds there. A
+#: request that reached a member while the cluster elects a new leader (the old one was lost) is
+#: dropped by etcd and answered only at etcd's request timeout: it is tried again instead.
+FAILOVER_REQUEST_TIMEOUT_S = 1.0
 
 T = TypeVar("T")
 
@@ -158,6 +164,8 @@ class StatusStore:
         self.keys = Keys(config.cluster)
         self._lock = threading.Lock()
         self._client: etcd3.Etcd3Client | None = None
+        self._member = 0  # the index in config.members of the member clients are built for
+        self._moved = False  # moved to another member and no request succeeded there yet
         self._closed = False
         self._outage_since: float | None = None  # monotonic time of the first failure
 
@@ -167,7 +175,9 @@ class StatusStore:
             if self._closed:
                 raise StoreError("the status store is closed")
             if self._client is None:
-                self._client = _etcd3_compat.new_client(self.config)
+                self._client = _etcd3_compat.new_client(self.config, self._member)
+                if self._moved:
+                    self._client.timeout = min(self.config.request_timeout, FAILOVER_REQUEST_TIMEOUT_S)
             return self._client
 
     def _is_current(self, client: etcd3.Etcd3Client) -> bool:
@@ -175,19 +185,45 @@ class StatusStore:
             return self._client is client
 
     def _drop_client(self, client: etcd3.Etcd3Client) -> None:
-        """Forget and close ``client`` if it is still the shared one.
+        """Forget and close ``client`` if it is still the shared one; the next one is for the next member.
 
         A client another thread already dropped was closed by that thread; the
         current client (maybe a fresh one other threads use) is left alone.
+        With several members, the next client is built for the next one in
+        ``config.members`` (``etcd_failover``, logged once per move).
         """
         with self._lock:
             if self._client is not client:
                 return
             self._client = None
+            moved = self._move_on()
+        if moved is not None:
+            log.warning("etcd_failover", **moved)
         try:
             client.close()
         except Exception:  # noqa: BLE001 - closing a broken channel may fail too
             pass
+
+    def _move_on(self) -> dict[str, str] | None:
+        """Under the lock: the next member (None with one member); the move, for the log."""
+        members = self.config.members
+        if len(members) == 1:
+            return None
+        before, self._member = self._member, (self._member + 1) % len(members)
+        self._moved = True
+        return {"from_member": member_endpoint(*members[before]), "to_member": member_endpoint(*members[self._member])}
+
+    def _settled(self, client: etcd3.Etcd3Client) -> None:
+        """A request succeeded on the member moved to: its requests get the full timeout again."""
+        with self._lock:
+            if self._client is client and self._moved:
+                self._moved = False
+                client.timeout = self.config.request_timeout
+
+    @property
+    def member(self) -> str:
+        """The member this store's requests go to now (``host:port``)."""
+        return member_endpoint(*self.config.members[self._member])
 
     def _note_failure(self, what: str) -> None:
         with self._lock:
@@ -209,8 +245,8 @@ class StatusStore:
         log.info("etcd_reconnected", endpoint=self.config.endpoint, outage_s=round(time.monotonic() - since, 3))
 
     def new_client(self) -> etcd3.Etcd3Client:
-        """Return a new client of the caller's own (for long-lived watches)."""
-        return _etcd3_compat.new_client(self.config)
+        """Return a new client of the caller's own (for long-lived watches), for the member in use."""
+        return _etcd3_compat.new_client(self.config, self._member)
 
     def call(self, op: Callable[[etcd3.Etcd3Client], T], what: str = "request", patience: float | None = None) -> T:
         """Run ``op(client)``, reconnecting on connection errors.
@@ -259,11 +295,15 @@ class StatusStore:
                 if not connection:
                     continue  # stale client: retry at once on the current one
                 if client is not None:
-                    self._drop_client(client)
+                    self._drop_client(client)  # (the next client is for the next member)
+                if attempt < len(self.config.members):
+                    continue  # another member may answer: at once, and no outage yet
                 self._note_failure(what)
                 time.sleep(min(delay, max(0.0, deadline - now)))
                 delay = min(delay * 2, 1.0)
             else:
+                if self._moved:
+                    self._settled(client)
                 self._note_success(started)
                 return result
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from unicron_elastic.api import EtcdBinaryNotFoundError, EtcdConfig, EtcdStartError
+from unicron_elastic.api import ConfigError, EtcdBinaryNotFoundError, EtcdConfig, EtcdStartError
 from unicron_elastic.store.client import StatusStore
 
 log = structlog.get_logger(__name__)
@@ -147,12 +147,15 @@ class EmbeddedEtcd:
     Args:
         cluster: unicron cluster name for :attr:`config`.
         startup_timeout: Seconds to wait for the server to answer.
+        name: The member's name (``--name``).
     """
 
-    def __init__(self, cluster: str = "default", startup_timeout: float = 20.0) -> None:
+    def __init__(self, cluster: str = "default", startup_timeout: float = 20.0, name: str = "unicron") -> None:
         self.binary = find_etcd_binary()
         self.cluster = cluster
         self.startup_timeout = startup_timeout
+        self.name = name
+        self.initial_cluster: str | None = None  # the members' name=peer list (None: this member alone)
         self.client_port = free_port()
         self.peer_port = free_port()
         self.data_dir: str | None = None
@@ -171,18 +174,23 @@ class EmbeddedEtcd:
         """``127.0.0.1:<port>``."""
         return f"127.0.0.1:{self.client_port}"
 
+    @property
+    def peer(self) -> str:
+        """``<name>=http://127.0.0.1:<peer port>``, this member's entry in an initial cluster."""
+        return f"{self.name}=http://127.0.0.1:{self.peer_port}"
+
     def _command(self) -> list[str]:
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         return [
             self.binary,
-            "--name", "unicron",
+            "--name", self.name,
             "--data-dir", str(self.data_dir),
             "--listen-client-urls", client,
             "--advertise-client-urls", client,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"unicron={peer}",
+            "--initial-cluster", self.initial_cluster or self.peer,
             "--heartbeat-interval", "100",  # (etcd wants the election timeout >= 5 heartbeats)
             "--election-timeout", "500",
             # A private server whose data is thrown away at exit: no fsync. With it, a disk busy with
@@ -233,6 +241,11 @@ class EmbeddedEtcd:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> EmbeddedEtcd:
+        self.launch()
+        return self.wait_healthy()
+
+    def launch(self) -> None:
+        """Start the process and its guard, not waiting for it (a cluster's members wait together)."""
         if self.data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="unicron-etcd-")
         atexit.register(self.stop)
@@ -243,6 +256,18 @@ class EmbeddedEtcd:
             env=etcd_environment(os.environ),
         )
         self._start_guard()
+
+    def wait_healthy(self) -> EmbeddedEtcd:
+        """Wait until the server answers (a member of a cluster: once the cluster has a quorum).
+
+        Returns:
+            self.
+
+        Raises:
+            EtcdStartError: It exited, or did not answer within the start-up timeout.
+        """
+        assert self.proc is not None and self.data_dir is not None
+        log_path = Path(self.data_dir).parent / (Path(self.data_dir).name + ".log")
         probe = StatusStore(self.config)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -315,6 +340,84 @@ class EmbeddedEtcd:
 
     def __enter__(self) -> EmbeddedEtcd:
         return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedEtcdCluster:
+    """Several etcd members on loopback forming one cluster, for local use and tests (``unicron etcd --members``).
+
+    Each member is an :class:`EmbeddedEtcd` (its own ports, data dir and
+    guard: it dies with its owner). They start together, since a member
+    answers only once the cluster has a quorum; :attr:`config` lists them all.
+
+    Args:
+        members: How many members (1 or more; 3 or 5 as etcd recommends).
+        cluster: unicron cluster name for :attr:`config`.
+        startup_timeout: Seconds to wait for the cluster to answer.
+
+    Raises:
+        ConfigError: ``members`` is below 1.
+    """
+
+    def __init__(self, members: int = 3, cluster: str = "default", startup_timeout: float = 20.0) -> None:
+        if members < 1:
+            raise ConfigError(f"an etcd cluster needs at least one member, not {members}")
+        self.cluster = cluster
+        self.members = [EmbeddedEtcd(cluster, startup_timeout, name=f"unicron{i}") for i in range(members)]
+
+    @property
+    def config(self) -> EtcdConfig:
+        """How to reach the cluster: every member, in order."""
+        return EtcdConfig(members=tuple(("127.0.0.1", m.client_port) for m in self.members), cluster=self.cluster)
+
+    @property
+    def endpoint(self) -> str:
+        """The members' ``host:port`` list, comma-separated (as ``--rdzv-endpoint`` takes it)."""
+        return self.config.endpoint
+
+    def start(self) -> EmbeddedEtcdCluster:
+        """Start every member (fresh ports for all when one was taken meanwhile) and wait for the quorum.
+
+        Returns:
+            self.
+
+        Raises:
+            EtcdStartError: A member exited or the cluster did not answer in time.
+        """
+        try:
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                try:
+                    return self._start_once()
+                except _PortTaken as exc:
+                    if attempt == PORT_ATTEMPTS:
+                        raise EtcdStartError(str(exc)) from None
+                    log.warning("embedded_etcd_port_taken", attempt=attempt)
+                    self.stop()
+                    for member in self.members:
+                        member.client_port, member.peer_port = free_port(), free_port()
+            raise AssertionError("unreachable")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_once(self) -> EmbeddedEtcdCluster:
+        initial = ",".join(member.peer for member in self.members)
+        for member in self.members:
+            member.initial_cluster = initial
+            member.launch()
+        for member in self.members:
+            member.wait_healthy()
+        return self
+
+    def stop(self) -> None:
+        """Stop every member and delete their data."""
+        for member in self.members:
+            member.stop()
+
+    def __enter__(self) -> EmbeddedEtcdCluster:
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -1,0 +1,86 @@
+"""The store on an etcd cluster: endpoint lists, and a client that moves to another member when its own is lost.
+
+A real three-member etcd on loopback (``EmbeddedEtcdCluster``); a member is
+lost by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+import unicron_elastic.store.client as client_module
+from conftest import events_named
+from unicron_elastic.api import ConfigError, EtcdConfig
+from unicron_elastic.meeting import decode_meeting, encode_meeting
+from unicron_elastic.rendezvous.options import parse_endpoints, parse_options
+from unicron_elastic.store.client import StatusStore
+from unicron_elastic.store.embedded import EmbeddedEtcdCluster
+from unicron_elastic.store.lease import KeptLease
+
+
+@pytest.mark.parametrize(("text", "members"), [
+    ("127.0.0.1:2379", (("127.0.0.1", 2379),)),
+    ("a:1,b:2, c:3", (("a", 1), ("b", 2), ("c", 3))),
+    ("etcd-0,[::1]:2381", (("etcd-0", 2379), ("::1", 2381))),
+])
+def test_an_endpoint_list_names_every_member_in_order(text: str, members: tuple) -> None:
+    assert parse_endpoints(text) == members
+    config = parse_options(text, "run", {}).etcd
+    assert config.members == members and (config.host, config.port) == members[0]
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("", "must name the etcd members"), ("a:1,,b:2", "an empty entry"), ("a:1,b:x", "'b:x': port 'x'"),
+    ("a:1,a:1", "a member is named twice"), ("a:1,http://b:2", "'http://b:2': not HOST[:PORT]"),
+])
+def test_a_malformed_endpoint_list_is_one_error_naming_the_entry(text: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=named.replace("[", r"\[")):
+        parse_endpoints(text, flag="--endpoint")
+
+
+def test_the_members_travel_to_the_workers_and_a_host_beside_them_is_refused() -> None:
+    config = EtcdConfig(members=(("10.0.0.1", 2379), ("::1", 2381)), cluster="c")
+    assert config.endpoint == "10.0.0.1:2379,[::1]:2381"
+    assert decode_meeting(encode_meeting(config, "/p/"))[0] == config
+    with pytest.raises(ConfigError, match="give the members alone"):
+        replace(config, host="10.0.0.9")
+
+
+@pytest.fixture()
+def etcd_cluster():
+    with EmbeddedEtcdCluster(3, cluster="failover") as cluster:
+        yield cluster
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lost", ["the member in use", "another member"])
+def test_losing_a_member_costs_a_request_at_most_a_second_and_the_lease_lives_on(etcd_cluster, capture_log,
+                                                                                 lost: str) -> None:
+    captured = capture_log(client_module)
+    store = StatusStore(etcd_cluster.config)
+    lapsed: list[bool] = []
+    lease = KeptLease(store, 2, on_lost=lambda: lapsed.append(True))
+    try:
+        store.put("/k", "before")
+        in_use = store.member
+        victim = next(m for m in etcd_cluster.members if (m.endpoint == in_use) == (lost == "the member in use"))
+        victim.proc.kill()
+        victim.proc.wait()
+        started = time.monotonic()
+        store.put("/k", "after")
+        assert time.monotonic() - started < 1.0 + 0.5  # a leader election at most (FAILOVER_REQUEST_TIMEOUT_S)
+        assert store.get("/k").value == b"after"
+        moves = events_named(captured, "etcd_failover")
+        if lost == "the member in use":
+            assert moves and moves[0]["from_member"] == in_use and store.member != victim.endpoint
+        else:
+            assert moves == [] and store.member == in_use
+        time.sleep(3)  # past the lease's TTL
+        assert lapsed == [] and store.call(lambda c: c.get_lease_info(lease.id).TTL, "lease") > 0
+        assert events_named(captured, "etcd_unreachable_retrying") == []  # a failover is not an outage
+    finally:
+        lease.close()
+        store.close()
