@@ -6,6 +6,7 @@ lost by SIGKILL.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -84,3 +85,33 @@ def test_losing_a_member_costs_a_request_at_most_a_second_and_the_lease_lives_on
     finally:
         lease.close()
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_unicron_etcd_runs_a_three_member_cluster_and_stops_it_whole() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from unicron_elastic.testing import process_tree
+
+    proc = subprocess.Popen([sys.executable, "-m", "unicron_elastic.cli", "etcd", "--members", "3", "--cluster", "c3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("etcd ready: --rdzv-endpoint="), proc.stderr.read()[-2000:]
+        config = parse_options(line.split("=", 1)[1].strip(), "run", {"cluster": "c3"}).etcd
+        assert len(config.members) == 3
+        tree = process_tree(proc.pid)
+        with StatusStore(config) as store:
+            store.put("/k", "v")
+            for index in range(3):  # every member answers for the cluster
+                alone = replace(config, members=(config.members[index],), host="127.0.0.1", port=config.members[index][1])
+                with StatusStore(alone) as one:
+                    assert one.get("/k").value == b"v"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert [pid for pid in tree if pid != proc.pid and os.path.exists(f"/proc/{pid}")] == []
+    finally:
+        proc.kill()
+        proc.wait()

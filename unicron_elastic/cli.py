@@ -17,18 +17,31 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
 
     The handlers are installed before etcd starts, so a signal during start-up
     stops it too; if this process is killed outright, etcd dies with it (see
-    :class:`~unicron_elastic.store.embedded.EmbeddedEtcd`).
+    :class:`~unicron_elastic.store.embedded.EmbeddedEtcd`). With ``--members N``
+    (N > 1) it runs an N-member cluster: a member that exits is reported, and
+    the command ends (exit code 1) once the cluster lost its quorum.
+
+    Raises:
+        ConfigError: ``--members`` is below 1.
     """
-    from unicron_elastic.store.embedded import EmbeddedEtcd
+    from unicron_elastic.store.embedded import EmbeddedEtcd, EmbeddedEtcdCluster
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
-    with EmbeddedEtcd(cluster=args.cluster) as etcd:
+    single = args.members == 1
+    etcd = EmbeddedEtcd(cluster=args.cluster) if single else EmbeddedEtcdCluster(args.members, cluster=args.cluster)
+    members = [etcd] if single else etcd.members
+    with etcd:
         print(f"etcd ready: --rdzv-endpoint={etcd.endpoint}", flush=True)
+        reported: set[str] = set()
         while not stop.wait(0.5):
-            if etcd.proc is not None and etcd.proc.poll() is not None:
-                print("etcd exited", file=sys.stderr)
+            exited = [m.endpoint for m in members if m.proc is not None and m.proc.poll() is not None]
+            for endpoint in sorted(set(exited) - reported):
+                print(f"etcd member {endpoint} exited", file=sys.stderr)
+            reported.update(exited)
+            if len(exited) > (len(members) - 1) // 2:  # no quorum left
+                print("etcd exited" if single else "the etcd cluster lost its quorum", file=sys.stderr)
                 return 1
     return 0
 
@@ -260,8 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unicron", description=__doc__)
     parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     sub = parser.add_subparsers(dest="command", required=True)
-    etcd = sub.add_parser("etcd", help="run a private etcd on a free loopback port until Ctrl-C")
+    etcd = sub.add_parser("etcd", help="run a private etcd on free loopback ports until Ctrl-C")
     etcd.add_argument("--cluster", default="default")
+    etcd.add_argument("--members", type=_bounded(9, integer=True), default=1,
+                      help="etcd members to run as one cluster (default 1; 3 or 5 to survive losing 1 or 2)")
     etcd.set_defaults(func=_cmd_etcd)
     status = sub.add_parser("status", help="nodes, tasks, the plan and recent error events of a cluster, from etcd")
     add_etcd_options(status)
