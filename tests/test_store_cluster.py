@@ -115,3 +115,26 @@ def test_unicron_etcd_runs_a_three_member_cluster_and_stops_it_whole() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_watch_whose_member_is_lost_resumes_on_another_and_misses_nothing(etcd_cluster) -> None:
+    from conftest import wait_for
+    from unicron_elastic.store.watch import PrefixWatch
+
+    store = StatusStore(etcd_cluster.config)
+    seen: list[str] = []
+    watch = PrefixWatch(store, "/w/", lambda event: seen.append(event.value.decode()))
+    try:
+        store.put("/w/a", "1")
+        wait_for(lambda: seen == ["1"], deadline_s=10, why="the watch saw nothing")
+        victim = next(m for m in etcd_cluster.members if m.endpoint == store.member)
+        victim.proc.kill()
+        victim.proc.wait()
+        for value in "234":
+            store.put("/w/a", value)
+        wait_for(lambda: seen == ["1", "2", "3", "4"], deadline_s=10, why=f"the watch saw {seen}")
+        assert watch.reconnects >= 1
+    finally:
+        watch.cancel()
+        store.close()

@@ -244,9 +244,19 @@ class StatusStore:
             self._outage_since = None
         log.info("etcd_reconnected", endpoint=self.config.endpoint, outage_s=round(time.monotonic() - since, 3))
 
-    def new_client(self) -> etcd3.Etcd3Client:
-        """Return a new client of the caller's own (for long-lived watches), for the member in use."""
-        return _etcd3_compat.new_client(self.config, self._member)
+    def new_client(self, member: int | None = None) -> etcd3.Etcd3Client:
+        """Return a new client of the caller's own (for long-lived watches).
+
+        Args:
+            member: The index in ``config.members`` of the member to connect
+                to (default: the one this store's requests go to now).
+        """
+        return _etcd3_compat.new_client(self.config, self._member if member is None else member)
+
+    @property
+    def member_index(self) -> int:
+        """The index in ``config.members`` of the member this store's requests go to now."""
+        return self._member
 
     def call(self, op: Callable[[etcd3.Etcd3Client], T], what: str = "request", patience: float | None = None) -> T:
         """Run ``op(client)``, reconnecting on connection errors.

@@ -36,9 +36,10 @@ class PrefixWatch:
     """Calls ``callback`` for every change under ``prefix``, across reconnects.
 
     The watch owns its own client. When its stream ends (etcd restarted or
-    unreachable) it builds a new client and resumes from the revision after the
-    last event it delivered, so no change is lost or delivered twice (unless
-    etcd compacted those revisions meanwhile, which is logged).
+    unreachable) it builds a new client, for the next member of the cluster,
+    and resumes from the revision after the last event it delivered, so no
+    change is lost or delivered twice (unless etcd compacted those revisions
+    meanwhile, which is logged).
 
     Args:
         store: The status store (for configuration and fresh clients).
@@ -62,8 +63,13 @@ class PrefixWatch:
         self._cancelled = False
         self._client = None
         self._watch_id = None
+        self._member = store.member_index
         self.reconnects = 0
         self._subscribe()
+
+    def _next_member(self) -> None:
+        """Move to the next member of the cluster (a watch is a stream: it stays on one member while it lasts)."""
+        self._member = (self._member + 1) % len(self._store.config.members)
 
     def _subscribe(self) -> None:
         delay = 0.05
@@ -72,12 +78,13 @@ class PrefixWatch:
                 if self._cancelled:
                     return
                 start = self._next_revision
-            client = self._store.new_client()
+            client = self._store.new_client(self._member)
             try:
                 watch_id = client.add_watch_prefix_callback(self.prefix, self._on_response, start_revision=start)
             except Exception as exc:  # noqa: BLE001 - etcd down: retry below
                 client.close()
                 log.debug("watch_subscribe_retry", prefix=self.prefix, error=type(exc).__name__)
+                self._next_member()
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -111,6 +118,7 @@ class PrefixWatch:
                 return
             old, self._client = self._client, None
         self.reconnects += 1
+        self._next_member()
         log.warning("watch_stream_ended", prefix=self.prefix, error=repr(error), resume_at=self._next_revision)
         # The old client's watch thread is the caller; close it from elsewhere.
         if old is not None:
