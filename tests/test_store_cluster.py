@@ -13,13 +13,14 @@ from dataclasses import replace
 import pytest
 
 import unicron_elastic.store.client as client_module
-from conftest import events_named
+from conftest import BIN, EXAMPLES, events_named, wait_for
 from unicron_elastic.api import ConfigError, EtcdConfig
 from unicron_elastic.meeting import decode_meeting, encode_meeting
 from unicron_elastic.rendezvous.options import parse_endpoints, parse_options
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.embedded import EmbeddedEtcdCluster
 from unicron_elastic.store.lease import KeptLease
+from unicron_elastic.testing import kill_node, run_workers
 
 
 @pytest.mark.parametrize(("text", "members"), [
@@ -119,7 +120,6 @@ def test_unicron_etcd_runs_a_three_member_cluster_and_stops_it_whole() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_watch_whose_member_is_lost_resumes_on_another_and_misses_nothing(etcd_cluster) -> None:
-    from conftest import wait_for
     from unicron_elastic.store.watch import PrefixWatch
 
     store = StatusStore(etcd_cluster.config)
@@ -137,4 +137,204 @@ def test_a_watch_whose_member_is_lost_resumes_on_another_and_misses_nothing(etcd
         assert watch.reconnects >= 1
     finally:
         watch.cancel()
+        store.close()
+
+
+# -- a training job on the cluster ---------------------------------------------------------------------------
+WORKER = os.path.join(EXAMPLES, "elastic_dp_worker.py")
+STEPS, PER_NODE = 24, 2
+COMMON = ["--steps", str(STEPS), "--grad-dtype", "float64", "--bucket-numel", "64"]
+
+
+@pytest.fixture(scope="module")
+def baseline(failure_free) -> list:
+    import torch
+
+    def reference_run(out):
+        results = run_workers(WORKER, 2 * PER_NODE, [*COMMON, "--out", str(out)], timeout=120)
+        assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-2000:]
+        return torch.load(out / "params0.pt")
+
+    return failure_free("test_store_cluster.baseline", reference_run)
+
+
+def _progress(out, ranks: int) -> list[int]:
+    return [int((out / f"progress{r}").read_text()) if (out / f"progress{r}").exists() else -1 for r in range(ranks)]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_job_trains_on_while_the_member_its_launchers_use_is_lost(etcd_cluster, tmp_path, baseline) -> None:
+    import json
+    import subprocess
+
+    import torch
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd_cluster.endpoint}", "--rdzv-id=on-a-cluster",
+           "--nnodes=2", f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.05", "--log-format=json",
+           "--rdzv-conf=cluster=failover,keep_alive_interval=1,keep_alive_max_attempt=2",
+           WORKER, *COMMON, "--step-time", "0.25", "--progress", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    launchers = [subprocess.Popen(cmd, stdout=(out / f"node{i}.log").open("w"), stderr=subprocess.STDOUT, env=env)
+                 for i in range(2)]
+    try:
+        wait_for(lambda: min(_progress(out, 4)) >= 2 or any(p.poll() is not None for p in launchers),
+                 deadline_s=120, why="training never started")
+        assert all(p.poll() is None for p in launchers), (out / "node0.log").read_text()[-3000:]
+        first = etcd_cluster.members[0]  # the member every launcher and worker starts on
+        first.proc.kill()
+        first.proc.wait()
+        at_loss = max(_progress(out, 4))
+        codes = [p.wait(timeout=200) for p in launchers]
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                kill_node(p.pid)
+    logs = "\n".join((out / f"node{i}.log").read_text() for i in range(2))
+    assert codes == [0, 0], logs[-4000:]
+    assert at_loss < STEPS - 1, "the member was lost after training ended"
+    assert "etcd_failover" in logs
+    for absent in ("worker_restarted", '"severity": "SEV1"', "node_lost", "lease_lost"):
+        assert absent not in logs, (absent, logs[-4000:])
+    for r in range(4):
+        steps = json.loads((out / f"rank{r}.json").read_text())
+        assert [s["step"] for s in steps] == list(range(STEPS)) and all(not s["dead"] for s in steps)
+        assert all(torch.equal(a, b) for a, b in zip(torch.load(out / f"params{r}.pt"), baseline)), f"rank {r}"
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_leader_keeps_deciding_and_stays_fenced_across_the_loss_of_a_member(etcd_cluster) -> None:
+    import json
+
+    from test_coordinator import CONFIG, TABLE_A, register, spec_doc
+    from unicron_elastic.api import NotLeaderError
+    from unicron_elastic.coordinator.service import Coordinator, read_plan
+
+    stores = [StatusStore(etcd_cluster.config) for _ in range(3)]  # the leader's, the standby's, the operator's
+    store = stores[2]
+    leader = Coordinator(stores[0], CONFIG, ttl=2, candidate="first", alert=lambda a: None)
+    standby = Coordinator(stores[1], CONFIG, ttl=2, candidate="second", alert=lambda a: None)
+    leases = [register(store, "n0"), register(store, "n1")]
+    try:
+        token = leader.election.campaign(10)
+        leader.load()
+        store.put(store.keys.task_spec("a"), json.dumps(spec_doc("a", 1.0, TABLE_A)))
+        assert leader.step() is not None and set(read_plan(store).tasks) == {"a"}
+        lost = etcd_cluster.members[0]  # every store starts on it
+        lost.proc.kill()
+        lost.proc.wait()
+        store.put(store.keys.task_spec("b"), json.dumps(spec_doc("b", 1.0, TABLE_A)))  # submitted after the loss
+        decision = leader.step()
+        assert decision is not None and set(read_plan(store).tasks) == {"a", "b"}
+        with pytest.raises(TimeoutError):  # the leader's lease lives on: nobody else is elected ...
+            standby.election.campaign(3)
+        standby.load()
+        with pytest.raises(NotLeaderError):  # ... and a standby's write is refused by the fence
+            standby.execute(decision, 0)
+        assert leader.election.token == token and json.loads(store.get(store.keys.coordinator_state()).value)[
+            "leader"] == "first"
+    finally:
+        for lease in leases:
+            lease.close()
+        leader.election.resign()
+        for s in stores:
+            s.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_node_lost_during_the_failover_is_detected_within_its_ttl_plus_the_failover(etcd_cluster,
+                                                                                      tmp_path) -> None:
+    import json
+    import subprocess
+
+    from unicron_elastic.store.client import FAILOVER_REQUEST_TIMEOUT_S
+
+    ttl = 1
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    conf = "--rdzv-conf=cluster=failover,keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd_cluster.endpoint}", "--rdzv-id=lost-during",
+           "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", f"--node-ttl={ttl}", conf, "--log-format=json",
+           os.path.join(EXAMPLES, "resilient_worker.py"), "--steps", "400", "--step-time", "0.05",
+           "--out", str(tmp_path / "out")]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for _ in range(2)]
+    with StatusStore(replace(etcd_cluster.config, cluster="failover")) as store:
+        try:
+            wait_for(lambda: len(store.get_prefix(store.keys.nodes())) == 2
+                     and len(list((tmp_path / "out").glob("*.step"))) == 2, deadline_s=60, why="no training")
+            victim = next(iter(store.get_json_prefix(store.keys.nodes())))
+            member = etcd_cluster.members[0]  # the member every launcher started on
+            member.proc.kill()
+            kill_node(int(victim.rsplit("-", 1)[-1]))
+            killed_at = time.time()
+            member.proc.wait()
+            found = wait_for(lambda: [e for e in map(json.loads, (kv.value for kv in store.get_prefix(
+                store.keys.events()))) if e["kind"] == "lost_connection"], deadline_s=30, why="no SEV1 event")
+        finally:
+            for p in nodes:
+                kill_node(p.pid)
+    event = found[0]
+    assert event["severity"] == "SEV1" and event["node"] == victim.rsplit("/", 1)[-1]
+    assert event["detected_at"] - killed_at <= 2 * ttl + FAILOVER_REQUEST_TIMEOUT_S + 0.5  # as without a failover
+
+
+def _lose(members: list) -> None:
+    for member in members:
+        member.proc.kill()
+        member.proc.wait()
+        member.kill()  # (its guard and log; the data stays for the restart)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_a_job_rides_out_a_lost_quorum_shorter_than_the_reconnect_timeout(etcd_cluster, tmp_path) -> None:
+    import json
+    import subprocess
+
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd_cluster.endpoint}", "--rdzv-id=quorum",
+           "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=0.1", "--log-format=json",
+           "--rdzv-conf=cluster=failover,last_call_timeout=1,keep_alive_interval=1",
+           os.path.join(EXAMPLES, "resilient_worker.py"), "--steps", "150", "--step-time", "0.05", "--out", str(out)]
+    log_path = tmp_path / "run.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            step_file = out / "rank0.step"
+            wait_for(lambda: proc.poll() is not None or (step_file.exists() and step_file.read_text().strip()
+                                                         and int(step_file.read_text()) >= 10), deadline_s=90)
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            down = etcd_cluster.members[:2]  # the member in use and another: no quorum
+            _lose(down)
+            time.sleep(3.0)  # the outage itself
+            for member in down:
+                member.start()
+            assert proc.wait(timeout=100) == 0, log_path.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+    names = [json.loads(line).get("event") for line in text.splitlines() if line.startswith("{")]
+    assert "etcd_reconnected" in names, text[-3000:]
+    assert "worker_restarted" not in names and "error_event" not in names, text[-3000:]
+    assert "Traceback" not in text and int(step_file.read_text()) == 149
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_quorum_longer_than_the_reconnect_timeout_is_one_clear_error(etcd_cluster) -> None:
+    from unicron_elastic.api import StoreUnavailableError
+
+    store = StatusStore(replace(etcd_cluster.config, reconnect_timeout=2.0))
+    try:
+        store.put("/k", "v")
+        _lose(etcd_cluster.members[:2])
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match=f"etcd at {etcd_cluster.endpoint} unreachable for 2.0s"):
+            store.put("/k", "w")
+        assert time.monotonic() - started < 2.0 + 1.0 + 1.0  # the timeout, one last request, slack
+    finally:
         store.close()
