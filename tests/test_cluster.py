@@ -182,7 +182,8 @@ def _metrics(port: int) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
-def test_cluster_up_starts_everything_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("members", [1, pytest.param(3, marks=pytest.mark.e2e)])
+def test_cluster_up_starts_everything_and_ctrl_c_leaves_nothing(tmp_path: Path, members: int) -> None:
     import signal
     import subprocess
 
@@ -190,11 +191,12 @@ def test_cluster_up_starts_everything_and_ctrl_c_leaves_nothing(tmp_path: Path) 
     from unicron_elastic.testing import process_tree
 
     proc = subprocess.Popen([os.path.join(BIN, "unicron"), "cluster", "up", "--nodes", "2", "--slots", "1",
-                             "--cluster", "demo"], stdout=subprocess.PIPE, text=True)
+                             "--cluster", "demo", f"--etcd-members={members}"], stdout=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()
         assert "etcd at " in first, first
-        endpoint = first.split("etcd at ")[1].split(",")[0]
+        endpoint = first.split("etcd at ")[1].split(", coordinator")[0]
+        assert len(endpoint.split(",")) == members, first
         status = wait_for(lambda: (r := subprocess.run([os.path.join(BIN, "unicron"), "status", "--json",
                                                         f"--endpoint={endpoint}", "--cluster=demo"],
                                                        capture_output=True, text=True)).returncode == 0
@@ -202,7 +204,7 @@ def test_cluster_up_starts_everything_and_ctrl_c_leaves_nothing(tmp_path: Path) 
                           and json.loads(r.stdout), why="2 nodes and a leader in unicron status")
         assert {n["name"] for n in status["nodes"]} == {"node0", "node1"}
         tree = process_tree(proc.pid)
-        assert len(tree) >= 4  # etcd (+ its guard), a coordinator, two daemons
+        assert len(tree) >= 3 + members  # etcd's members (+ their guards), a coordinator, two daemons
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:

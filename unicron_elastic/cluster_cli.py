@@ -150,7 +150,8 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     _stop_on_signals(stop.set)
-    with LocalCluster(args.nodes, args.slots, cluster=args.cluster, launcher_args=args.launcher_arg) as cluster:
+    with LocalCluster(args.nodes, args.slots, cluster=args.cluster, launcher_args=args.launcher_arg,
+                      etcd_members=args.etcd_members) as cluster:
         print(f"cluster {args.cluster} up: etcd at {cluster.endpoint}, coordinator, {args.nodes} nodes x "
               f"{args.slots} slots\n  unicron status --endpoint {cluster.endpoint} --cluster {args.cluster}\n"
               f"  unicron task submit SPEC.json --endpoint {cluster.endpoint} --cluster {args.cluster}\n"
@@ -206,6 +207,8 @@ def add_cluster_commands(sub) -> None:
     up.add_argument("--nodes", type=_positive_int, default=3)
     up.add_argument("--slots", type=_positive_int, default=2)
     up.add_argument("--cluster", default="local")
+    up.add_argument("--etcd-members", type=_bounded(9, integer=True), default=1,
+                    help="members of the cluster's etcd (default 1; 3 or 5 to survive losing 1 or 2)")
     up.add_argument("--launcher-arg", action="append", default=[], help="extra unicron-run flag for every task")
     up.set_defaults(func=_cmd_cluster_up)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 
 from unicron_elastic.node.processes import signal_tree
-from unicron_elastic.store.embedded import EmbeddedEtcd
+from unicron_elastic.store.embedded import EmbeddedEtcd, EmbeddedEtcdCluster
 
 log = structlog.get_logger(__name__)
 
@@ -37,18 +37,22 @@ class LocalCluster:
         launcher_args: Extra ``unicron-run`` flags for every task.
         coordinator_args: Extra ``unicron-coordinator`` flags.
         env: Extra environment of every process.
-        etcd: An etcd to use (started if it is not; never stopped); default: a private one.
+        etcd: An etcd to use, one server or a cluster (started if it is not; never stopped); default: a
+            private one of ``etcd_members`` members.
         log_dir: Folder for each part's output (``coordinator-<i>.log``, ``<node>.log``); default: inherited.
         node_args: Extra ``unicron node`` flags (e.g. ``--leave-timeout=300``).
+        etcd_members: Members of the private etcd (1; 3 or 5 to survive losing 1 or 2).
     """
 
     def __init__(self, nodes: int = 3, slots: int = 2, cluster: str = "local", coordinators: int = 1,
                  node_ttl: int = 2, coordinator_ttl: int = 2, launcher_args: Sequence[str] = (),
                  coordinator_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 etcd: EmbeddedEtcd | None = None, log_dir: str | os.PathLike[str] | None = None,
-                 node_args: Sequence[str] = ()) -> None:
+                 etcd: EmbeddedEtcd | EmbeddedEtcdCluster | None = None,
+                 log_dir: str | os.PathLike[str] | None = None, node_args: Sequence[str] = (),
+                 etcd_members: int = 1) -> None:
         self._own_etcd = etcd is None
-        self.etcd = etcd or EmbeddedEtcd(cluster=cluster)
+        self.etcd = etcd or (EmbeddedEtcd(cluster=cluster) if etcd_members == 1
+                             else EmbeddedEtcdCluster(etcd_members, cluster=cluster))
         self.log_dir = None if log_dir is None else Path(log_dir)
         self._logs: list = []
         self.cluster = cluster
@@ -66,8 +70,11 @@ class LocalCluster:
 
     @property
     def endpoint(self) -> str:
-        """etcd's ``host:port``."""
+        """etcd's ``host:port`` (every member's, comma-separated)."""
         return self.etcd.endpoint
+
+    def _etcd_members(self) -> list[EmbeddedEtcd]:
+        return list(getattr(self.etcd, "members", [self.etcd]))
 
     def _etcd_flags(self) -> list[str]:
         return [f"--endpoint={self.endpoint}", f"--cluster={self.cluster}"]
@@ -98,7 +105,7 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         """Start etcd, the coordinators and the node daemons."""
-        if self.etcd.proc is None:
+        if any(member.proc is None for member in self._etcd_members()):
             self.etcd.start()
         for _ in range(self._want_coordinators):
             self.start_coordinator()
@@ -109,10 +116,13 @@ class LocalCluster:
     def dead(self) -> str | None:
         """The part without which the cluster cannot go on, if it exited: etcd, or every coordinator.
 
-        A node daemon that exits is a lost node: the cluster carries on (see :meth:`dead_nodes`).
+        A node daemon that exits is a lost node: the cluster carries on (see :meth:`dead_nodes`); so
+        does etcd while most of its members run.
         """
-        if self.etcd.proc is not None and self.etcd.proc.poll() is not None:
-            return "etcd"
+        members = self._etcd_members()
+        exited = [m for m in members if m.proc is not None and m.proc.poll() is not None]
+        if len(exited) > (len(members) - 1) // 2:
+            return "etcd" if len(members) == 1 else "etcd's quorum"
         if self.coordinators and all(p.poll() is not None for p in self.coordinators):
             return "every coordinator"
         return None
