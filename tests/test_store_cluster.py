@@ -338,3 +338,21 @@ def test_a_lost_quorum_longer_than_the_reconnect_timeout_is_one_clear_error(etcd
         assert time.monotonic() - started < 2.0 + 1.0 + 1.0  # the timeout, one last request, slack
     finally:
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_with_a_password_authenticates_on_the_member_it_moves_to(etcd_cluster) -> None:
+    from test_status_cli import enable_auth
+
+    enable_auth(etcd_cluster.members[0])  # (authentication belongs to the cluster)
+    store = StatusStore(replace(etcd_cluster.config, user="unicron", password="s3cret"))
+    try:
+        store.put("/k", "before")
+        in_use = store.member
+        victim = next(m for m in etcd_cluster.members if m.endpoint == in_use)
+        victim.proc.kill()
+        victim.proc.wait()
+        store.put("/k", "after")
+        assert store.member != in_use and store.get("/k").value == b"after"
+    finally:
+        store.close()
