@@ -81,6 +81,12 @@ _CONNECTION_ERRORS = (
 )
 
 
+#: etcd's answers while its cluster has no leader or just lost it (gRPC code UNKNOWN, or a server-side
+#: deadline): the member is up, the request may succeed on another member or a moment later.
+_LEADER_TROUBLE = ("context deadline exceeded", "etcdserver: request timed out", "etcdserver: leader changed",
+                   "etcdserver: no leader")
+
+
 def _is_connection_error(exc: BaseException) -> bool:
     if isinstance(exc, _CONNECTION_ERRORS):
         return True
@@ -93,6 +99,9 @@ def _is_connection_error(exc: BaseException) -> bool:
             # etcd's simple auth tokens expire: a fresh client authenticates again
             details = exc.details() if callable(getattr(exc, "details", None)) else ""
             return "invalid auth token" in (details or "")
+        if code == grpc.StatusCode.UNKNOWN:
+            details = exc.details() if callable(getattr(exc, "details", None)) else ""
+            return any(text in (details or "") for text in _LEADER_TROUBLE)
         return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     return False
 
