@@ -114,6 +114,42 @@ def test_losing_a_member_costs_a_request_a_leader_election_at_most_and_the_lease
         store.close()
 
 
+@pytest.mark.timeout(60)
+def test_unicron_etcd_runs_a_three_member_cluster_and_stops_it_whole() -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from unicron_elastic.testing import process_tree
+
+    proc = subprocess.Popen([sys.executable, "-m", "unicron_elastic.cli", "etcd", "--members", "3", "--cluster", "c3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("etcd ready: --rdzv-endpoint="), proc.stderr.read()[-2000:]
+        config = parse_options(line.split("=", 1)[1].strip(), "run", {"cluster": "c3"}).etcd
+        assert len(config.members) == 3
+        tree = process_tree(proc.pid)
+        with StatusStore(config) as store:
+            store.put("/k", "v")
+            for index in range(3):  # every member answers for the cluster
+                alone = replace(config, members=(config.members[index],), host="127.0.0.1", port=config.members[index][1])
+                with StatusStore(alone) as one:
+                    assert one.get("/k").value == b"v"
+        status = subprocess.run([sys.executable, "-m", "unicron_elastic.cli", "status", "--json",
+                                 f"--endpoint={config.endpoint}", "--cluster=c3"], capture_output=True, text=True)
+        assert status.returncode == 0, status.stderr[-2000:]
+        assert json.loads(status.stdout)["endpoint"] == config.endpoint
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert [pid for pid in tree if pid != proc.pid and os.path.exists(f"/proc/{pid}")] == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
 def test_a_watch_whose_member_is_lost_resumes_on_another_and_misses_nothing(etcd_cluster) -> None:
     from unicron_elastic.store.watch import PrefixWatch
 
