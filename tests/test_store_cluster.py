@@ -1,7 +1,9 @@
 """The store on an etcd cluster: endpoint lists, and a client that moves to another member when its own is lost.
 
 A real three-member etcd on loopback (``EmbeddedEtcdCluster``); a member is
-lost by SIGKILL.
+lost by SIGKILL. The default tier loses the leader in use, the coordinator's
+member, a watch's member and the quorum; the other member losses, the CLI,
+authentication and the multi-process jobs run with ``-m e2e``.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ CASES = {  # what is lost: (the member in use leads, the victim: "in use", "lead
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("lost", list(CASES))
+@pytest.mark.parametrize("lost", [pytest.param(case, marks=() if case == "the member in use, the leader"
+                                               else pytest.mark.e2e) for case in CASES])
 def test_losing_a_member_costs_a_request_a_leader_election_at_most_and_the_lease_lives_on(
         etcd_cluster, capture_log, lost: str) -> None:
     """Losing the leader through a follower in use costs a write etcd's request timeout (a known limit)."""
@@ -114,6 +117,7 @@ def test_losing_a_member_costs_a_request_a_leader_election_at_most_and_the_lease
         store.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_unicron_etcd_runs_a_three_member_cluster_and_stops_it_whole() -> None:
     import json
@@ -371,6 +375,7 @@ def test_a_lost_quorum_longer_than_the_reconnect_timeout_is_one_clear_error(etcd
         store.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_a_store_with_a_password_authenticates_on_the_member_it_moves_to(etcd_cluster) -> None:
     from test_status_cli import enable_auth
