@@ -26,6 +26,7 @@ from pathlib import Path
 
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.embedded import EmbeddedEtcdCluster
+from unicron_elastic.testing import kill_node
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_TTL_S = 2.0
@@ -70,8 +71,7 @@ def one_run(step_time: float, victim: str) -> tuple[float, float, str]:
                "--rdzv-conf=cluster=bench", str(ROOT / "examples" / "resilient_worker.py"),
                "--steps", "100000", "--step-time", str(step_time), "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PATH=bin_dir + os.pathsep + os.environ["PATH"])
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:
             step_file = out / "rank0.step"
             _changed(step_file, 20, 120)  # trains
@@ -87,7 +87,7 @@ def one_run(step_time: float, victim: str) -> tuple[float, float, str]:
             killed = time.monotonic()
             return interval, _changed(step_file, at, 60) - killed, what
         finally:
-            os.killpg(proc.pid, 9)
+            kill_node(proc.pid)  # the launcher and its workers (torch starts them in sessions of their own)
             proc.wait()
 
 
