@@ -325,38 +325,11 @@ def _lose(members: list) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_a_job_rides_out_a_lost_quorum_shorter_than_the_reconnect_timeout(etcd_cluster, tmp_path) -> None:
-    import json
-    import subprocess
+    from test_store_outage import ride_out_outage
 
-    out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
-    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd_cluster.endpoint}", "--rdzv-id=quorum",
-           "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=0.1", "--log-format=json",
-           "--rdzv-conf=cluster=failover,last_call_timeout=1,keep_alive_interval=1",
-           os.path.join(EXAMPLES, "resilient_worker.py"), "--steps", "150", "--step-time", "0.05", "--out", str(out)]
-    log_path = tmp_path / "run.log"
-    with log_path.open("w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
-        try:
-            step_file = out / "rank0.step"
-            wait_for(lambda: proc.poll() is not None or (step_file.exists() and step_file.read_text().strip()
-                                                         and int(step_file.read_text()) >= 10), deadline_s=90)
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            down = etcd_cluster.members[:2]  # the member in use and another: no quorum
-            _lose(down)
-            time.sleep(3.0)  # the outage itself
-            for member in down:
-                member.start()
-            assert proc.wait(timeout=100) == 0, log_path.read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    text = log_path.read_text()
-    names = [json.loads(line).get("event") for line in text.splitlines() if line.startswith("{")]
-    assert "etcd_reconnected" in names, text[-3000:]
-    assert "worker_restarted" not in names and "error_event" not in names, text[-3000:]
-    assert "Traceback" not in text and int(step_file.read_text()) == 149
+    down = etcd_cluster.members[:2]  # the member in use and another: no quorum
+    ride_out_outage(etcd_cluster.endpoint, "failover", tmp_path, lambda: _lose(down),
+                    lambda: [member.start() for member in down])
 
 
 @pytest.mark.timeout(60)

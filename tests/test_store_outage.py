@@ -116,9 +116,11 @@ def test_outage_longer_than_reconnect_timeout_raises_only_store_unavailable(
     assert events_named(captured, "etcd_reconnected")
 
 
-@pytest.mark.timeout(150)
-def test_unicron_run_rides_out_a_3s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_path) -> None:
-    """A real run: etcd stops for 3 s mid-training; the run finishes and logs the reconnection."""
+def ride_out_outage(endpoint: str, cluster: str, tmp_path, cut, heal) -> None:
+    """A real run (``unicron-run``, one rank): once it trained 10 steps, ``cut()`` etcd, wait 3 s, ``heal()``.
+
+    Asserts the run finishes every step, logs the reconnection, and restarts nothing.
+    """
     import json
     import os
     import subprocess
@@ -127,9 +129,9 @@ def test_unicron_run_rides_out_a_3s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_
 
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
-    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={private_etcd.endpoint}", "--rdzv-id=outage",
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={endpoint}", "--rdzv-id=outage",
            "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=0.1", "--log-format=json",
-           "--rdzv-conf=cluster=outage,last_call_timeout=1,keep_alive_interval=1",
+           f"--rdzv-conf=cluster={cluster},last_call_timeout=1,keep_alive_interval=1",
            os.path.join(EXAMPLES, "resilient_worker.py"), "--steps", "150", "--step-time", "0.05", "--out", str(out)]
     log_path = tmp_path / "run.log"
     with log_path.open("w") as log_file:
@@ -140,9 +142,9 @@ def test_unicron_run_rides_out_a_3s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_
             while not (step_file.exists() and step_file.read_text().strip() and int(step_file.read_text()) >= 10):
                 assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
                 time.sleep(0.05)
-            private_etcd.kill()
+            cut()
             time.sleep(3.0)  # the outage itself
-            private_etcd.start()
+            heal()
             assert proc.wait(timeout=100) == 0, log_path.read_text()[-3000:]
         finally:
             if proc.poll() is None:
@@ -155,3 +157,9 @@ def test_unicron_run_rides_out_a_3s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_
     assert "worker_restarted" not in names and "error_event" not in names, text[-3000:]
     assert "Traceback" not in text and "Cannot invoke RPC" not in text, text[-3000:]
     assert int((out / "rank0.step").read_text()) == 149
+
+
+@pytest.mark.timeout(150)
+def test_unicron_run_rides_out_a_3s_etcd_outage(private_etcd: EmbeddedEtcd, tmp_path) -> None:
+    """A real run: etcd stops for 3 s mid-training; the run finishes and logs the reconnection."""
+    ride_out_outage(private_etcd.endpoint, "outage", tmp_path, private_etcd.kill, private_etcd.start)
