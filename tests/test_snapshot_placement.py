@@ -76,8 +76,13 @@ def agents(store: StatusStore) -> Iterator[list[MeetingPoint]]:
         point.close()
 
 
-def _snapshot(store: StatusStore, point: MeetingPoint, node: int, connect_s: float = 5) -> MemorySnapshot:
-    """The snapshot as a worker of ``node`` sees it (through the run's meeting store in etcd)."""
+def _snapshot(store: StatusStore, point: MeetingPoint, node: int, connect_s: float = 30) -> MemorySnapshot:
+    """The snapshot as a worker of ``node`` sees it (through the run's meeting store in etcd).
+
+    The connection bound is generous: in a gVisor sandbox about one TCPStore
+    connection in 25 (torch connects over IPv6 to ``::ffff:127.0.0.1``) stalls
+    in ``connect`` for 5.0 s, which a 5 s bound turns into a lost upload.
+    """
     meeting = EtcdC10dStore(store, point.prefix, timeout=timedelta(seconds=5))
     return MemorySnapshot(PeerServers(meeting, node, connect_timeout=timedelta(seconds=connect_s)), every=1)
 

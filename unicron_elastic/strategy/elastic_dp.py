@@ -286,6 +286,8 @@ class ElasticDataParallel:
         self._reader: ThreadPoolExecutor | None = None  # the publishing rank's read of the requests, off the step
         self._prefetch: tuple[int, Future[int]] | None = None  # (step, its read begun with its computation)
         self._shard_buckets: list[int] | None = None  # buckets of every shard (read once, for recomputations)
+        #: ``(step, j)``: the micro-batch whose forward runs now (``batch``, ``loss_fn`` and ``stage_fn`` may read it).
+        self.current_micro_batch: tuple[int, int] | None = None
         self.forward_only: list[int] = []  # steps whose recomputation ran this stage forward only (PP, scenario 2)
         self._joining: Any = None  # start_join's outcome: (generator, effect) paused for the model, or the step
         self._handlers: dict[type, Callable[[Any], Any]] = self._effect_handlers()
@@ -929,6 +931,7 @@ class ElasticDataParallel:
                 self._pipeline(step, micro_batches, redo, views, bound)
             else:
                 for j in micro_batches:
+                    self.current_micro_batch = (step, j)
                     self.hook(self.rank, step, micro_batch=j)
                     self.loss_fn(self.model, self.batch(self._plan.indices(step, j))).backward()
                     if not bound:
@@ -967,6 +970,7 @@ class ElasticDataParallel:
 
         def forward(position: int, received: torch.Tensor | None) -> torch.Tensor:
             j = micro_batches[position]
+            self.current_micro_batch = (step, j)
             self.hook(self.rank, step, micro_batch=j)
             return self.stage_fn(self.model, self.batch(self._plan.indices(step, j)), received)
 

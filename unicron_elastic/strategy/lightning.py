@@ -213,7 +213,6 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._stopping = False  # the members agreed to stop after the current step (SIGTERM)
         self._trained = False  # fit ended normally (on_train_end): ranks waiting to join may stop waiting
         self._last_beat: float | None = None
-        self._current = (0, 0)
         self._losses: list[torch.Tensor] = []
         self._feed: MicroBatchFeed | None = None
         self._rng: dict[str, Any] | None = None
@@ -624,17 +623,17 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def _materialise(self, indices: list[int]) -> Any:
         assert self._feed is not None, "no train dataloader was processed"
-        step, j = self._current  # (set by the engine's hook just before it asks)
+        step, j = self.engine.current_micro_batch
         # Lightning's transfer (the module's on_before/after_batch_transfer hooks), on every device alike,
         # then the precision's input conversion (as Lightning's loop does for each batch)
         batch = self.batch_to_device(self._feed.get(step, j, indices), self.root_device)
         return self.precision_plugin.convert_input(batch)
 
     # -- one step ------------------------------------------------------------------
-    def _hook(self, rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
+    @staticmethod
+    def _hook(rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
               at: str | None = None) -> None:
-        if micro_batch is not None:  # (no progress datagram to the agent: no detector reads one, each costs CPU)
-            self._current = (step, micro_batch)  # the engine computes this micro-batch next
+        """The engine's fault-injection point: ``$UNICRON_FAULTS`` (only that; the data path reads the engine)."""
         maybe_fail(rank, step, micro_batch=micro_batch, bucket=bucket, at=at)
 
     @contextmanager
@@ -645,7 +644,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         tensor-parallel rank of a stage draws the same numbers (like
         megatron-core's default generator outside its model-parallel regions).
         """
-        step, j = self._current
+        step, j = self.engine.current_micro_batch
         device = self.root_device
         cuda = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
@@ -659,7 +658,7 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
         with self._micro_batch_rng(), self.precision_plugin.train_step_context():  # autocast: the forward only
-            loss = _loss_of(module.training_step(batch, self._current[1]))
+            loss = _loss_of(module.training_step(batch, self.engine.current_micro_batch[1]))
         self._losses.append(loss.detach())
         return scaled(self.precision_plugin, loss)  # (16-mixed: the backward of the scaled loss)
 
