@@ -300,6 +300,7 @@ def test_a_node_arriving_at_a_growable_round_adds_a_place_up_to_the_max(etcd_con
 
 def test_a_round_whose_workers_never_said_growable_is_not_grown(etcd_config: EtcdConfig, monkeypatch) -> None:
     import unicron_elastic.rendezvous.handler as handler_module
+    import unicron_elastic.rendezvous.rounds as rounds_module
     from unicron_elastic.rendezvous.gate import JoinGate
 
     class Planned(JoinGate):  # what PlanGate does when the plan gives the task one more node
@@ -313,7 +314,7 @@ def test_a_round_whose_workers_never_said_growable_is_not_grown(etcd_config: Etc
 
     _, point = _running(etcd_config, "plain")
     try:
-        monkeypatch.setattr(handler_module, "GROWABLE_WAIT_S", 0.0)  # the round's workers had their time
+        monkeypatch.setattr(rounds_module, "GROWABLE_WAIT_S", 0.0)  # the round's workers had their time
         waiting = _arriving(etcd_config, "plain", join_timeout="1")
         with pytest.raises(RendezvousTimeoutError):  # without a coordinator: wait for a lost place, restart nobody
             waiting.next_rendezvous()

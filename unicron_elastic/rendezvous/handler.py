@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import structlog
 import torch.distributed as dist
@@ -21,20 +20,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from unicron_elastic.agent.meeting import initial_round, raise_places
-from unicron_elastic.agent.ranks import ranks_past_round
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
 from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate, PlanGate
 from unicron_elastic.rendezvous.options import BackendOptions, parse_options
+from unicron_elastic.rendezvous.rounds import RunRounds
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
-from unicron_elastic.store.keys import MeetingKeys
 
 log = structlog.get_logger(__name__)
-_CLAIM_TTL_S = 30  # a claimed place is freed again if the claiming agent dies before taking it over
-#: How long after a round started its workers have to say they admit joiners past its world (their
-#: ``hello``, once Lightning is imported). A node that would grow the run waits for that; after it, a plan
-#: grows the run by torch's restart-all and a node without a coordinator waits for a lost node's place.
-GROWABLE_WAIT_S = 30.0
 #: How long what would make every node restart (no live agent in the running round; the plan wants the run
 #: larger than its live places) must hold before a node acts on it: a lease can lapse on an overloaded host and
 #: be renewed (:class:`~unicron_elastic.store.lease.KeptLease`), and its keys are gone meanwhile.
@@ -94,7 +87,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             info = super().next_rendezvous()
         except RendezvousClosedError:
             # (only under unicron-run: torch's own launcher takes an agent's graceful exit for a result)
-            if self.rejoin and self.status_store is not None and self._finished():
+            if self.rejoin and self.status_store is not None and self._rounds().finished():
                 log.info("rendezvous_run_finished", run_id=request.run_id, task=self.task)
                 raise RunFinished(f"run {request.run_id!r} finished before this node joined") from None
             raise
@@ -140,11 +133,12 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         """
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         restart_since: float | None = None  # since when what would restart every node held
+        rounds, holder = self._rounds(), str(self._this_node)
         while True:
-            running = self._running_round()
+            running = rounds.running()
             if running is None:
                 return None
-            round_, prefix, nodes, alive = running
+            round_, prefix, nodes, alive = running.round, running.prefix, running.nodes, running.alive
             if not alive:  # every agent gone: lost, or between a lapsed lease and its renewal
                 restart_since = restart_since or time.monotonic()
                 if time.monotonic() - restart_since >= SETTLE_S:
@@ -153,14 +147,15 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                 time.sleep(0.1)
                 continue
             for g in range(nodes):
-                if g not in alive and self._place_free(prefix, g) and self._fits(prefix, g) and self._claim(prefix, g):
+                if g not in alive and rounds.place_free(prefix, g) and rounds.fits(prefix, g, self.local_world_size) \
+                        and rounds.claim(prefix, g, holder):
                     return self._running_round_info(round_, prefix, g, nodes)
             request = JoinRequest(self.get_run_id(), self.task, str(self._this_node), round_)
             if nodes < self._settings.max_nodes and self.gate.grow(request, len(alive)):
-                growable = self._growable(prefix, nodes)
+                growable = rounds.growable(prefix, nodes, self.local_world_size)
                 if growable:
-                    if self._claim(prefix, nodes):
-                        raise_places(self._status(), prefix, nodes + 1)
+                    if rounds.claim(prefix, nodes, holder):
+                        raise_places(rounds.store, prefix, nodes + 1)
                         log.info("rendezvous_grown", run_id=self.get_run_id(), round=round_, place=nodes)
                         return self._running_round_info(round_, prefix, nodes, nodes + 1)
                     time.sleep(0.05)
@@ -179,89 +174,10 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                                              f"taken; no lost node's place freed within the join timeout")
             time.sleep(0.1)
 
-    def _status(self) -> StatusStore:
-        store = self.status_store
-        assert store is not None
-        return store
-
-    def _fits(self, prefix: str, place: int) -> bool:
-        """Whether this node may take ``place``: one of the round torch formed, or a place past it whose
-        workers' count (the round's record) is this node's."""
-        start = initial_round(self._status(), prefix)
-        return start is None or place < start.nodes or start.nproc == self.local_world_size
-
-    def _growable(self, prefix: str, place: int) -> bool | None:
-        """Whether the round's workers admit joiners past its world on a new ``place``; None: not known yet.
-
-        True once one said so (``hello(growable=True)``); False when none did
-        within :data:`GROWABLE_WAIT_S` of the round's start (workers that never
-        introduce themselves: any script that does not use our engine), or
-        when this node runs another number of workers than the round's places
-        take (:class:`~unicron_elastic.agent.meeting.RoundStart`) or its ranks
-        would pass the run's highest rank.
-        """
-        store = self._status()
-        start = initial_round(store, prefix)
-        if start is None:
-            return None
-        if self.local_world_size != start.nproc or \
-                ranks_past_round(start.nodes, start.world, place, start.nproc).stop > start.max_world:
-            log.warning("rendezvous_cannot_grow", run_id=self.get_run_id(), place=place, nproc=self.local_world_size,
-                        round_nproc=start.nproc, max_world=start.max_world)
-            return False
-        if store.get(prefix + MeetingKeys.GROWABLE) is not None:
-            return True
-        return False if time.time() - start.started >= GROWABLE_WAIT_S else None
-
-    def _rounds(self) -> Iterator[tuple[int, str, int]]:
-        """The run's rounds that have places, newest first: (round, prefix, nodes)."""
-        store = self._status()
-        base = store.keys.meeting(self.get_run_id())
-        rounds = {kv.key[len(base):].split("/", 1)[0] for kv in store.get_prefix(base)}
-        for round_ in sorted((int(r) for r in rounds if r.isdigit()), reverse=True):
-            prefix = f"{base}{round_}/"
-            world = store.get(prefix + MeetingKeys.AGENTS_WORLD)
-            if world is not None:
-                yield round_, prefix, int(world.value)
-
-    def _running_round(self) -> tuple[int, str, int, list[int]] | None:
-        """The newest round whose meeting space has a live agent; or the newest round of all, when none of its
-        agents is alive but it did not finish (a place of it unfinished, none done: lost, or lapsed leases).
-
-        Returns:
-            (round, prefix, nodes, live group ranks); None when no round runs.
-        """
-        store = self._status()
-        newest = True
-        for round_, prefix, nodes in self._rounds():
-            alive = [g for g in range(nodes) if store.get(prefix + MeetingKeys.agent(g)) is not None]
-            if alive or (newest and any(self._place_free(prefix, g) for g in range(nodes))
-                         and not self._done(prefix, nodes)):
-                return round_, prefix, nodes, alive
-            newest = False
-        return None
-
-    def _done(self, prefix: str, nodes: int) -> bool:
-        """Whether a node of the round at ``prefix`` passed the exit barrier (its workers succeeded: training is over)."""
-        store = self._status()
-        return any(store.get(prefix + MeetingKeys.agent_done(g)) is not None for g in range(nodes))
-
-    def _finished(self) -> bool:
-        """Whether the run's newest round finished (see :meth:`_done`)."""
-        _, prefix, nodes = next(self._rounds(), (None, "", 0))
-        return nodes > 0 and self._done(prefix, nodes)
-
-    def _place_free(self, prefix: str, group_rank: int) -> bool:
-        store = self._status()
-        return store.get(prefix + MeetingKeys.agent_seen(group_rank)) is not None \
-            and store.get(prefix + MeetingKeys.agent_done(group_rank)) is None
-
-    def _claim(self, prefix: str, group_rank: int) -> bool:
-        """Create-only claim of place ``group_rank`` (expires unless the agent takes it over)."""
-        store = self._status()
-        claim = store.cas(prefix + MeetingKeys.agent(group_rank), str(self._this_node), None,
-                          lease=store.grant_lease(_CLAIM_TTL_S))
-        return claim.succeeded
+    def _rounds(self) -> RunRounds:
+        """The run's rounds as their meeting spaces record them (``unicron-run`` only: it sets :attr:`status_store`)."""
+        assert self.status_store is not None
+        return RunRounds(self.status_store, self.get_run_id())
 
     def _running_round_info(self, round_: int, prefix: str, group_rank: int, nodes: int) -> RendezvousInfo:
         """The rendezvous of place ``group_rank`` of the running round (``nodes`` places now).
@@ -272,7 +188,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         """
         store = dist.PrefixStore(f"torch.rendezvous.{self.get_run_id()}.{round_}", self._store)  # torch's layout
         self._rejoined_round = round_
-        start = initial_round(self._status(), prefix)
+        start = initial_round(self._rounds().store, prefix)
         self.round_shape = None if start is None else (start.nodes, start.world)
         self.past_round = self.round_shape if start is not None and group_rank >= start.nodes else None
         world = nodes if start is None else (group_rank + 1 if self.past_round else start.nodes)
