@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, EXAMPLES
-from unicron_elastic.agent.decide import EXIT_GIVE_UP
+from unicron_elastic.agent.ladder import EXIT_GIVE_UP
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
 from unicron_elastic.testing import Fault, fail_at, faults_env, kill_node
 
@@ -353,7 +353,7 @@ def test_a_rejoin_request_past_max_rejoins_or_followed_by_exit_0_is_not_a_rejoin
     from types import SimpleNamespace
 
     from unicron_elastic.agent.agent import AgentConfig, UnicronAgent
-    from unicron_elastic.agent.decide import LadderPolicy, RankHistory
+    from unicron_elastic.agent.ladder import LadderPolicy, RankHistory
 
     agent = UnicronAgent.__new__(UnicronAgent)  # only the rejoin bookkeeping is used
     agent._lock, agent._fatal, agent.node = threading.RLock(), {}, "n0"

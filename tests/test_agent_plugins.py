@@ -9,7 +9,7 @@ import pytest
 
 from conftest import EXAMPLES
 from test_agent import actions, run
-from unicron_elastic.agent.decide import EXIT_GIVE_UP
+from unicron_elastic.agent.ladder import EXIT_GIVE_UP
 from unicron_elastic.testing import fail_at
 
 pytestmark = pytest.mark.e2e

@@ -33,17 +33,10 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser
 
 from unicron_elastic.agent import UnicronAgent, _torch_compat
-from unicron_elastic.agent.agent import (
-    ALL_DETECTORS,
-    AgentConfig,
-    NodeGaveUp,
-    begin_shutdown,
-    install_leave_signal,
-    install_stop_signals,
-    make_detectors,
-    stop_signals_deferred,
-)
-from unicron_elastic.agent.decide import LadderPolicy
+from unicron_elastic.agent.agent import make_detectors
+from unicron_elastic.agent.api import ALL_DETECTORS, AgentConfig, NodeGaveUp
+from unicron_elastic.agent.ladder import LadderPolicy
+from unicron_elastic.agent.signals import begin_shutdown, install_leave_signal, install_stop_signals, stop_signals_deferred
 from unicron_elastic.api import ConfigError, EtcdBinaryNotFoundError, EtcdStartError
 from unicron_elastic.detection.hang import HangThresholds
 from unicron_elastic.logging import configure_logging

@@ -7,7 +7,7 @@ On top of ``LocalElasticAgent`` it
 * turns every detection into one :class:`~unicron_elastic.events.ErrorEvent`,
   published to etcd (when the ``unicron`` rendezvous gives it a store), to the
   log and to the ``unicron_event`` hook;
-* executes :func:`~unicron_elastic.agent.decide.decide`: SEV3 reattempt in
+* executes :func:`~unicron_elastic.agent.ladder.climb`: SEV3 reattempt in
   place, SEV2 restart of only the failed worker (resumable workers), SEV1 give
   up the node (:class:`NodeGaveUp`, exit code 75). Plain scripts keep torchrun's
   restart-all behaviour;
@@ -27,9 +27,8 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from subprocess import Popen
 from typing import Any
 
@@ -40,13 +39,23 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from unicron_elastic.agent import _torch_compat
+from unicron_elastic.agent.api import AgentConfig, Detector, NodeGaveUp
 from unicron_elastic.agent.channel import AgentChannel
-from unicron_elastic.agent.decide import EXIT_GIVE_UP, LEFT_OUT, Action, Decision, LadderPolicy, RankHistory, decide
-from unicron_elastic.agent.detectors import Detector
+from unicron_elastic.agent.ladder import LEFT_OUT, Action, RankHistory, Rung, climb
 from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
 from unicron_elastic.agent.ranks import max_world, ranks_past_round
-from unicron_elastic.api import ConfigError, StoreError, UnicronError
-from unicron_elastic.detection.hang import Finding, HangThresholds
+from unicron_elastic.agent.signals import (
+    begin_shutdown,
+    install_leave_signal,
+    install_stop_signals,
+    leave_possible,
+    leave_requested,
+    raise_if_orphaned,
+    raise_pending_stop,
+    stop_signals_deferred,
+)
+from unicron_elastic.api import ConfigError, StoreError
+from unicron_elastic.detection.hang import Finding
 from unicron_elastic.events import Classification, ErrorEvent, Severity
 from unicron_elastic.meeting import MAX_WORLD_ENV
 from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
@@ -63,173 +72,6 @@ DETECTION = Histogram("unicron_detection_latency_seconds", "From failure to dete
 GENERATION_ENV = "UNICRON_GENERATION"
 #: The rendezvous round the workers were started in (set by the unicron rendezvous; 0: the run's first).
 ROUND_ENV = "UNICRON_ROUND"
-
-ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
-#: Signals that stop ``unicron-run`` (torch's default set of handled signals).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-#: The signal that makes ``unicron-run`` leave its task at the next step boundary (a node the plan takes away).
-LEAVE_SIGNAL = signal.SIGUSR2
-_shutting_down = threading.Event()  # set once the process cleans up: later stop signals are ignored
-_leave_requested = threading.Event()  # LEAVE_SIGNAL arrived: the agent acts on it at its next monitor interval
-_leave_ready = threading.Event()  # workers run under the monitor loop: a leave can be acted on (else it is a stop)
-_signals: dict[str, Any] = {"pending": None, "deferring": 0}  # main-thread state of the stop signal
-
-
-def _on_stop_signal(signum: int, frame: object) -> None:
-    """Raise torch's ``SignalException`` in the main thread, unless deferred or a shutdown is under way.
-
-    Raises:
-        SignalException: For a stop signal outside :func:`stop_signals_deferred`.
-    """
-    sig = signal.Signals(signum)
-    if _shutting_down.is_set():
-        log.warning("stop_signal_ignored", signal=sig.name, reason="shutdown under way (SIGKILL forces)")
-        return
-    _signals["pending"] = sig
-    if _signals["deferring"]:
-        log.info("stop_signal_deferred", signal=sig.name)
-        return
-    raise SignalException(f"Process {os.getpid()} got signal: {sig.name}", sigval=sig)
-
-
-def raise_pending_stop() -> None:
-    """Raise again a stop signal that was received but is not being acted on.
-
-    A ``SignalException`` raised in the middle of library code that catches
-    ``Exception`` (a health probe, a retry loop) is lost; the agent calls this
-    at points where it is safe to stop (every monitor interval, after a rendezvous).
-
-    Raises:
-        SignalException: A stop signal arrived and no shutdown has begun.
-    """
-    sig = _signals["pending"]
-    if sig is not None and not _shutting_down.is_set() and threading.current_thread() is threading.main_thread():
-        raise SignalException(f"Process {os.getpid()} got signal: {sig.name}", sigval=sig)
-
-
-@contextmanager
-def stop_signals_deferred() -> Iterator[None]:
-    """A stop signal inside the block takes effect when the block ends (main thread).
-
-    For steps that must not be cut in half: starting etcd (its health probe
-    would swallow the exception) or worker processes (torch would lose track
-    of those started so far). In other threads (signals only reach the main
-    thread) it does nothing.
-
-    Raises:
-        SignalException: At the end of the block, for a stop signal received in it.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _signals["deferring"] += 1
-    try:
-        yield
-    finally:
-        _signals["deferring"] -= 1
-    if not _signals["deferring"]:
-        raise_pending_stop()
-
-
-def install_stop_signals() -> None:
-    """Turn SIGTERM, SIGINT, SIGHUP and SIGQUIT into ``SignalException`` (main thread only).
-
-    Like torch's own handler (which it also replaces in the worker start-up,
-    see :func:`~unicron_elastic.agent._torch_compat.use_signal_handler`), but a
-    signal inside :func:`stop_signals_deferred` waits for the end of the block,
-    and once :func:`begin_shutdown` was called a further signal is logged and
-    ignored, so it cannot break off the clean-up (stopping the workers and etcd,
-    removing temp dirs). ``unicron-run`` installs it before it starts anything.
-    """
-    _torch_compat.use_signal_handler(_on_stop_signal)
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _on_stop_signal)
-
-
-def _on_leave_signal(signum: int, frame: object) -> None:
-    """Ask the agent to leave (it acts in its monitor loop); outside the loop, stop as on SIGTERM.
-
-    Raises:
-        SignalException: No workers run under the monitor loop (rendezvous,
-            start-up, exit barrier): leaving is stopping.
-    """
-    if _leave_ready.is_set():
-        _leave_requested.set()
-        return
-    log.info("leave_signal_stops", reason="no workers training under the monitor loop")
-    _on_stop_signal(signal.SIGTERM, frame)
-
-
-def install_leave_signal() -> None:
-    """Make :data:`LEAVE_SIGNAL` (SIGUSR2) ask the agent to leave the task (main thread only).
-
-    While workers train, the handler only sets a flag and the agent acts on it
-    in its monitor loop (:meth:`UnicronAgent.leave_at_step_boundary`); at any
-    other moment it stops the node as SIGTERM does.
-    """
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(LEAVE_SIGNAL, _on_leave_signal)
-
-
-def raise_if_orphaned() -> None:
-    """Stop like on SIGTERM when the node daemon that started this launcher died.
-
-    A daemon killed alone (its launcher and workers still running) has lost
-    the node's record; the coordinator re-plans without the node, so its
-    workers must not keep training.
-
-    Raises:
-        SignalException: ``$UNICRON_NODE_DAEMON_PID`` is set and is no longer the parent.
-    """
-    from unicron_elastic.node import DAEMON_PID_ENV
-
-    expected = os.environ.get(DAEMON_PID_ENV)
-    if expected and expected.isdigit() and os.getppid() != int(expected) and not _shutting_down.is_set():
-        log.warning("node_daemon_gone", daemon_pid=int(expected))
-        raise SignalException(f"Process {os.getpid()}: node daemon {expected} is gone", sigval=signal.SIGTERM)
-
-
-def begin_shutdown() -> None:
-    """From now on the process is cleaning up: stop signals are ignored (see :func:`install_stop_signals`)."""
-    _shutting_down.set()
-
-
-class NodeGaveUp(UnicronError):
-    """The node gave up its assignment (SEV1); ``unicron-run`` exits with 75."""
-
-    exit_code = EXIT_GIVE_UP
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """unicron's agent settings (``unicron-run`` flags).
-
-    Attributes:
-        detectors: Names of the detectors to run.
-        hang: Thresholds of the statistical monitor.
-        ladder: Bounds of the escalation ladder.
-        node_ttl: Lease TTL of the node in etcd (seconds).
-        node: This node's name.
-    """
-
-    detectors: tuple[str, ...] = ALL_DETECTORS
-    hang: HangThresholds = field(default_factory=HangThresholds)
-    ladder: LadderPolicy = field(default_factory=LadderPolicy)
-    node_ttl: int = 2
-    node: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-
-    def __post_init__(self) -> None:
-        """Refuse settings that would switch detection off silently.
-
-        Raises:
-            ConfigError: No detector is named, or ``node_ttl`` is not a whole number >= 1.
-        """
-        if not self.detectors:
-            raise ConfigError("--detectors names no detector; known: " + ", ".join(ALL_DETECTORS))
-        if isinstance(self.node_ttl, bool) or not isinstance(self.node_ttl, int) or self.node_ttl < 1:
-            raise ConfigError(f"--node-ttl (node_ttl={self.node_ttl!r}) must be a whole number of seconds >= 1")
 
 
 def make_detectors(config: AgentConfig, pm: Any = None) -> list[Detector]:
@@ -274,10 +116,10 @@ class UnicronAgent(LocalElasticAgent):
         self._history: dict[int, RankHistory] = {}
         self._replies: dict[int, str] = {}
         self._fatal: dict[int, Classification] = {}
-        self._expected_exit: dict[int, Decision] = {}
+        self._expected_exit: dict[int, Rung] = {}
         self._rejoining: dict[int, str] = {}  # rank -> reason: its worker asked to rejoin (cleared when restarted)
         self._handled_pids: set[int] = set()
-        self._give_up: Decision | None = None
+        self._give_up: Rung | None = None
         self._stopping = False  # torch is stopping the workers: their exits are not failures
         self._closed = False  # stopping for good (signal, error, end of run): never act or respawn again
         self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
@@ -408,7 +250,7 @@ class UnicronAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         with self._lock:
             self._stopping = True
-            _leave_ready.clear()
+            leave_possible(False)
         self._restarting = True
         try:
             super()._stop_workers(worker_group)  # calls self._shutdown()
@@ -446,7 +288,7 @@ class UnicronAgent(LocalElasticAgent):
                 log.info("agent_stopping", pending_give_up=self._give_up is not None)
             self._closed = True
             self._stopping = True
-            _leave_ready.clear()
+            leave_possible(False)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ[GENERATION_ENV] = str(self.generation)
@@ -458,7 +300,7 @@ class UnicronAgent(LocalElasticAgent):
             self._stopping = self._closed
             self._rejoining.clear()  # requests of the old generation's processes
             if not self._closed:
-                _leave_ready.set()
+                leave_possible(True)
         self._notify_started(list(ids), f"gen{self.generation}")
         return ids
 
@@ -514,7 +356,7 @@ class UnicronAgent(LocalElasticAgent):
         self.publish(event)
         if event.severity is Severity.SEV1 and event.node == self.node:
             with self._lock:
-                self._act(-1, Decision(Action.GIVE_UP, Severity.SEV1, RankHistory(), event.kind), event)
+                self._act(-1, Rung(Action.GIVE_UP, Severity.SEV1, RankHistory(), event.kind), event)
 
     def lost_place(self) -> None:
         """Another node claimed this node's place in the round while its lease had lapsed: give the node up (SEV1).
@@ -574,7 +416,7 @@ class UnicronAgent(LocalElasticAgent):
             event = self._event(severity, kind, "process", rank, f"pid {pid} exited with {exitcode}",
                                 detected_at, detected_at)
             self.publish(event)
-            self._decide(rank, event, responsive=False)
+            self._climb(rank, event, responsive=False)
 
     def exception(self, rank: int, msg: dict[str, Any], classification: Classification, received: float) -> None:
         if self._closed:
@@ -591,7 +433,7 @@ class UnicronAgent(LocalElasticAgent):
             if msg["fatal"]:
                 self._fatal[rank] = classification  # acted on when the process exits
                 return
-            self._decide(rank, event, responsive=True, step=int(msg["step"]))
+            self._climb(rank, event, responsive=True, step=int(msg["step"]))
 
     def hang(self, rank: int, finding: Finding) -> None:
         if self._closed or self._process(rank) is None:
@@ -602,7 +444,7 @@ class UnicronAgent(LocalElasticAgent):
         if finding.kind == "link_flapping":
             return  # SEV3 noise: observed, nothing to retry
         with self._lock:
-            self._decide(rank, event, responsive=False)
+            self._climb(rank, event, responsive=False)
 
     def _rejoin(self, rank: int, pid: int, exitcode: int, detected_at: float) -> bool:
         """The worker of ``rank`` exited after asking to rejoin (caller holds the lock; clears the request).
@@ -623,7 +465,7 @@ class UnicronAgent(LocalElasticAgent):
         event = self._event(Severity.SEV3, LEFT_OUT, "process", rank, f"pid {pid} left out: {reason}"[:500],
                             detected_at, detected_at)
         history = replace(self._history.get(rank, RankHistory()), responsive=False)
-        decision = decide(self.config.ladder, history, event)
+        decision = climb(self.config.ladder, history, event)
         if decision.history.rejoins == history.rejoins:  # the ladder counted no rejoin
             why = "worker not resumable" if not history.resumable else f"max_rejoins={self.config.ladder.max_rejoins}"
             log.warning("rejoin_refused", rank=rank, reason=why, pid=pid, exitcode=exitcode)
@@ -634,14 +476,14 @@ class UnicronAgent(LocalElasticAgent):
         self._act(rank, decision, event)
         return True
 
-    # -- decisions -------------------------------------------------------------
-    def _decide(self, rank: int, event: ErrorEvent, responsive: bool, step: int = -1) -> None:
+    # -- the ladder --------------------------------------------------------------
+    def _climb(self, rank: int, event: ErrorEvent, responsive: bool, step: int = -1) -> None:
         history = replace(self._history.get(rank, RankHistory()), responsive=responsive)
-        decision = decide(self.config.ladder, history, event, step)
+        decision = climb(self.config.ladder, history, event, step)
         self._history[rank] = decision.history
         self._act(rank, decision, event)
 
-    def _act(self, rank: int, decision: Decision, event: ErrorEvent) -> None:
+    def _act(self, rank: int, decision: Rung, event: ErrorEvent) -> None:
         if self._closed:  # callers hold the lock: a shutdown that began is final
             log.info("agent_action_skipped", action=decision.action.value, rank=rank, reason="agent stopping")
             return
@@ -661,7 +503,7 @@ class UnicronAgent(LocalElasticAgent):
         else:
             self._execute(rank, decision, self._local_rank(rank))
 
-    def _execute(self, rank: int, decision: Decision, local_rank: int | None) -> None:
+    def _execute(self, rank: int, decision: Rung, local_rank: int | None) -> None:
         if self._closed:
             return
         self.actions.append((decision.action.value, rank))
@@ -743,7 +585,7 @@ class UnicronAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         raise_pending_stop()  # a signal some library code swallowed
         raise_if_orphaned()
-        if _leave_requested.is_set() and not self.left:
+        if leave_requested() and not self.left:
             self.leave_at_step_boundary()
         with self._lock:
             procs = _torch_compat.worker_processes(self._pcontext)
@@ -766,7 +608,7 @@ class UnicronAgent(LocalElasticAgent):
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY, WorkerState.SUCCEEDED):
                 # torch has just closed the whole group (SIGTERM to the rest): those exits are not failures
                 self._stopping = True
-                _leave_ready.clear()  # the workers are done: a leave signal now stops the node
+                leave_possible(False)  # the workers are done: a leave signal now stops the node
             return result
 
     def leave_at_step_boundary(self) -> None:

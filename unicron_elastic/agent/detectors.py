@@ -1,7 +1,7 @@
 """The built-in detectors (paper Table 1): node health, process supervision,
 exception propagation, statistical monitoring, and NVML hardware checks.
 
-A detector watches one thing and tells its :class:`DetectorContext` (the agent)
+A detector watches one thing and tells its :class:`~unicron_elastic.agent.api.DetectorContext` (the agent)
 what it saw; the agent turns that into an event and an action. Detectors are
 provided through the ``unicron_detectors`` hook; these are the default plugin's.
 """
@@ -12,50 +12,21 @@ import os
 import select
 import threading
 import time
-from abc import ABC
 from subprocess import Popen
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
+from unicron_elastic.agent.api import Detector, DetectorContext
 from unicron_elastic.api import StoreError
-from unicron_elastic.detection.hang import Finding, HangThresholds, IterationMonitor, hang_verdict
-from unicron_elastic.events import Classification, ErrorEvent, Severity
+from unicron_elastic.detection.hang import HangThresholds, IterationMonitor, hang_verdict
+from unicron_elastic.events import ErrorEvent, Severity
 from unicron_elastic.node import NODE_DAEMON_ENV
-from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.lease import KeptLease
 from unicron_elastic.store.watch import PrefixWatch, WatchEvent
 
 log = structlog.get_logger(__name__)
 _THIS_NODE = "this node"  # the node of every rank a hang detector watches (its agent's own)
-
-
-class DetectorContext(Protocol):
-    """What a detector may ask of the agent."""
-
-    node: str
-    store: StatusStore | None
-
-    def workers(self) -> dict[int, tuple[int, Popen]]:
-        """``local_rank -> (global rank, process)`` of the running workers."""
-
-    def worker_exited(self, local_rank: int, pid: int, exitcode: int, detected_at: float) -> None:
-        """A worker process ended with a non-zero exit code."""
-
-    def exception(self, rank: int, msg: dict[str, Any], classification: Classification, received: float) -> None:
-        """A worker reported an exception."""
-
-    def hang(self, rank: int, finding: Finding) -> None:
-        """The statistical monitor found a hang or flapping."""
-
-    def report(self, event: ErrorEvent) -> None:
-        """Publish an event that needs no worker action (e.g. another node lost)."""
-
-    def lost_own_lease(self) -> None:
-        """This node's lease expired: peers consider it dead."""
-
-    def classify(self, exc_type: str, message: str, traceback: str) -> Classification:
-        """Classify an exception through the plugins."""
 
 
 def _own_rank(ctx: DetectorContext, rank: int) -> bool:
@@ -69,35 +40,6 @@ def _note_dropped(detector: Detector, msg: dict[str, Any]) -> None:
     if str(detector.dropped).rstrip("0") == "1":
         log.warning("worker_message_from_unknown_rank", detector=detector.name, rank=msg["rank"],
                     message_type=msg["t"], dropped=detector.dropped)
-
-
-class Detector(ABC):  # noqa: B024 - every method has a sensible default
-    """A detector; override what you need.
-
-    Attributes:
-        name: Name used in ``--detectors``.
-        dropped: Worker messages ignored because their rank is not one of
-            this agent's workers (detectors that check it).
-    """
-
-    name = "detector"
-    dropped = 0
-
-    def start(self, ctx: DetectorContext) -> None:
-        """Start watching (called once, after the first rendezvous)."""
-        self.ctx = ctx
-
-    def stop(self) -> None:
-        """Stop watching."""
-
-    def on_message(self, msg: dict[str, Any], received: float) -> None:
-        """A worker message arrived (heartbeat, state, exception ...)."""
-
-    def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
-        """Workers were (re)started: ``local_ranks`` have fresh processes."""
-
-    def on_rank_failed(self, rank: int, now: float) -> None:
-        """Worker ``rank`` died (monotonic ``now``): the others may stall in collectives with it for a moment."""
 
 
 class ProcessDetector(Detector):

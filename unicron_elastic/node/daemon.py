@@ -318,7 +318,7 @@ class NodeDaemon:
 
         Its exit is not the task's completion (no ``done`` marker): the task goes on elsewhere.
         """
-        from unicron_elastic.agent.agent import LEAVE_SIGNAL
+        from unicron_elastic.agent.signals import LEAVE_SIGNAL
 
         proc = self.launcher
         if proc is None or proc.poll() is not None:

@@ -9,8 +9,7 @@ from unicron_elastic.events import Classification
 from unicron_elastic.plugins import hookimpl
 
 if TYPE_CHECKING:
-    from unicron_elastic.agent.agent import AgentConfig
-    from unicron_elastic.agent.detectors import Detector
+    from unicron_elastic.agent.api import AgentConfig, Detector
 
 
 @hookimpl(trylast=True)

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from unicron_elastic.agent.agent import AgentConfig
-    from unicron_elastic.agent.detectors import Detector
+    from unicron_elastic.agent.api import AgentConfig, Detector
     from unicron_elastic.events import Classification, ErrorEvent
 
 PROJECT = "unicron_elastic"

@@ -1,6 +1,6 @@
 """The node's escalation ladder as a pure function (paper section 4.2).
 
-``decide(policy, history, event) -> Decision``; the agent executes the decision.
+``climb(policy, history, event) -> Rung``: the rung the event puts the rank on; the agent executes it.
 
     SEV3 -> reattempt in place, at most ``max_reattempts`` times per step;
             then handled as SEV2
@@ -66,7 +66,7 @@ class LadderPolicy:
 
 @dataclass(frozen=True)
 class RankHistory:
-    """What happened to one rank so far (the decision's state).
+    """What happened to one rank so far (the ladder's state).
 
     Attributes:
         resumable: The worker declared it can be restarted alone.
@@ -86,13 +86,13 @@ class RankHistory:
 
 
 @dataclass(frozen=True)
-class Decision:
-    """The decision and the history after it.
+class Rung:
+    """The rung of the ladder an event put a rank on: the action, and the history after it.
 
     Attributes:
         action: What to do.
         severity: The severity the action answers (after escalation).
-        history: The rank's history including this decision.
+        history: The rank's history including this rung.
         reason: Why, for logs and events.
     """
 
@@ -103,7 +103,7 @@ class Decision:
     escalated_from: tuple[Severity, ...] = field(default=())
 
 
-def decide(policy: LadderPolicy, history: RankHistory, event: ErrorEvent, step: int = -1) -> Decision:
+def climb(policy: LadderPolicy, history: RankHistory, event: ErrorEvent, step: int = -1) -> Rung:
     """Choose the action for ``event`` on a rank with ``history``.
 
     Args:
@@ -113,7 +113,7 @@ def decide(policy: LadderPolicy, history: RankHistory, event: ErrorEvent, step: 
         step: The training step the event happened in (for reattempt counting).
 
     Returns:
-        The decision. A ``left_out`` event (:data:`LEFT_OUT`, SEV3 or SEV2) is
+        The rung. A ``left_out`` event (:data:`LEFT_OUT`, SEV3 or SEV2) is
         a rejoin while ``history.rejoins < policy.max_rejoins`` and the worker
         is resumable, otherwise a SEV2.
     """
@@ -129,22 +129,22 @@ def decide(policy: LadderPolicy, history: RankHistory, event: ErrorEvent, step: 
         used = history.reattempts if same_step else 0
         if history.responsive and used < policy.max_reattempts:
             new = replace(history, step=step, reattempts=used + 1)
-            return Decision(Action.REATTEMPT, Severity.SEV3, new, f"reattempt {used + 1}/{policy.max_reattempts}")
+            return Rung(Action.REATTEMPT, Severity.SEV3, new, f"reattempt {used + 1}/{policy.max_reattempts}")
         escalated, severity = (Severity.SEV3,), Severity.SEV2
     if severity is Severity.SEV2:
         if not history.resumable:
-            return Decision(Action.RESTART_ALL, Severity.SEV2, history, "worker not resumable: restart all", escalated)
+            return Rung(Action.RESTART_ALL, Severity.SEV2, history, "worker not resumable: restart all", escalated)
         if history.restarts < policy.max_worker_restarts:
             new = replace(history, restarts=history.restarts + 1, reattempts=0)
-            return Decision(Action.RESTART_WORKER, Severity.SEV2, new,
+            return Rung(Action.RESTART_WORKER, Severity.SEV2, new,
                             f"restart {history.restarts + 1}/{policy.max_worker_restarts}", escalated)
         escalated, severity = (*escalated, Severity.SEV2), Severity.SEV1
-    return Decision(Action.GIVE_UP, Severity.SEV1, history, f"{event.kind}: node gives up its assignment", escalated)
+    return Rung(Action.GIVE_UP, Severity.SEV1, history, f"{event.kind}: node gives up its assignment", escalated)
 
 
-def _rejoin(policy: LadderPolicy, history: RankHistory) -> Decision | None:
+def _rejoin(policy: LadderPolicy, history: RankHistory) -> Rung | None:
     """Restart a left-out worker as a joiner; None (handled as a SEV2) for a plain script or past ``max_rejoins``."""
     if not history.resumable or history.rejoins >= policy.max_rejoins:
         return None
     new = replace(history, rejoins=history.rejoins + 1, reattempts=0)
-    return Decision(Action.RESTART_WORKER, Severity.SEV3, new, f"rejoin {history.rejoins + 1}/{policy.max_rejoins}")
+    return Rung(Action.RESTART_WORKER, Severity.SEV3, new, f"rejoin {history.rejoins + 1}/{policy.max_rejoins}")

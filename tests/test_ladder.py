@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicron_elastic.agent.decide import LEFT_OUT, Action, LadderPolicy, RankHistory, decide
+from unicron_elastic.agent.ladder import LEFT_OUT, Action, LadderPolicy, RankHistory, climb
 from unicron_elastic.api import ConfigError
 from unicron_elastic.events import ErrorEvent, Severity
 
@@ -19,9 +19,9 @@ def ev(severity: Severity, kind: str = "x") -> ErrorEvent:
 
 def test_sev3_reattempts_then_escalates_to_sev2_restart() -> None:
     h = RankHistory(resumable=True)
-    d1 = decide(POLICY, h, ev(Severity.SEV3), step=7)
-    d2 = decide(POLICY, d1.history, ev(Severity.SEV3), step=7)
-    d3 = decide(POLICY, d2.history, ev(Severity.SEV3), step=7)
+    d1 = climb(POLICY, h, ev(Severity.SEV3), step=7)
+    d2 = climb(POLICY, d1.history, ev(Severity.SEV3), step=7)
+    d3 = climb(POLICY, d2.history, ev(Severity.SEV3), step=7)
     assert [d1.action, d2.action, d3.action] == [Action.REATTEMPT, Action.REATTEMPT, Action.RESTART_WORKER]
     assert d3.severity is Severity.SEV2 and d3.escalated_from == (Severity.SEV3,)
 
@@ -29,13 +29,13 @@ def test_sev3_reattempts_then_escalates_to_sev2_restart() -> None:
 def test_sev3_reattempt_budget_is_per_step() -> None:
     h = RankHistory(resumable=True)
     for step in range(5):
-        d = decide(POLICY, h, ev(Severity.SEV3), step=step)
+        d = climb(POLICY, h, ev(Severity.SEV3), step=step)
         assert d.action is Action.REATTEMPT
         h = d.history
 
 
 def test_unresponsive_sev3_goes_straight_to_sev2() -> None:
-    d = decide(POLICY, RankHistory(resumable=True, responsive=False), ev(Severity.SEV3, "collective_timeout"))
+    d = climb(POLICY, RankHistory(resumable=True, responsive=False), ev(Severity.SEV3, "collective_timeout"))
     assert d.action is Action.RESTART_WORKER and d.escalated_from == (Severity.SEV3,)
 
 
@@ -43,7 +43,7 @@ def test_sev2_restarts_resumable_worker_then_escalates_to_sev1() -> None:
     h = RankHistory(resumable=True)
     actions = []
     for _ in range(3):
-        d = decide(POLICY, h, ev(Severity.SEV2))
+        d = climb(POLICY, h, ev(Severity.SEV2))
         actions.append(d.action)
         h = d.history
     assert actions == [Action.RESTART_WORKER, Action.RESTART_WORKER, Action.GIVE_UP]
@@ -51,17 +51,17 @@ def test_sev2_restarts_resumable_worker_then_escalates_to_sev1() -> None:
 
 
 def test_sev2_on_plain_script_keeps_torchrun_restart_all() -> None:
-    d = decide(POLICY, RankHistory(resumable=False), ev(Severity.SEV2))
+    d = climb(POLICY, RankHistory(resumable=False), ev(Severity.SEV2))
     assert d.action is Action.RESTART_ALL
 
 
 def test_sev1_gives_up_at_once() -> None:
-    d = decide(POLICY, RankHistory(resumable=True), ev(Severity.SEV1, "ecc"))
+    d = climb(POLICY, RankHistory(resumable=True), ev(Severity.SEV1, "ecc"))
     assert d.action is Action.GIVE_UP and "ecc" in d.reason
 
 
 def test_zero_budgets_escalate_immediately() -> None:
-    d = decide(LadderPolicy(0, 0), RankHistory(resumable=True), ev(Severity.SEV3))
+    d = climb(LadderPolicy(0, 0), RankHistory(resumable=True), ev(Severity.SEV3))
     assert d.action is Action.GIVE_UP and d.escalated_from == (Severity.SEV3, Severity.SEV2)
     with pytest.raises(ConfigError):
         LadderPolicy(-1, 0)
@@ -97,11 +97,11 @@ def left_out(severity: Severity = Severity.SEV3) -> ErrorEvent:
 
 
 def test_left_out_restarts_as_a_joiner_without_using_the_restart_budget() -> None:
-    d = decide(POLICY, RankHistory(resumable=True, reattempts=2, step=4), left_out())
+    d = climb(POLICY, RankHistory(resumable=True, reattempts=2, step=4), left_out())
     assert d.action is Action.RESTART_WORKER and d.severity is Severity.SEV3 and d.escalated_from == ()
     assert d.history.rejoins == 1 and d.history.restarts == 0 and d.history.reattempts == 0
     assert d.reason == "rejoin 1/10"
-    after = decide(POLICY, d.history, ev(Severity.SEV2))  # a real failure later still has its whole budget
+    after = climb(POLICY, d.history, ev(Severity.SEV2))  # a real failure later still has its whole budget
     assert after.action is Action.RESTART_WORKER and after.history.restarts == 1 and after.history.rejoins == 1
 
 
@@ -109,7 +109,7 @@ def test_left_out_past_max_rejoins_is_an_ordinary_sev2_exit() -> None:
     policy = LadderPolicy(max_reattempts=2, max_worker_restarts=1, max_rejoins=2)
     h, actions = RankHistory(resumable=True), []
     for _ in range(4):
-        d = decide(policy, h, left_out())
+        d = climb(policy, h, left_out())
         actions.append((d.action, d.severity))
         h = d.history
     assert actions == [(Action.RESTART_WORKER, Severity.SEV3), (Action.RESTART_WORKER, Severity.SEV3),
@@ -119,20 +119,20 @@ def test_left_out_past_max_rejoins_is_an_ordinary_sev2_exit() -> None:
 
 
 def test_left_out_of_a_plain_script_restarts_all_as_for_sev2() -> None:
-    d = decide(POLICY, RankHistory(resumable=False), left_out())
+    d = climb(POLICY, RankHistory(resumable=False), left_out())
     assert d.action is Action.RESTART_ALL and d.severity is Severity.SEV2 and d.history.rejoins == 0
 
 
 def test_left_out_is_never_reattempted_in_place_and_sev1_still_gives_up() -> None:
-    d = decide(POLICY, RankHistory(resumable=True, responsive=True), left_out(), step=3)
+    d = climb(POLICY, RankHistory(resumable=True, responsive=True), left_out(), step=3)
     assert d.action is Action.RESTART_WORKER  # not REATTEMPT, though SEV3 and responsive
-    assert decide(POLICY, RankHistory(resumable=True), left_out(Severity.SEV1)).action is Action.GIVE_UP
-    sev2 = decide(POLICY, RankHistory(resumable=True), left_out(Severity.SEV2))
+    assert climb(POLICY, RankHistory(resumable=True), left_out(Severity.SEV1)).action is Action.GIVE_UP
+    sev2 = climb(POLICY, RankHistory(resumable=True), left_out(Severity.SEV2))
     assert sev2.action is Action.RESTART_WORKER and sev2.history.rejoins == 1
 
 
 def test_max_rejoins_zero_and_negative() -> None:
-    d = decide(LadderPolicy(2, 2, 0), RankHistory(resumable=True), left_out())
+    d = climb(LadderPolicy(2, 2, 0), RankHistory(resumable=True), left_out())
     assert d.action is Action.RESTART_WORKER and d.severity is Severity.SEV2 and d.history.restarts == 1
     assert LadderPolicy().max_rejoins == 10
     with pytest.raises(ConfigError):
@@ -148,7 +148,7 @@ def test_left_out_never_counts_as_a_restart_while_rejoins_last(kinds: list[str],
     events = {"left_out": left_out(), "sev2": ev(Severity.SEV2), "sev3": ev(Severity.SEV3)}
     h = RankHistory(resumable=resumable)
     for kind in kinds:
-        d = decide(policy, h, events[kind], step=0)
+        d = climb(policy, h, events[kind], step=0)
         assert d.history.rejoins <= max_rejoins and d.history.restarts <= policy.max_worker_restarts
         if kind == "left_out" and d.history.rejoins > h.rejoins:  # a rejoin: nothing else changes
             assert d.action is Action.RESTART_WORKER and d.history.restarts == h.restarts and resumable

@@ -1,0 +1,166 @@
+"""The stop and leave signals of ``unicron-run``, for the launcher and its agent (main thread state).
+
+SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the node (torch's ``SignalException``),
+deferred across steps that must not be cut in half and ignored once the
+clean-up began; SIGUSR2 (:data:`LEAVE_SIGNAL`) asks the agent to leave its
+task at the next step boundary. A node daemon's death stops its launcher too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+from torch.distributed.elastic.multiprocessing import SignalException
+
+from unicron_elastic.agent import _torch_compat
+
+log = structlog.get_logger(__name__)
+
+#: Signals that stop ``unicron-run`` (torch's default set of handled signals).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: The signal that makes ``unicron-run`` leave its task at the next step boundary (a node the plan takes away).
+LEAVE_SIGNAL = signal.SIGUSR2
+_shutting_down = threading.Event()  # set once the process cleans up: later stop signals are ignored
+_leave_requested = threading.Event()  # LEAVE_SIGNAL arrived: the agent acts on it at its next monitor interval
+_leave_ready = threading.Event()  # workers run under the monitor loop: a leave can be acted on (else it is a stop)
+_signals: dict[str, Any] = {"pending": None, "deferring": 0}  # main-thread state of the stop signal
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    """Raise torch's ``SignalException`` in the main thread, unless deferred or a shutdown is under way.
+
+    Raises:
+        SignalException: For a stop signal outside :func:`stop_signals_deferred`.
+    """
+    sig = signal.Signals(signum)
+    if _shutting_down.is_set():
+        log.warning("stop_signal_ignored", signal=sig.name, reason="shutdown under way (SIGKILL forces)")
+        return
+    _signals["pending"] = sig
+    if _signals["deferring"]:
+        log.info("stop_signal_deferred", signal=sig.name)
+        return
+    raise SignalException(f"Process {os.getpid()} got signal: {sig.name}", sigval=sig)
+
+
+def raise_pending_stop() -> None:
+    """Raise again a stop signal that was received but is not being acted on.
+
+    A ``SignalException`` raised in the middle of library code that catches
+    ``Exception`` (a health probe, a retry loop) is lost; the agent calls this
+    at points where it is safe to stop (every monitor interval, after a rendezvous).
+
+    Raises:
+        SignalException: A stop signal arrived and no shutdown has begun.
+    """
+    sig = _signals["pending"]
+    if sig is not None and not _shutting_down.is_set() and threading.current_thread() is threading.main_thread():
+        raise SignalException(f"Process {os.getpid()} got signal: {sig.name}", sigval=sig)
+
+
+@contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """A stop signal inside the block takes effect when the block ends (main thread).
+
+    For steps that must not be cut in half: starting etcd (its health probe
+    would swallow the exception) or worker processes (torch would lose track
+    of those started so far). In other threads (signals only reach the main
+    thread) it does nothing.
+
+    Raises:
+        SignalException: At the end of the block, for a stop signal received in it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _signals["deferring"] += 1
+    try:
+        yield
+    finally:
+        _signals["deferring"] -= 1
+    if not _signals["deferring"]:
+        raise_pending_stop()
+
+
+def install_stop_signals() -> None:
+    """Turn SIGTERM, SIGINT, SIGHUP and SIGQUIT into ``SignalException`` (main thread only).
+
+    Like torch's own handler (which it also replaces in the worker start-up,
+    see :func:`~unicron_elastic.agent._torch_compat.use_signal_handler`), but a
+    signal inside :func:`stop_signals_deferred` waits for the end of the block,
+    and once :func:`begin_shutdown` was called a further signal is logged and
+    ignored, so it cannot break off the clean-up (stopping the workers and etcd,
+    removing temp dirs). ``unicron-run`` installs it before it starts anything.
+    """
+    _torch_compat.use_signal_handler(_on_stop_signal)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+
+
+def _on_leave_signal(signum: int, frame: object) -> None:
+    """Ask the agent to leave (it acts in its monitor loop); outside the loop, stop as on SIGTERM.
+
+    Raises:
+        SignalException: No workers run under the monitor loop (rendezvous,
+            start-up, exit barrier): leaving is stopping.
+    """
+    if _leave_ready.is_set():
+        _leave_requested.set()
+        return
+    log.info("leave_signal_stops", reason="no workers training under the monitor loop")
+    _on_stop_signal(signal.SIGTERM, frame)
+
+
+def install_leave_signal() -> None:
+    """Make :data:`LEAVE_SIGNAL` (SIGUSR2) ask the agent to leave the task (main thread only).
+
+    While workers train, the handler only sets a flag and the agent acts on it
+    in its monitor loop (:meth:`~unicron_elastic.agent.agent.UnicronAgent.leave_at_step_boundary`); at any
+    other moment it stops the node as SIGTERM does.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(LEAVE_SIGNAL, _on_leave_signal)
+
+
+def raise_if_orphaned() -> None:
+    """Stop like on SIGTERM when the node daemon that started this launcher died.
+
+    A daemon killed alone (its launcher and workers still running) has lost
+    the node's record; the coordinator re-plans without the node, so its
+    workers must not keep training.
+
+    Raises:
+        SignalException: ``$UNICRON_NODE_DAEMON_PID`` is set and is no longer the parent.
+    """
+    from unicron_elastic.node import DAEMON_PID_ENV
+
+    expected = os.environ.get(DAEMON_PID_ENV)
+    if expected and expected.isdigit() and os.getppid() != int(expected) and not _shutting_down.is_set():
+        log.warning("node_daemon_gone", daemon_pid=int(expected))
+        raise SignalException(f"Process {os.getpid()}: node daemon {expected} is gone", sigval=signal.SIGTERM)
+
+
+def begin_shutdown() -> None:
+    """From now on the process is cleaning up: stop signals are ignored (see :func:`install_stop_signals`)."""
+    _shutting_down.set()
+
+
+def leave_possible(possible: bool) -> None:
+    """Whether workers train under the agent's monitor loop, so a leave signal can be acted on (else it stops)."""
+    if possible:
+        _leave_ready.set()
+    else:
+        _leave_ready.clear()
+
+
+def leave_requested() -> bool:
+    """Whether :data:`LEAVE_SIGNAL` arrived while leaving was possible (the agent acts on it once)."""
+    return _leave_requested.is_set()
