@@ -8,7 +8,8 @@ import sys
 import threading
 from pathlib import Path
 
-from unicron_elastic.api import MAX_TIMEOUT_S, ConfigError, UnicronError, finite_positive
+from unicron_elastic.api import MAX_TIMEOUT_S, UnicronError
+from unicron_elastic.cli_options import add_etcd_options, bounded, etcd_config, positive_int
 from unicron_elastic.logging import configure_logging
 
 
@@ -46,12 +47,6 @@ def _cmd_etcd(args: argparse.Namespace) -> int:
     return 0
 
 
-_STATUS_PASSWORD_NAMES = {
-    "user": "--user",
-    "password": "--password",
-    "password_file": "--password-file",
-    "file_hint": "--password-file PATH",
-}
 _EVENT_TEXT_FIELDS = ("kind", "detector", "node", "task", "message")
 
 
@@ -118,44 +113,6 @@ def render_status(store, limit: int = 10) -> str:
     return "\n".join(lines)
 
 
-def add_etcd_options(parser: argparse.ArgumentParser, timeout: float = 5.0) -> None:
-    """The flags that say how to reach etcd: endpoint, cluster, TLS, user and password, timeout.
-
-    Args:
-        parser: The (sub-)command's parser.
-        timeout: Default of ``--timeout``: 5 s for one-shot commands, longer for daemons,
-            which must ride out an etcd restart.
-    """
-    parser.add_argument("--endpoint", required=True, help="etcd members, HOST:PORT[,HOST:PORT...] (the --rdzv-endpoint)")
-    parser.add_argument("--cluster", default="default")
-    parser.add_argument("--ca-cert", default=None, help="CA certificate file; enables TLS")
-    parser.add_argument("--cert", default=None, help="client certificate file for mutual TLS (with --key)")
-    parser.add_argument("--key", default=None, help="client key file for mutual TLS (with --cert)")
-    parser.add_argument("--user", default=None,
-                        help="etcd user; the password comes from --password-file or $UNICRON_ETCD_PASSWORD")
-    parser.add_argument("--password-file", default=None, help="file holding the etcd password of --user")
-    parser.add_argument("--timeout", type=_bounded(MAX_TIMEOUT_S), default=timeout,
-                        help=f"seconds to keep retrying while etcd is unreachable (> 0, at most one year; "
-                             f"default {timeout:g})")
-
-
-def etcd_config(args: argparse.Namespace):
-    """The :class:`~unicron_elastic.api.EtcdConfig` of :func:`add_etcd_options`' flags.
-
-    Raises:
-        ConfigError: --cert without --key (or the reverse), a bad endpoint, a password problem.
-    """
-    from unicron_elastic.api import EtcdConfig
-    from unicron_elastic.rendezvous.options import etcd_password, parse_endpoints
-
-    if (args.cert is None) != (args.key is None):
-        raise ConfigError("--cert and --key must be given together")
-    members = parse_endpoints(args.endpoint, flag="--endpoint")
-    password = etcd_password(args.user, None, args.password_file, names=_STATUS_PASSWORD_NAMES)
-    return EtcdConfig(members=members, cluster=args.cluster, reconnect_timeout=args.timeout,
-                      ca_cert=args.ca_cert, cert_cert=args.cert, cert_key=args.key, user=args.user, password=password)
-
-
 def _status_text(store, limit: int) -> str:
     from unicron_elastic.coordinator.status import cluster_status, render_plan
 
@@ -187,37 +144,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 print(flush=True)
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
-    return value
-
-
-def _bounded(maximum: float, *, allow_zero: bool = False, integer: bool = False):
-    """argparse type: a finite number > 0 (>= 0 with ``allow_zero``) and at most ``maximum``.
-
-    argparse prints the refusal as ``unicron: error: argument --FLAG: ...`` and exits 2.
-    """
-
-    def parse(text: str) -> float | int:
-        try:
-            return finite_positive("", text, maximum, allow_zero=allow_zero, integer=integer)
-        except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
-
-
 def _gpus(text: str) -> int:
     """argparse type of ``--gpus``: a whole number in 1..``MAX_GPUS`` (100,000)."""
     from unicron_elastic.planner import MAX_GPUS
 
-    return int(_bounded(MAX_GPUS, integer=True)(text))
+    return int(bounded(MAX_GPUS, integer=True)(text))
 
 
 def _cost_model(args: argparse.Namespace, failure_rate: float):
@@ -275,14 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     etcd = sub.add_parser("etcd", help="run a private etcd on free loopback ports until Ctrl-C")
     etcd.add_argument("--cluster", default="default")
-    etcd.add_argument("--members", type=_bounded(9, integer=True), default=1,
+    etcd.add_argument("--members", type=bounded(9, integer=True), default=1,
                       help="etcd members to run as one cluster (default 1; 3 or 5 to survive losing 1 or 2)")
     etcd.set_defaults(func=_cmd_etcd)
     status = sub.add_parser("status", help="nodes, tasks, the plan and recent error events of a cluster, from etcd")
     add_etcd_options(status)
-    status.add_argument("--limit", type=_positive_int, default=10, help="newest events to show (>= 1)")
+    status.add_argument("--limit", type=positive_int, default=10, help="newest events to show (>= 1)")
     status.add_argument("--json", action="store_true", help="one JSON document (per refresh) for scripts")
-    status.add_argument("--watch", type=_bounded(3600), default=None, metavar="SECONDS",
+    status.add_argument("--watch", type=bounded(3600), default=None, metavar="SECONDS",
                         help="refresh every SECONDS until Ctrl-C")
     status.set_defaults(func=_cmd_status)
     from unicron_elastic.cluster_cli import add_cluster_commands
@@ -300,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--gpus", type=_gpus, default=128, help="cluster size for multitask (1 to 100,000)")
     sim.add_argument("--gpu", default="A800-80GB", help="GPU type")
     sim.add_argument("--calibration", default=None, help="CSV/JSON of measured T (model,gpus,flops)")
-    sim.add_argument("--d-transition", type=_bounded(MAX_TIMEOUT_S, allow_zero=True), default=60.0,
+    sim.add_argument("--d-transition", type=bounded(MAX_TIMEOUT_S, allow_zero=True), default=60.0,
                      help="D_transition of the cost model (s; >= 0, at most one year)")
     sim.add_argument("--policies", default="megatron,oobleck,bamboo,varuna")
     sim.add_argument("--out", default=None, help="folder for PNG plots and JSON results")

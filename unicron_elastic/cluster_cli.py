@@ -17,6 +17,7 @@ import threading
 import structlog
 
 from unicron_elastic.api import ConfigError
+from unicron_elastic.cli_options import add_etcd_options, bounded, etcd_config, positive_int
 
 log = structlog.get_logger(__name__)
 
@@ -25,7 +26,6 @@ DAEMON_TIMEOUT_S = 30.0
 
 
 def _store(args: argparse.Namespace):
-    from unicron_elastic.cli import etcd_config
     from unicron_elastic.store import StatusStore
 
     return StatusStore(etcd_config(args))
@@ -100,22 +100,21 @@ def _policy_config(args: argparse.Namespace):
 
 def coordinator_parser() -> argparse.ArgumentParser:
     """``unicron-coordinator``'s flags."""
-    from unicron_elastic.cli import _bounded, _positive_int, add_etcd_options
 
     parser = argparse.ArgumentParser(
         prog="unicron-coordinator",
         description="The cluster's workload manager: leader-elected on etcd (run any number; one leads), "
         "turns node losses and joins, task submissions and completions into plans for all tasks.")
     add_etcd_options(parser, timeout=DAEMON_TIMEOUT_S)
-    parser.add_argument("--ttl", type=_positive_int, default=5,
+    parser.add_argument("--ttl", type=positive_int, default=5,
                         help="lease TTL of the leader key, seconds: a dead leader is replaced within about this")
     parser.add_argument("--gpu", default="A800-80GB", help="GPU type of the analytic throughput model")
     parser.add_argument("--failure-rate", type=float, default=1.0 / (128 * 7 * 86400 / 4),
                         help="lambda of the cost model, failures per GPU per second")
     parser.add_argument("--d-transition", type=float, default=60.0, help="D_transition of the cost model, seconds")
-    parser.add_argument("--escalate-after", type=_positive_int, default=3,
+    parser.add_argument("--escalate-after", type=positive_int, default=3,
                         help="SEV2/SEV3 events on one node within --window that isolate it")
-    parser.add_argument("--window", type=_bounded(86400 * 365), default=600.0, help="the escalation window, seconds")
+    parser.add_argument("--window", type=bounded(86400 * 365), default=600.0, help="the escalation window, seconds")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     return parser
@@ -170,7 +169,6 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
 
 def add_cluster_commands(sub) -> None:
     """Add ``task``, ``node`` and ``cluster`` to ``unicron``'s sub-commands."""
-    from unicron_elastic.cli import _bounded, _positive_int, add_etcd_options
 
     task = sub.add_parser("task", help="submit, list and cancel the tasks of a coordinated cluster")
     verbs = task.add_subparsers(dest="verb", required=True)
@@ -191,12 +189,12 @@ def add_cluster_commands(sub) -> None:
     node = sub.add_parser("node", help="the node daemon: registers the node and runs the workers the plan gives it "
                           "(SIGTERM drains the node first; Ctrl-C, SIGHUP or a second SIGTERM stop at once)")
     add_etcd_options(node, timeout=DAEMON_TIMEOUT_S)
-    node.add_argument("--slots", type=_positive_int, required=True, help="workers this node runs (its GPUs)")
+    node.add_argument("--slots", type=positive_int, required=True, help="workers this node runs (its GPUs)")
     node.add_argument("--name", default=socket.gethostname(), help="node name (default: the host name)")
-    node.add_argument("--ttl", type=_positive_int, default=2, help="lease TTL of the node, seconds")
+    node.add_argument("--ttl", type=positive_int, default=2, help="lease TTL of the node, seconds")
     node.add_argument("--launcher-arg", action="append", default=[],
                       help="extra unicron-run flag for every task (repeatable), e.g. --launcher-arg=--node-ttl=1")
-    node.add_argument("--leave-timeout", type=_bounded(86400), default=60.0,
+    node.add_argument("--leave-timeout", type=bounded(86400), default=60.0,
                       help="seconds a launcher asked to leave its task at a step boundary (the plan moved the node) "
                            "gets before it is stopped, and a drain waits for the plan without the node; default 60")
     node.set_defaults(func=_cmd_node)
@@ -204,10 +202,10 @@ def add_cluster_commands(sub) -> None:
     cluster = sub.add_parser("cluster", help="a whole cluster on this machine, for demos and tests")
     verbs = cluster.add_subparsers(dest="verb", required=True)
     up = verbs.add_parser("up", help="start etcd, a coordinator and N node daemons on loopback until Ctrl-C")
-    up.add_argument("--nodes", type=_positive_int, default=3)
-    up.add_argument("--slots", type=_positive_int, default=2)
+    up.add_argument("--nodes", type=positive_int, default=3)
+    up.add_argument("--slots", type=positive_int, default=2)
     up.add_argument("--cluster", default="local")
-    up.add_argument("--etcd-members", type=_bounded(9, integer=True), default=1,
+    up.add_argument("--etcd-members", type=bounded(9, integer=True), default=1,
                     help="members of the cluster's etcd (default 1; 3 or 5 to survive losing 1 or 2)")
     up.add_argument("--launcher-arg", action="append", default=[], help="extra unicron-run flag for every task")
     up.set_defaults(func=_cmd_cluster_up)
