@@ -38,8 +38,22 @@ def _register() -> None:
     try:
         __import__(STRATEGY_MODULE)
     except Exception as exc:  # noqa: BLE001 - reported, and Lightning's import goes on
+        if _importing_ours():  # it imported Lightning at its top: it calls install() again at its end
+            return
         warnings.warn(f"unicron_elastic: the 'unicron_megatron' strategy was not registered: "
                       f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+
+
+def _importing_ours() -> bool:
+    """Whether a module of this package is being imported right now (its body has not finished).
+
+    Importing one of the strategy's modules that imports Lightning at its top
+    (``strategy/environment.py``) imports Lightning from inside it; the strategy
+    module, which needs that module's names, cannot be imported until its body
+    ends. That module calls :func:`install` as its last statement.
+    """
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items()) if name.startswith("unicron_elastic."))
 
 
 class RegisterAfterLightning(importlib.abc.MetaPathFinder):

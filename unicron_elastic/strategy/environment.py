@@ -14,6 +14,7 @@ import os
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
+from unicron_elastic import _lightning_hook
 from unicron_elastic.api import ConfigError
 from unicron_elastic.meeting import MAX_WORLD_ENV
 
@@ -97,3 +98,8 @@ class UnicronEnvironment(ClusterEnvironment):
 
     def node_rank(self) -> int:
         return self._node_rank
+
+
+# Importing this module first imported Lightning, whose import could not register the strategy (it needs
+# UnicronEnvironment, defined only now): register it now.
+_lightning_hook.install()
