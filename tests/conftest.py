@@ -79,17 +79,18 @@ def events_named(cap: object, name: str) -> list[dict]:
 
 @pytest.fixture()
 def capture_log(monkeypatch: pytest.MonkeyPatch) -> Callable[[object], object]:
-    """``capture_log(module)`` replaces ``module.log`` for the test and returns its ``LogCapture``.
+    """``capture_log(module, ...)`` replaces each ``module.log`` for the test and returns their one ``LogCapture``.
 
     Independent of any global structlog setup: every level is captured.
     """
     import structlog
 
-    def capture(module: object) -> structlog.testing.LogCapture:
+    def capture(*modules: object) -> structlog.testing.LogCapture:
         cap = structlog.testing.LogCapture()
         logger = structlog.wrap_logger(structlog.testing.CapturingLogger(), processors=[cap],
                                        wrapper_class=structlog.make_filtering_bound_logger(0))
-        monkeypatch.setattr(module, "log", logger)
+        for module in modules:
+            monkeypatch.setattr(module, "log", logger)
         return cap
 
     return capture

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+import unicron_elastic.strategy.snapshot_places as places_module
+import unicron_elastic.strategy.snapshot_wire as wire_module
 import unicron_elastic.strategy.snapshots as snapshots_module
 from test_safe_state import same
 from conftest import events_named
@@ -25,7 +27,9 @@ from unicron_elastic.agent.meeting import MeetingPoint
 from unicron_elastic.store import StatusStore
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.strategy.snapshots import SNAPSHOT_KEY, MemorySnapshot, PeerServers, snapshot_targets
+from unicron_elastic.strategy.snapshot_places import PeerServers, snapshot_targets
+from unicron_elastic.strategy.snapshot_wire import SNAPSHOT_KEY
+from unicron_elastic.strategy.snapshots import MemorySnapshot
 
 LOOPBACK = "127.0.0.1"
 
@@ -64,7 +68,7 @@ def test_the_targets_are_other_live_nodes_and_no_live_node_lies_between(own: int
 @pytest.fixture()
 def captured(capture_log) -> structlog.testing.LogCapture:
     """The snapshot module's log records."""
-    return capture_log(snapshots_module)
+    return capture_log(snapshots_module, places_module, wire_module)
 
 
 @pytest.fixture()

@@ -27,7 +27,8 @@ from conftest import events_named, wait_for
 from test_safe_state import same
 from unicron_elastic.strategy.safe_state import dumps, encode, layout
 from unicron_elastic.strategy.snapshot_writer import HostBuffer, copy_document
-from unicron_elastic.strategy.snapshots import SNAPSHOT_KEY, MemorySnapshot, _read
+from unicron_elastic.strategy.snapshot_wire import SNAPSHOT_KEY, read_snapshot
+from unicron_elastic.strategy.snapshots import MemorySnapshot
 
 
 def _stores() -> tuple[dist.TCPStore, dist.TCPStore]:
@@ -66,14 +67,14 @@ def test_the_writer_process_sends_each_snapshot_and_a_lost_writer_is_restarted(c
         for step, n in ((1, 10), (2, 3_000_000), (3, 3_000_000)):  # the buffer grows once, then is kept
             snapshot.save(_state(step, n))
             snapshot.wait()
-            assert same(_read("agent", agent, SNAPSHOT_KEY), _state(step, n))
+            assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(step, n))
         writer = snapshot._writer._process
         assert writer.pid != os.getpid() and writer.poll() is None
         writer.kill()  # lost: the next save starts another one
         writer.wait()
         snapshot.save(_state(4))
         snapshot.wait()
-        assert same(_read("agent", agent, SNAPSHOT_KEY), _state(4))
+        assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(4))
         assert events_named(captured, "snapshot_writer_lost")
     finally:
         snapshot.close()
@@ -125,9 +126,9 @@ def test_a_snapshot_due_while_the_previous_is_still_sent_is_skipped_not_waited_f
         assert not snapshot.save(_state(2))
         assert [e["step"] for e in events_named(captured, "snapshot_skipped")] == [2]
         snapshot.wait()
-        assert same(_read("agent", agent, SNAPSHOT_KEY), _state(1, 12_000_000))
+        assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(1, 12_000_000))
         assert snapshot.save(_state(3))  # taken again once the writer is free
         snapshot.wait()
-        assert same(_read("agent", agent, SNAPSHOT_KEY), _state(3))
+        assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(3))
     finally:
         snapshot.close()

@@ -73,7 +73,8 @@ from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_
 from unicron_elastic.strategy.pipeline import SCHEDULES
 from unicron_elastic.strategy.precision import check_module, check_precision, overflowed, scaled, start_scale
 from unicron_elastic.strategy.replicas import ModelParallel
-from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot, PeerServers
+from unicron_elastic.strategy.snapshot_places import PeerServers
+from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
 from unicron_elastic.strategy.transport import nccl_error_handling, transport_for
 from unicron_elastic.worker import get_worker
 

@@ -40,6 +40,8 @@ import torch
 
 from unicron_elastic.api import ConfigError, StoreError
 from unicron_elastic.strategy.safe_state import EncodedState, Layout, layout
+from unicron_elastic.strategy.snapshot_places import places_from
+from unicron_elastic.strategy.snapshot_wire import upload
 
 log = structlog.get_logger(__name__)
 
@@ -332,8 +334,6 @@ class _Mapped:
 
 def _places(spec: dict[str, Any], cache: dict[str, Any]) -> Any:
     """The snapshot's places from their description (connections kept between jobs)."""
-    from unicron_elastic.strategy.snapshots import places_from
-
     key = json.dumps(spec, sort_keys=True)
     if key not in cache:
         cache[key] = places_from(spec)
@@ -342,8 +342,6 @@ def _places(spec: dict[str, Any], cache: dict[str, Any]) -> Any:
 
 def serve(channel: socket.socket) -> None:
     """The writer's loop: each job's document, from the shared buffer to its places; an answer per job."""
-    from unicron_elastic.strategy.snapshots import upload
-
     mapped, cache = _Mapped(), {}
     os.nice(WRITER_NICENESS)  # (after the imports: a loaded machine would starve them)
     channel.send(json.dumps({"ready": True}).encode())
