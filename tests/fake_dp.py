@@ -35,7 +35,7 @@ with ``Sim.outcome == "no_replica"``; ``"all_dead"`` when every rank died.
 Tensor x pipeline parallel replicas (``Scenario.model_parallel``, C = TP x PP > 1):
 every simulated process is a launch rank (``replica * C + coordinate``) that runs
 the protocol in *replica space* (its protocol rank is its replica) over a
-:class:`~unicron_elastic.strategy.replicas.ReplicaMeeting` on the fake store,
+:class:`~unicron_elastic.strategy.replicas.ReplicaMembership` on the fake store,
 as :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` does:
 
 * each generation has one group per coordinate (that shard's K buckets, one
@@ -71,10 +71,11 @@ from types import GeneratorType
 from typing import Any
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy import protocol as P
+from unicron_elastic.strategy import effects as E
 from unicron_elastic.strategy.membership import CheckIn, MembershipRecord
-from unicron_elastic.strategy.protocol import Excluded, Protocol, ReplicaBroken
-from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMeeting, live_replicas, stages_to_backpropagate
+from unicron_elastic.strategy.effects import Excluded, ReplicaBroken
+from unicron_elastic.strategy.protocol import Protocol
+from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
 
 BASE = 1 << 8  # micro-batch j weighs BASE**j: counts below BASE decode exactly
 
@@ -346,25 +347,25 @@ class _Rank:
         self.last_label: Label | None = None
         self.clock = 0
         self.handlers: dict[type, Callable[[Any], Any]] = {
-            P.Point: lambda e: self.point(e.kind, e.step, e.index), P.Compute: self.compute,
-            P.Add: lambda e: [a + b for a, b in zip(e.total, e.extra)], P.Reduce: self.reduce,
-            P.AgreeMembers: self.agree, P.Pause: self.pause, P.DropGroup: self.drop,
-            P.CheckInFor: lambda e: sim.store.set(K.checkin(e.generation, rank), e.checkin.to_json()),
-            P.ReadRecord: lambda e: self.stored_record(e.generation),
-            P.ReadCheckIns: lambda e: self.checkins(e.generation, e.ranks), P.ReadAlive: self.alive,
-            P.AnyCheckedIn: lambda e: bool(self.checkins(e.generation, e.ranks)),
-            P.MarkReady: lambda e: sim.store.set(K.ready(e.generation, rank), "1"),
-            P.ReadReady: lambda e: all(sim.store.check([K.ready(e.generation, r)]) for r in e.ranks),
-            P.Now: lambda e: self.clock, P.Sleep: self.sleep, P.WriteRecord: self.write_record,
-            P.Abandon: self.abandon, P.BuildGroup: self.build, P.Formed: self.formed,
-            P.ReadRequests: lambda e: (sim.waiting(), [r for r in e.members if sim.store.check([K.leave(r)])]),
-            P.ReadWaiting: lambda e: sim.waiting(),
-            P.Announce: self.announce, P.TransferState: self.transfer, P.SetGradients: self.set_gradients,
-            P.ReadMembers: self.read_members, P.RequestJoin: self.request_join,
-            P.ReadFinished: lambda e: int(sim.store.get(K.FINISHED)) if sim.store.check([K.FINISHED]) else None,
-            P.ReadLatest: lambda e: json.loads(sim.store.get(K.LATEST)) if sim.store.check([K.LATEST]) else None,
-            P.Admitted: self.admitted, P.Fallback: self.fallback, P.FreeGeneration: self.free_generation,
-            P.Decided: self.decided, P.Followed: self.followed, P.Reassigned: self.reassigned,
+            E.Point: lambda e: self.point(e.kind, e.step, e.index), E.Compute: self.compute,
+            E.Add: lambda e: [a + b for a, b in zip(e.total, e.extra)], E.Reduce: self.reduce,
+            E.AgreeMembers: self.agree, E.Pause: self.pause, E.DropGroup: self.drop,
+            E.CheckInFor: lambda e: sim.store.set(K.checkin(e.generation, rank), e.checkin.to_json()),
+            E.ReadRecord: lambda e: self.stored_record(e.generation),
+            E.ReadCheckIns: lambda e: self.checkins(e.generation, e.ranks), E.ReadAlive: self.alive,
+            E.AnyCheckedIn: lambda e: bool(self.checkins(e.generation, e.ranks)),
+            E.MarkReady: lambda e: sim.store.set(K.ready(e.generation, rank), "1"),
+            E.ReadReady: lambda e: all(sim.store.check([K.ready(e.generation, r)]) for r in e.ranks),
+            E.Now: lambda e: self.clock, E.Sleep: self.sleep, E.WriteRecord: self.write_record,
+            E.Abandon: self.abandon, E.BuildGroup: self.build, E.Formed: self.formed,
+            E.ReadRequests: lambda e: (sim.waiting(), [r for r in e.members if sim.store.check([K.leave(r)])]),
+            E.ReadWaiting: lambda e: sim.waiting(),
+            E.Announce: self.announce, E.TransferState: self.transfer, E.SetGradients: self.set_gradients,
+            E.ReadMembers: self.read_members, E.RequestJoin: self.request_join,
+            E.ReadFinished: lambda e: int(sim.store.get(K.FINISHED)) if sim.store.check([K.FINISHED]) else None,
+            E.ReadLatest: lambda e: json.loads(sim.store.get(K.LATEST)) if sim.store.check([K.LATEST]) else None,
+            E.Admitted: self.admitted, E.Fallback: self.fallback, E.FreeGeneration: self.free_generation,
+            E.Decided: self.decided, E.Followed: self.followed, E.Reassigned: self.reassigned,
         }
 
     def _protocol_rank(self) -> int:
@@ -409,7 +410,7 @@ class _Rank:
                 yield from self.run(self.protocol.begin_step(s))
                 yield from self.run(self.protocol.finish_gradients())
                 self.protocol.next_step = s + 1
-            except P.Retired:  # asked to leave: out at a step boundary, exits 0 (the engine withdraws the request)
+            except E.Retired:  # asked to leave: out at a step boundary, exits 0 (the engine withdraws the request)
                 self.sim.store.delete_key(K.leave(self.rank))
                 self.sim.retired.append((s, self.rank))
                 return
@@ -448,14 +449,14 @@ class _Rank:
                 error = exc
 
     # -- effects -------------------------------------------------------------------------
-    def compute(self, e: P.Compute) -> Generator[None, None, list[int]]:
+    def compute(self, e: E.Compute) -> Generator[None, None, list[int]]:
         total = [0] * self.sim.scenario.buckets
         for j in e.micro_batches:
             yield from self.point("redo" if e.redo else "micro", e.step, j)
             _add(total, gradient(e.step, j, self.sim.scenario.buckets))
         return total
 
-    def reduce(self, e: P.Reduce) -> Generator[None, None, tuple]:
+    def reduce(self, e: E.Reduce) -> Generator[None, None, tuple]:
         if self.group is None:
             raise _Failed
         sc = self.sim.scenario
@@ -466,7 +467,7 @@ class _Rank:
             raise ProtocolViolation(f"step {e.step}: the last bucket carried no leader's proposal")
         return total, (list(agreed) if e.last else None)
 
-    def agree(self, e: P.AgreeMembers) -> Generator[None, None, list[int]]:
+    def agree(self, e: E.AgreeMembers) -> Generator[None, None, list[int]]:
         if self.group is None:
             raise _Failed
         seq = self.group.enter(self.rank, ("sync", e.step), 0, e.offer)
@@ -475,17 +476,17 @@ class _Rank:
             raise ProtocolViolation(f"step {e.step}: the membership sync carried no leader's proposal")
         return list(agreed)
 
-    def pause(self, e: P.Pause) -> None:
+    def pause(self, e: E.Pause) -> None:
         self.in_recovery = e.paused
 
-    def drop(self, e: P.DropGroup) -> Generator[None, None, None]:
+    def drop(self, e: E.DropGroup) -> Generator[None, None, None]:
         if self.group is not None:
             self.group.drop(self.rank)
         self.group = None
         for _ in range(self.sim.scenario.late.get(self.rank, 0)):
             yield
 
-    def sleep(self, e: P.Sleep) -> Generator[None, None, None]:
+    def sleep(self, e: E.Sleep) -> Generator[None, None, None]:
         self.clock += 1
         yield
 
@@ -497,29 +498,29 @@ class _Rank:
         store = self.sim.store
         return {r: CheckIn.from_json(store.get(K.checkin(g, r))) for r in ranks if store.check([K.checkin(g, r)])}
 
-    def alive(self, e: P.ReadAlive) -> set[int] | None:
+    def alive(self, e: E.ReadAlive) -> set[int] | None:
         alive = self.sim.alive_among(list(e.ranks))
         if alive is not None and e.exclude_waiting:
             alive -= set(self.sim.waiting())
         return alive
 
-    def write_record(self, e: P.WriteRecord) -> MembershipRecord:
+    def write_record(self, e: E.WriteRecord) -> MembershipRecord:
         stored = self.sim.store.compare_set(K.record(e.record.generation), "", e.record.to_json())
         self.sim.written.setdefault(e.record.generation, self.sim.round)
         return MembershipRecord.from_json(stored)
 
-    def free_generation(self, e: P.FreeGeneration) -> int:
+    def free_generation(self, e: E.FreeGeneration) -> int:
         g = e.generation
         while self.sim.store.check([K.record(g)]):
             g += 1
         return g
 
-    def abandon(self, e: P.Abandon) -> None:
+    def abandon(self, e: E.Abandon) -> None:
         """It never connects: members already building fail (gloo: after its timeout)."""
         self.sim.abandoned.append((e.record.generation, self.rank))
         self.sim.group(e.record.generation, list(e.record.members)).drop(self.rank)
 
-    def build(self, e: P.BuildGroup) -> Generator[None, None, bool]:
+    def build(self, e: E.BuildGroup) -> Generator[None, None, bool]:
         self.group = self.sim.group(e.record.generation, list(e.record.members))
         try:
             seq = self.group.enter(self.rank, ("form",), 0, build=True)
@@ -530,15 +531,15 @@ class _Rank:
             return False
         return True
 
-    def formed(self, e: P.Formed) -> None:
+    def formed(self, e: E.Formed) -> None:
         if self.rank == e.members[0]:
             self.sim.store.set(K.MEMBERS, json.dumps({"generation": e.generation, "members": list(e.members)}))
 
-    def announce(self, e: P.Announce) -> None:
+    def announce(self, e: E.Announce) -> None:
         self.sim.store.set(K.LATEST, json.dumps({"generation": e.record.generation, "members": list(e.record.members),
                                                  "step": e.record.step, "leader": e.root, "source": e.source}))
 
-    def transfer(self, e: P.TransferState) -> Generator[None, None, int | None]:
+    def transfer(self, e: E.TransferState) -> Generator[None, None, int | None]:
         """The replica at ``root`` sends its state (here: its step) to the others."""
         if self.group is None:
             raise _Failed
@@ -552,25 +553,25 @@ class _Rank:
             raise
         return sent if e.apply else None  # the root's own step, which it sent
 
-    def set_gradients(self, e: P.SetGradients) -> None:
+    def set_gradients(self, e: E.SetGradients) -> None:
         self.sim.reduced.setdefault(e.step, {})[self.rank] = tuple(e.reduced)
 
-    def read_members(self, e: P.ReadMembers) -> tuple[int, list[int]] | None:
+    def read_members(self, e: E.ReadMembers) -> tuple[int, list[int]] | None:
         store = self.sim.store
         if not store.check([K.MEMBERS]):
             return None
         last = json.loads(store.get(K.MEMBERS))
         return last["generation"], list(last["members"])
 
-    def request_join(self, e: P.RequestJoin) -> None:
+    def request_join(self, e: E.RequestJoin) -> None:
         self.sim.store.set(K.join(self.rank), "1")
         self.sim.join_requests.append((self.sim.round, self.rank))
 
-    def admitted(self, e: P.Admitted) -> None:
+    def admitted(self, e: E.Admitted) -> None:
         self.sim.admitted.append((e.generation, self.rank))
         self.sim.store.delete_key(K.join(self.rank))
 
-    def fallback(self, e: P.Fallback) -> tuple[int, str]:
+    def fallback(self, e: E.Fallback) -> tuple[int, str]:
         """No replica is left: resume from step 0 (the engine: snapshot, checkpoint, else step 0)."""
         sim = self.sim
         last = json.loads(sim.store.get(K.MEMBERS))["members"] if sim.store.check([K.MEMBERS]) else self.members
@@ -580,15 +581,15 @@ class _Rank:
         self.protocol.next_step = 0
         return 0, "step0"
 
-    def decided(self, e: P.Decided) -> None:
+    def decided(self, e: E.Decided) -> None:
         sim = self.sim
         sim.polls.append(Poll(sim.round, self.rank, e.generation, e.previous, dict(e.checked_in), e.alive,
                               e.deadline_passed, frozenset(set(e.previous) - sim.dead), e.result))
 
-    def followed(self, e: P.Followed) -> None:
+    def followed(self, e: E.Followed) -> None:
         self.sim.adopted.setdefault(e.record.generation, {})[self.rank] = e.record
 
-    def reassigned(self, e: P.Reassigned) -> None:
+    def reassigned(self, e: E.Reassigned) -> None:
         self.sim.assignments.setdefault((e.step, e.generation), {})[self.rank] = {
             r: list(js) for r, js in e.assignment.items()}
 
@@ -596,7 +597,7 @@ class _Rank:
 class _ReplicaRank(_Rank):
     """One launch rank of a tensor x pipeline parallel replica: the protocol in replica space.
 
-    Its store side is the real :class:`~unicron_elastic.strategy.replicas.ReplicaMeeting`;
+    Its store side is the real :class:`~unicron_elastic.strategy.replicas.ReplicaMembership`;
     its groups, its model's lockstep computation and its liveness reads are
     those of :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`
     with ``TP x PP > 1`` (see the module's docstring).
@@ -605,26 +606,26 @@ class _ReplicaRank(_Rank):
     def __init__(self, sim: Sim, rank: int, members: list[int], joining: bool, incarnation: int = 0) -> None:
         self.layout = sim.layout
         self.replica, self.coordinate = self.layout.replica(rank), self.layout.coordinate(rank)
-        self.meeting = ReplicaMeeting(sim.store, self.layout, rank, sim.max_replicas)
+        self.membership = ReplicaMembership(sim.store, self.layout, rank, sim.max_replicas)
         self.shard: FakeGroup | None = None  # this coordinate's group of the generation held
         self.commit: FakeGroup | None = None  # every rank of the members (the commit, the membership sync)
         self.held: int | None = None  # the generation whose groups this rank holds
         self.noted: dict[int, str] = {}  # the incarnations of the members' ranks its group formed with
         self.commits: set[tuple[int, int]] = set()  # (epoch, step) whose commit it entered
         super().__init__(sim, rank, members, joining, incarnation)
-        meeting = self.meeting
+        membership = self.membership
         self.handlers.update({
-            P.CheckInFor: lambda e: meeting.check_in(e.generation, e.checkin),
-            P.ReadRecord: lambda e: meeting.read_record(e.generation),
-            P.ReadCheckIns: lambda e: meeting.checkins(e.generation, e.ranks),
-            P.AnyCheckedIn: lambda e: meeting.any_checked_in(e.generation, e.ranks),
-            P.MarkReady: lambda e: meeting.mark_ready(e.generation),
-            P.ReadReady: lambda e: meeting.ready(e.generation, e.ranks),
-            P.FreeGeneration: lambda e: meeting.free_generation(e.generation),
-            P.ReadRequests: lambda e: ((meeting.waiting(), meeting.leaving(e.members))
+            E.CheckInFor: lambda e: membership.check_in(e.generation, e.checkin),
+            E.ReadRecord: lambda e: membership.read_record(e.generation),
+            E.ReadCheckIns: lambda e: membership.checkins(e.generation, e.ranks),
+            E.AnyCheckedIn: lambda e: membership.any_checked_in(e.generation, e.ranks),
+            E.MarkReady: lambda e: membership.mark_ready(e.generation),
+            E.ReadReady: lambda e: membership.ready(e.generation, e.ranks),
+            E.FreeGeneration: lambda e: membership.free_generation(e.generation),
+            E.ReadRequests: lambda e: ((membership.waiting(), membership.leaving(e.members))
                                        if self.coordinate == 0 or not e.proposal
                                        else ([], [])),  # (the real transport: only coordinate 0's offer counts)
-            P.ReadWaiting: lambda e: meeting.waiting(),
+            E.ReadWaiting: lambda e: membership.waiting(),
         })
 
     def _protocol_rank(self) -> int:
@@ -653,7 +654,7 @@ class _ReplicaRank(_Rank):
         self.shard = self.commit = self.held = None
 
     def note_incarnations(self) -> None:
-        self.noted = self.meeting.incarnations([rank for r in self.members for rank in self.layout.ranks(r)])
+        self.noted = self.membership.incarnations([rank for r in self.members for rank in self.layout.ranks(r)])
 
     # -- the model's computation: lockstep within the replica -----------------------------------
     def _peers_down(self) -> list[int]:
@@ -661,11 +662,11 @@ class _ReplicaRank(_Rank):
         return [p for p in self.layout.ranks(self.replica)
                 if p != self.rank and (p in sim.dead or sim.ranks[p].held != self.held)]
 
-    def compute(self, e: P.Compute) -> Generator[None, None, list[int]]:
+    def compute(self, e: E.Compute) -> Generator[None, None, list[int]]:
         sc, layout = self.sim.scenario, self.layout
         total = [0] * sc.buckets
         backward = set(range(layout.pipeline))
-        record = self.meeting.record
+        record = self.membership.record
         if e.redo and layout.pipeline > 1 and record is not None and record.kept:
             backward = stages_to_backpropagate(layout, record.kept, [sc.buckets] * layout.size)
         if not backward or not e.micro_batches:  # (ElasticDataParallel._pipeline: nothing runs)
@@ -689,7 +690,7 @@ class _ReplicaRank(_Rank):
         finally:
             computing.pop(self.rank, None)
 
-    def _lockstep(self, e: P.Compute, total: list[int], mine: bool) -> Generator[None, None, list[int]]:
+    def _lockstep(self, e: E.Compute, total: list[int], mine: bool) -> Generator[None, None, list[int]]:
         sc, layout = self.sim.scenario, self.layout
         for position, j in enumerate(e.micro_batches):
             yield from self.point("redo" if e.redo else "micro", e.step, j)
@@ -710,7 +711,7 @@ class _ReplicaRank(_Rank):
         return total
 
     # -- groups ------------------------------------------------------------------------------------
-    def reduce(self, e: P.Reduce) -> Generator[None, None, tuple]:
+    def reduce(self, e: E.Reduce) -> Generator[None, None, tuple]:
         sc = self.sim.scenario
         commit = e.bucket == sc.buckets
         if e.last != commit:
@@ -732,7 +733,7 @@ class _ReplicaRank(_Rank):
             raise ProtocolViolation(f"step {e.step}: the commit carried no leader's proposal")
         return 0, list(agreed)
 
-    def agree(self, e: P.AgreeMembers) -> Generator[None, None, list[int]]:
+    def agree(self, e: E.AgreeMembers) -> Generator[None, None, list[int]]:
         if self.commit is None:
             raise _Failed
         seq = self.commit.enter(self.rank, ("sync", e.step), 0, e.offer if self.coordinate == 0 else None)
@@ -741,12 +742,12 @@ class _ReplicaRank(_Rank):
             raise ProtocolViolation(f"step {e.step}: the membership sync carried no leader's proposal")
         return list(agreed)
 
-    def drop(self, e: P.DropGroup) -> Generator[None, None, None]:
+    def drop(self, e: E.DropGroup) -> Generator[None, None, None]:
         self._release()
         for _ in range(self.sim.scenario.late.get(self.rank, 0)):
             yield
 
-    def abandon(self, e: P.Abandon) -> None:
+    def abandon(self, e: E.Abandon) -> None:
         self.sim.abandoned.append((e.record.generation, self.rank))
         layout, members = self.layout, e.record.members
         self.sim.group(e.record.generation, [layout.rank(r, self.coordinate) for r in members],
@@ -754,7 +755,7 @@ class _ReplicaRank(_Rank):
         self.sim.group(e.record.generation, [rank for r in members for rank in layout.ranks(r)],
                        "commit").drop(self.rank)
 
-    def build(self, e: P.BuildGroup) -> Generator[None, None, bool]:
+    def build(self, e: E.BuildGroup) -> Generator[None, None, bool]:
         self._release()
         groups = self._hold(e.record.generation, list(e.record.members))
         try:
@@ -766,14 +767,14 @@ class _ReplicaRank(_Rank):
             return False
         return True
 
-    def formed(self, e: P.Formed) -> None:
+    def formed(self, e: E.Formed) -> None:
         self.note_incarnations()
         self.sim.formed.setdefault(e.generation, {})[self.rank] = self.sim.round
         self.sim.formed_at.setdefault(e.generation, self.sim.tick())
         if self.replica == e.members[0] and self.coordinate == 0:
             self.sim.store.set(K.MEMBERS, json.dumps({"generation": e.generation, "members": list(e.members)}))
 
-    def transfer(self, e: P.TransferState) -> Generator[None, None, int | None]:
+    def transfer(self, e: E.TransferState) -> Generator[None, None, int | None]:
         """The same shard of the replica at ``root`` sends its state (here: its step) in the shard's group."""
         if self.shard is None:
             raise _Failed
@@ -788,26 +789,26 @@ class _ReplicaRank(_Rank):
         return sent if e.apply else None
 
     # -- the store -----------------------------------------------------------------------------------
-    def alive(self, e: P.ReadAlive) -> set[int] | None:
+    def alive(self, e: E.ReadAlive) -> set[int] | None:
         """ElasticDataParallel._read_alive: replicas every rank of which is alive in the incarnation noted."""
-        if not self.meeting.liveness_kept():
+        if not self.membership.liveness_kept():
             return None
-        live = self.meeting.incarnations([rank for r in e.ranks for rank in self.layout.ranks(r)])
+        live = self.membership.incarnations([rank for r in e.ranks for rank in self.layout.ranks(r)])
         noted = self.noted if e.trained else {}  # (a joiner judges by the keys alone)
         alive = live_replicas(self.layout, {r for r, seen in live.items() if noted.get(r, seen) == seen}, e.ranks)
-        return alive - set(self.meeting.partly_waiting()) if e.exclude_waiting else alive
+        return alive - set(self.membership.partly_waiting()) if e.exclude_waiting else alive
 
-    def write_record(self, e: P.WriteRecord) -> MembershipRecord:
-        stored = self.meeting.write_record(e.record)
+    def write_record(self, e: E.WriteRecord) -> MembershipRecord:
+        stored = self.membership.write_record(e.record)
         self.sim.written.setdefault(e.record.generation, self.sim.round)
         return stored
 
-    def set_gradients(self, e: P.SetGradients) -> None:
+    def set_gradients(self, e: E.SetGradients) -> None:
         sim = self.sim
         sim.reduced.setdefault(e.step, {})[self.rank] = tuple(e.reduced[: sim.scenario.buckets])
         sim.completed.append((sim.round, sim.epoch, e.step, self.rank))
 
-    def fallback(self, e: P.Fallback) -> tuple[int, str]:
+    def fallback(self, e: E.Fallback) -> tuple[int, str]:
         sim = self.sim
         if e.step is not None:  # another shard of this replica chose the step: this shard's state of it
             sim.fallbacks.append((sim.round, self.rank))
@@ -822,7 +823,7 @@ class _ReplicaRank(_Rank):
         sim.epoch += 1
         return step, "snapshot" if step else "step0"
 
-    def decided(self, e: P.Decided) -> None:
+    def decided(self, e: E.Decided) -> None:
         sim = self.sim
         def same(p: int) -> bool:  # alive, in the incarnation this rank's group formed with
             now = _incarnation(sim.ranks[p].incarnation)
@@ -915,7 +916,7 @@ class Sim:
             return None
         return {r for r in ranks if self.store.check([K.live(r)])}
 
-    def waiting(self) -> list[int]:  # (ReplicaMeeting.waiting_ranks: alive ones, when liveness is kept)
+    def waiting(self) -> list[int]:  # (ReplicaMembership.waiting_ranks: alive ones, when liveness is kept)
         asked = [r for r in self.ranks if self.store.check([K.join(r)])]
         return [r for r in asked if self.store.check([K.live(r)])] if self.store.check([K.LIVENESS]) else asked
 

@@ -509,13 +509,13 @@ def test_both_transports_execute_every_effect_of_the_protocol() -> None:
     import torch
 
     from fake_dp import _Rank
-    from unicron_elastic.strategy import protocol
+    from unicron_elastic.strategy import effects as vocabulary
     from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
     from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 
-    effects = {cls for _, cls in inspect.getmembers(protocol, inspect.isclass)
-               if cls.__module__ == protocol.__name__ and dataclasses.is_dataclass(cls)
-               and cls not in (protocol.StepReport, protocol.Regrouped)}
+    effects = {cls for _, cls in inspect.getmembers(vocabulary, inspect.isclass)
+               if cls.__module__ == vocabulary.__name__ and dataclasses.is_dataclass(cls)
+               and cls not in (vocabulary.StepReport, vocabulary.Regrouped)}
     assert len(effects) > 20
     fake = _Rank(Sim(Scenario(world=2, buckets=1, micro_batches=2)), 0, [0, 1], joining=False)
     assert set(fake.handlers) == effects
@@ -857,11 +857,11 @@ def test_the_replica_fake_executes_every_effect_of_the_protocol() -> None:
     import inspect
 
     from fake_dp import _ReplicaRank
-    from unicron_elastic.strategy import protocol
+    from unicron_elastic.strategy import effects as vocabulary
 
-    effects = {cls for _, cls in inspect.getmembers(protocol, inspect.isclass)
-               if cls.__module__ == protocol.__name__ and dataclasses.is_dataclass(cls)
-               and cls not in (protocol.StepReport, protocol.Regrouped)}
+    effects = {cls for _, cls in inspect.getmembers(vocabulary, inspect.isclass)
+               if cls.__module__ == vocabulary.__name__ and dataclasses.is_dataclass(cls)
+               and cls not in (vocabulary.StepReport, vocabulary.Regrouped)}
     sim = Sim(Scenario(world=4, buckets=1, micro_batches=2, model_parallel=(1, 2)))
     assert isinstance(sim.ranks[3], _ReplicaRank) and set(sim.ranks[3].handlers) == effects
     assert sim.ranks[3].protocol.rank == 1 and sim.ranks[3].protocol.buckets == 2  # replica space; K + the commit

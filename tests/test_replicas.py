@@ -1,5 +1,5 @@
 """Replicas of a tensor x pipeline parallel model (strategy/replicas.py): the layout, the pure decisions in
-replica space, and :class:`ReplicaMeeting` (the protocol's store side) over ``tests/fake_dp.py``'s store."""
+replica space, and :class:`ReplicaMembership` (the protocol's store side) over ``tests/fake_dp.py``'s store."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from unicron_elastic.strategy.membership import (
 )
 from unicron_elastic.strategy.replicas import (
     ModelParallel,
-    ReplicaMeeting,
+    ReplicaMembership,
     combine_checkins,
     kept_per_coordinate,
     live_replicas,
@@ -217,10 +217,10 @@ def test_stages_to_backpropagate_examples() -> None:
     assert stages_to_backpropagate(ModelParallel(), [0], [3]) == {0}
 
 
-# -- ReplicaMeeting over the fake store ------------------------------------------------------------------
-def _meetings(layout: ModelParallel, replicas: int) -> tuple[FakeStore, dict[int, ReplicaMeeting]]:
+# -- ReplicaMembership over the fake store ------------------------------------------------------------------
+def _meetings(layout: ModelParallel, replicas: int) -> tuple[FakeStore, dict[int, ReplicaMembership]]:
     store = FakeStore()
-    return store, {rank: ReplicaMeeting(store, layout, rank, replicas) for rank in range(replicas * layout.size)}
+    return store, {rank: ReplicaMembership(store, layout, rank, replicas) for rank in range(replicas * layout.size)}
 
 
 @st.composite

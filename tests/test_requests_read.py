@@ -19,7 +19,7 @@ from unicron_elastic.api import StoreUnavailableError
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.protocol import ReadRequests
+from unicron_elastic.strategy.effects import ReadRequests
 
 DATA = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
 

@@ -32,10 +32,11 @@ from hypothesis.extra import numpy as hnp
 
 from unicron_elastic.api import StateDecodingError, StateEncodingError
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
-from unicron_elastic.strategy.protocol import TransferState
+from unicron_elastic.strategy.effects import TransferState
 from unicron_elastic.strategy.safe_state import MAGIC, dumps, encode, loads, pack
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.strategy.snapshots import PIECE_BYTES, SNAPSHOT_KEY, DiskCheckpoints, MemorySnapshot
+from unicron_elastic.strategy.snapshot_wire import PIECE_BYTES, SNAPSHOT_KEY
+from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
 
 
 class _Evil:

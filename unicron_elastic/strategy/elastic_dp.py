@@ -96,13 +96,14 @@ import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, StoreUnavailableError
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy import protocol as P
+from unicron_elastic.strategy import effects as E
 from unicron_elastic.strategy.bootstrap import watch_members
+from unicron_elastic.strategy.effects import Excluded, ReplicaBroken, Retired, StepReport
 from unicron_elastic.strategy.membership import MembershipError
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.pipeline import StageLinks, forward_only, run_pipeline, schedule_for
-from unicron_elastic.strategy.protocol import Excluded, Protocol, ReplicaBroken, Retired, StepReport
-from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMeeting, live_replicas, stages_to_backpropagate
+from unicron_elastic.strategy.protocol import Protocol
+from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
 from unicron_elastic.strategy.state_transfer import broadcast_state
 from unicron_elastic.strategy.transport import CollectiveTransport, GlooTransport, is_peer_failure
 from unicron_elastic.strategy.watch import GroupWatch, WatchTimes
@@ -271,7 +272,7 @@ class ElasticDataParallel:
         self.bounds: list[tuple[int, int]] = []
         # with TP/PP a last, small all-reduce over every rank commits the step (and carries the next members)
         self.committed = self.layout.size > 1
-        self.meeting = ReplicaMeeting(store, self.layout, rank, self.max_replicas)
+        self.membership = ReplicaMembership(store, self.layout, rank, self.max_replicas)
         self.protocol = Protocol(self.replica, list(members if members is not None else range(replicas)),
                                  plan.num_micro_batches if plan is not None else 0,  # (set with the plan)
                                  0, schedule, checkin_timeout, timeout.total_seconds(),  # (buckets: bind)
@@ -389,28 +390,28 @@ class ElasticDataParallel:
             effect = None
 
     def _effect_handlers(self) -> dict[type, Callable[[Any], Any]]:
-        meeting = self.meeting
+        membership = self.membership
         return {
-            P.Point: self._point, P.Compute: self._compute_effect, P.Add: lambda e: e.total + e.extra,
-            P.Reduce: self._reduce, P.AgreeMembers: self._agree, P.Pause: lambda e: self.pause(e.paused, e.bound),
-            P.DropGroup: lambda e: self._drop_group(),
-            P.CheckInFor: lambda e: meeting.check_in(e.generation, e.checkin),
-            P.ReadRecord: lambda e: meeting.read_record(e.generation),
-            P.ReadCheckIns: lambda e: meeting.checkins(e.generation, e.ranks, self._malformed),
-            P.AnyCheckedIn: lambda e: meeting.any_checked_in(e.generation, e.ranks),
-            P.MarkReady: lambda e: meeting.mark_ready(e.generation),
-            P.ReadReady: lambda e: meeting.ready(e.generation, e.ranks),
-            P.ReadAlive: self._read_alive, P.Now: lambda e: time.monotonic(), P.Sleep: lambda e: time.sleep(e.seconds),
-            P.WriteRecord: lambda e: meeting.write_record(e.record), P.Abandon: lambda e: None,
-            P.BuildGroup: self._build, P.Formed: self._formed, P.ReadRequests: self._requests,
-            P.ReadWaiting: lambda e: self.waiting(),
-            P.Announce: self._announce, P.TransferState: self._transfer, P.SetGradients: self._set_gradients,
-            P.ReadMembers: self._read_members, P.RequestJoin: self._request_join,
-            P.ReadFinished: lambda e: int(self.store.get(K.FINISHED)) if self.store.check([K.FINISHED]) else None,
-            P.ReadLatest: lambda e: json.loads(self.store.get(K.LATEST)) if self.store.check([K.LATEST]) else None,
-            P.Admitted: self._admitted, P.Fallback: self._fallback,
-            P.FreeGeneration: lambda e: meeting.free_generation(e.generation),
-            P.Decided: lambda e: None, P.Followed: lambda e: None, P.Reassigned: lambda e: None,
+            E.Point: self._point, E.Compute: self._compute_effect, E.Add: lambda e: e.total + e.extra,
+            E.Reduce: self._reduce, E.AgreeMembers: self._agree, E.Pause: lambda e: self.pause(e.paused, e.bound),
+            E.DropGroup: lambda e: self._drop_group(),
+            E.CheckInFor: lambda e: membership.check_in(e.generation, e.checkin),
+            E.ReadRecord: lambda e: membership.read_record(e.generation),
+            E.ReadCheckIns: lambda e: membership.checkins(e.generation, e.ranks, self._malformed),
+            E.AnyCheckedIn: lambda e: membership.any_checked_in(e.generation, e.ranks),
+            E.MarkReady: lambda e: membership.mark_ready(e.generation),
+            E.ReadReady: lambda e: membership.ready(e.generation, e.ranks),
+            E.ReadAlive: self._read_alive, E.Now: lambda e: time.monotonic(), E.Sleep: lambda e: time.sleep(e.seconds),
+            E.WriteRecord: lambda e: membership.write_record(e.record), E.Abandon: lambda e: None,
+            E.BuildGroup: self._build, E.Formed: self._formed, E.ReadRequests: self._requests,
+            E.ReadWaiting: lambda e: self.waiting(),
+            E.Announce: self._announce, E.TransferState: self._transfer, E.SetGradients: self._set_gradients,
+            E.ReadMembers: self._read_members, E.RequestJoin: self._request_join,
+            E.ReadFinished: lambda e: int(self.store.get(K.FINISHED)) if self.store.check([K.FINISHED]) else None,
+            E.ReadLatest: lambda e: json.loads(self.store.get(K.LATEST)) if self.store.check([K.LATEST]) else None,
+            E.Admitted: self._admitted, E.Fallback: self._fallback,
+            E.FreeGeneration: lambda e: membership.free_generation(e.generation),
+            E.Decided: lambda e: None, E.Followed: lambda e: None, E.Reassigned: lambda e: None,
         }
 
     @staticmethod
@@ -448,7 +449,7 @@ class ElasticDataParallel:
     def _publish_members(self) -> None:
         self.store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
 
-    def _build(self, effect: P.BuildGroup) -> bool:
+    def _build(self, effect: E.BuildGroup) -> bool:
         """Build the record's groups, then ``on_group``'s world; False (all dropped) when a member is gone meanwhile."""
         record = effect.record
         try:
@@ -462,7 +463,7 @@ class ElasticDataParallel:
             self._release_groups()
             return False
 
-    def _formed(self, effect: P.Formed) -> None:
+    def _formed(self, effect: E.Formed) -> None:
         self._note_incarnations()
         if not self.stop_requested and self.store.check([K.STOP]):  # members stopped: this group's exchange says so
             self.stop_requested = True
@@ -495,11 +496,11 @@ class ElasticDataParallel:
         if held_elsewhere:  # e.g. a frame kept by a traceback: a full collection (slow with big models) frees it
             gc.collect()
 
-    def _read_alive(self, effect: P.ReadAlive) -> set[int] | None:
+    def _read_alive(self, effect: E.ReadAlive) -> set[int] | None:
         alive = self._alive_among(list(effect.ranks), effect.trained)
         if alive is None or not effect.exclude_waiting:
             return alive
-        return alive - set(self.meeting.partly_waiting())  # a rank waiting to join will not check in as a member
+        return alive - set(self.membership.partly_waiting())  # a rank waiting to join will not check in as a member
 
     def _alive_among(self, replicas: list[int], trained: bool = True) -> set[int] | None:
         """Those of ``replicas`` whose every rank is alive (``trained``: in the incarnation this rank trained
@@ -509,10 +510,10 @@ class ElasticDataParallel:
         group formed is a joiner, not the member that must check in. A joiner
         (``trained`` False) trains with nobody: the keys alone count.
         """
-        if not self.meeting.liveness_kept():
+        if not self.membership.liveness_kept():
             return None
         ranks = self.layout.ranks_of(replicas)
-        live = self.meeting.incarnations(ranks)
+        live = self.membership.incarnations(ranks)
         noted = self._incarnations if trained else {}
         alive = {r for r, seen in live.items() if noted.get(r, seen) == seen}
         return live_replicas(self.layout, alive, replicas)
@@ -539,10 +540,10 @@ class ElasticDataParallel:
 
     def _note_incarnations(self) -> None:
         """Remember which incarnation of each member's ranks this group was formed with."""
-        self._incarnations = self.meeting.incarnations(self.layout.ranks_of(self.members))
+        self._incarnations = self.membership.incarnations(self.layout.ranks_of(self.members))
 
     # -- membership ----------------------------------------------------------------
-    def _requests(self, effect: P.ReadRequests) -> tuple[list[int], list[int]]:
+    def _requests(self, effect: E.ReadRequests) -> tuple[list[int], list[int]]:
         """Joiners and members asked to leave: one counter read when there are none.
 
         The leader reads this every step, for the next step's members; the
@@ -566,7 +567,7 @@ class ElasticDataParallel:
             return [], []
         if count <= 0:
             return [], []
-        return self.waiting(), self.meeting.leaving(effect.members)
+        return self.waiting(), self.membership.leaving(effect.members)
 
     def _request_count(self) -> int:
         """The join/leave request counter (0 if absent).
@@ -648,7 +649,7 @@ class ElasticDataParallel:
         """Only one rank's proposal may count: with TP/PP the first shard's of the leading replica."""
         return offer if self.coordinate == 0 else None
 
-    def _agree(self, effect: P.AgreeMembers) -> list[int]:
+    def _agree(self, effect: E.AgreeMembers) -> list[int]:
         group = self.world_pg if self.committed else self.pg
         if group is None:
             raise RuntimeError("no group to agree on the members in")
@@ -657,7 +658,7 @@ class ElasticDataParallel:
             group.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
         return self._decode(payload.cpu())
 
-    def _announce(self, effect: P.Announce) -> None:
+    def _announce(self, effect: E.Announce) -> None:
         """Tell the ranks waiting in :meth:`join` that a record admits them, a root sending the state from a source."""
         record = effect.record
         self.store.set(K.LATEST, json.dumps({"generation": record.generation, "members": list(record.members),
@@ -699,7 +700,7 @@ class ElasticDataParallel:
             TimeoutError: Not admitted within ``timeout`` seconds.
         """
         effects = self.protocol.join(timeout)
-        outcome = self._run(effects, until=(P.MarkReady,))
+        outcome = self._run(effects, until=(E.MarkReady,))
         paused = isinstance(outcome, tuple) and bool(outcome) and outcome[0] is _PAUSED
         self._joining = (effects, outcome[1]) if paused else (None, outcome)
         return paused or outcome is not None
@@ -743,28 +744,28 @@ class ElasticDataParallel:
 
     def waiting(self) -> list[int]:
         """Members-to-be waiting in :meth:`join` to be admitted (replicas every rank of which waits, with TP/PP)."""
-        return self.meeting.waiting()
+        return self.membership.waiting()
 
-    def _read_members(self, effect: P.ReadMembers) -> tuple[int, list[int]] | None:
+    def _read_members(self, effect: E.ReadMembers) -> tuple[int, list[int]] | None:
         if not self.store.check([K.MEMBERS]):
             return None
         last = json.loads(self.store.get(K.MEMBERS))
         return int(last["generation"]), list(last["members"])
 
-    def _request_join(self, effect: P.RequestJoin) -> None:
+    def _request_join(self, effect: E.RequestJoin) -> None:
         # The counter first: whoever sees the key (``waiting()``, e.g. a hold for joiners) must find the
         # counter raised, or the leader's next read misses the request for a step (seen under the CPU hog:
         # the joiner came one step too late, after the last step).
         self.store.add(K.JOIN_REQUESTS, 1)
         self.store.set(K.join(self.rank), "1")
 
-    def _admitted(self, effect: P.Admitted) -> None:
+    def _admitted(self, effect: E.Admitted) -> None:
         self.state_source = effect.source
         self._resume_state = None
         self.store.delete_key(K.join(self.rank))
         self.store.add(K.JOIN_REQUESTS, -1)
 
-    def _fallback(self, effect: P.Fallback) -> tuple[int, str]:
+    def _fallback(self, effect: E.Fallback) -> tuple[int, str]:
         """No replica is left: fetch ``fallback()``'s state (applied when it is first sent: :meth:`state`).
 
         Nothing is loaded into the model here: a joiner may not have built its
@@ -814,7 +815,7 @@ class ElasticDataParallel:
         self.set_state(state)
         self.next_step = int(state["step"])
 
-    def _transfer(self, effect: P.TransferState) -> int | None:
+    def _transfer(self, effect: E.TransferState) -> int | None:
         """The state (:meth:`state`) from the replica at ``root`` to every other member, tensor by tensor.
 
         A JSON skeleton first, then each tensor in its own broadcast, received
@@ -843,11 +844,11 @@ class ElasticDataParallel:
         return self.next_step
 
     # -- one step ----------------------------------------------------------------
-    def _point(self, effect: P.Point) -> None:
+    def _point(self, effect: E.Point) -> None:
         if effect.kind == "bucket":
             self.hook(self.rank, effect.step, bucket=effect.index)
 
-    def _compute_effect(self, effect: P.Compute) -> torch.Tensor:
+    def _compute_effect(self, effect: E.Compute) -> torch.Tensor:
         """Compute this rank's micro-batches of a step.
 
         Raises:
@@ -979,14 +980,14 @@ class ElasticDataParallel:
 
     def _stages_to_backpropagate(self) -> set[int]:
         """After a regroup: the stages whose backward is still needed (from the record's buckets kept per shard)."""
-        record = self.meeting.record
+        record = self.membership.record
         if record is None or not record.kept:
             return set(range(self.layout.pipeline))
         if self._shard_buckets is None:
             self._shard_buckets = [int(self.store.get(K.buckets(c))) for c in range(self.layout.size)]
         return stages_to_backpropagate(self.layout, record.kept, self._shard_buckets)
 
-    def _reduce(self, effect: P.Reduce) -> tuple[torch.Tensor, list[int] | None]:
+    def _reduce(self, effect: E.Reduce) -> tuple[torch.Tensor, list[int] | None]:
         local = effect.local
         if self.committed and effect.bucket == len(self.bounds):  # the step's commit, over every rank
             if self.world_pg is None:
@@ -1038,7 +1039,7 @@ class ElasticDataParallel:
             self._reduced_views = self._views(buf)[1] if same else None  # (else p.grad are copies: .to(p.dtype))
         return buf
 
-    def _set_gradients(self, effect: P.SetGradients) -> None:
+    def _set_gradients(self, effect: E.SetGradients) -> None:
         """``p.grad`` = the reduced sum / B: views of the reduce buffer (copies only where the dtypes differ).
 
         Every gradient bucket in ``effect.reduced`` is the slice of

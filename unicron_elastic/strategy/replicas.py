@@ -7,7 +7,7 @@ model is ``C = TP x PP`` ranks; the data-parallel (DP) group of each
 whole replica (its peers cannot compute without it), so membership is decided
 per replica, once, for every coordinate: the recovery protocol
 (:class:`~unicron_elastic.strategy.protocol.Protocol`) runs in *replica space*
-(its "ranks" are replica indices) and :class:`ReplicaMeeting` maps what it
+(its "ranks" are replica indices) and :class:`ReplicaMembership` maps what it
 reads and writes onto the ranks' keys in the meeting store:
 
 * a replica checked in for a generation when every rank of it did; its
@@ -223,7 +223,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
 
-class ReplicaMeeting:
+class ReplicaMembership:
     """What one rank reads and writes of the membership in replica space (the protocol's store side).
 
     Args:
