@@ -83,7 +83,7 @@ def _fresh_buffer() -> None:
 
     def patched(engine: Any, effect: Any) -> Any:
         if effect.bucket == 0 and with_part(engine.next_step):
-            engine._reduced = None  # (the next _reduce_buffer allocates a new one and its views)
+            engine.gradients.reduced = None  # (the next reduce_buffer allocates a new one and its views)
         return reduce(engine, effect)
 
     ElasticDataParallel._reduce = patched

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from unicron_elastic.meeting import MAX_WORLD_ENV, connect_meeting_store
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Excluded, Retired
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded, Retired
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import maybe_fail, toy_problem
 from unicron_elastic.worker import get_worker
@@ -82,11 +82,13 @@ def main() -> None:
         model, optimizer, plan,
         batch=lambda idx: (xs[idx], ys[idx]),
         loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
-        store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
-        timeout=timedelta(seconds=20), hook=maybe_fail, members=members, joining=restarted or rank not in members,
+        store=store, rank=rank, world_size=world, members=members, joining=restarted or rank not in members,
         schedule={int(k): v for k, v in json.loads(args.schedule).items()},
-        grad_dtype=getattr(torch, args.grad_dtype), pause=worker.set_paused, report_waiting=worker.waiting,
-        max_world=int(os.environ.get(MAX_WORLD_ENV, world)),  # a node that grows the run joins past WORLD_SIZE
+        options=EngineOptions(
+            bucket_numel=args.bucket_numel, timeout=timedelta(seconds=20), grad_dtype=getattr(torch, args.grad_dtype),
+            max_world=int(os.environ.get(MAX_WORLD_ENV, world)),  # a node that grows the run joins past WORLD_SIZE
+        ),
+        hooks=EngineHooks(hook=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
     )
     start = ddp.join() if restarted or rank not in members else 0
     reports = []

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Excluded
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.parallel import destroy_world, drop_world, rebuild_world
 from unicron_elastic.strategy.replicas import ModelParallel
@@ -99,10 +99,12 @@ def main() -> None:
         model, optimizer, GlobalBatchPlan(len(xs), 24, 4, seed=2),
         batch=lambda idx: (xs[idx], ys[idx]),
         loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
-        stage_fn=stage_fn if stages > 1 else None,
-        store=store, rank=rank, world_size=world, bucket_numel=args.bucket_numel,
-        timeout=timedelta(seconds=30), hook=lambda _, step, **where: maybe_fail(rank, step, **where),
-        model_parallel=layout, on_group=on_group, on_drop=lambda: drop_world(model), grad_dtype=torch.float64,
+        store=store, rank=rank, world_size=world,
+        options=EngineOptions(bucket_numel=args.bucket_numel, timeout=timedelta(seconds=30), model_parallel=layout,
+                              grad_dtype=torch.float64),
+        hooks=EngineHooks(hook=lambda _, step, **where: maybe_fail(rank, step, **where),
+                          stage_fn=stage_fn if stages > 1 else None, on_group=on_group,
+                          on_drop=lambda: drop_world(model)),
     )
     code = 0
     try:

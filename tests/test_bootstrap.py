@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy.bootstrap import MemberGoneError, WatchfulStore, gone_ranks, watch_members
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
 from unicron_elastic.strategy.transport import is_peer_failure
 
 TIMEOUT = timedelta(seconds=30)  # the store's and the group's: far longer than any case may take
@@ -114,5 +114,6 @@ def test_the_engine_started_without_a_lost_member_fails_fast_so_the_agent_restar
     started = time.monotonic()
     with pytest.raises(MemberGoneError):
         ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=None, batch=lambda idx: idx,
-                            loss_fn=lambda m, b: m(b).sum(), store=store, rank=0, world_size=2, timeout=TIMEOUT)
+                            loss_fn=lambda m, b: m(b).sum(), store=store, rank=0, world_size=2,
+                            options=EngineOptions(timeout=TIMEOUT))
     assert time.monotonic() - started < 5

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 
 MICRO = 3
@@ -40,7 +40,8 @@ def engine(grad_dtype: torch.dtype, loss_fn=None, bucket_numel: int | None = Non
     return ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                plan=GlobalBatchPlan(len(DATA), 2 * MICRO, 2, seed=0), batch=lambda idx: DATA[idx],
                                loss_fn=loss_fn or (lambda m, b: m(b)), store=dist.HashStore(), rank=0, world_size=1,
-                               timeout=timedelta(seconds=30), grad_dtype=grad_dtype, bucket_numel=bucket_numel)
+                               options=EngineOptions(timeout=timedelta(seconds=30), grad_dtype=grad_dtype,
+                                                     bucket_numel=bucket_numel))
 
 
 def reference_sum(e: ElasticDataParallel, step: int, dtype: torch.dtype) -> torch.Tensor:
@@ -62,7 +63,7 @@ def reference_sum(e: ElasticDataParallel, step: int, dtype: torch.dtype) -> torc
 def test_the_sum_of_a_step_is_the_one_added_micro_batch_by_micro_batch_and_grads_are_cleared(dtype) -> None:
     e = engine(dtype)
     try:
-        assert e._bind(e._zeros(reuse=False)[1]) is (dtype == torch.float32)
+        assert e.gradients.bind(e.gradients.zeros(reuse=False)[1]) is (dtype == torch.float32)
         for p in e.params:
             p.grad = None
         for step in (0, 1):  # the second step reuses (and zeroes) the engine's buffer
@@ -123,9 +124,9 @@ def test_the_buckets_are_reduced_in_one_buffer_kept_between_steps_and_grads_are_
             expected = reference_sum(e, step, dtype) / e.plan.num_micro_batches  # (one rank: the reduction is the sum)
             e.train_step(step)
             assert torch.equal(torch.cat([p.grad.reshape(-1) for p in e.params]), expected.to(torch.float32))
-            buffers.add(e._reduced.data_ptr())
+            buffers.add(e.gradients.reduced.data_ptr())
             if dtype == torch.float32:  # p.grad are views of that buffer: no concatenation or copy per step
-                assert all(p.grad.untyped_storage().data_ptr() == e._reduced.untyped_storage().data_ptr()
+                assert all(p.grad.untyped_storage().data_ptr() == e.gradients.reduced.untyped_storage().data_ptr()
                            for p in e.params)
         assert len(buffers) == 1, "a fresh reduce buffer was allocated in a later step"
     finally:

@@ -510,7 +510,7 @@ def test_both_transports_execute_every_effect_of_the_protocol() -> None:
 
     from fake_dp import _Rank
     from unicron_elastic.strategy import effects as vocabulary
-    from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
     from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 
     effects = {cls for _, cls in inspect.getmembers(vocabulary, inspect.isclass)
@@ -522,7 +522,7 @@ def test_both_transports_execute_every_effect_of_the_protocol() -> None:
     model = torch.nn.Linear(2, 1)
     real = ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), GlobalBatchPlan(8, 4, 2),
                                batch=lambda idx: idx, loss_fn=lambda m, b: m.weight.sum(), store=None,
-                               rank=0, world_size=1, joining=True, timeout=timedelta(seconds=5))
+                               rank=0, world_size=1, joining=True, options=EngineOptions(timeout=timedelta(seconds=5)))
     assert set(real._handlers) == effects
 
 

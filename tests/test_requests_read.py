@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from unicron_elastic.api import StoreUnavailableError
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.effects import ReadRequests
 
@@ -31,7 +31,7 @@ def engine(loss_fn, schedule=None) -> tuple[ElasticDataParallel, list[int]]:
     e = ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             plan=GlobalBatchPlan(len(DATA), 4, 2, seed=0), batch=lambda idx: DATA[idx],
                             loss_fn=loss_fn, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=30), schedule=schedule)
+                            options=EngineOptions(timeout=timedelta(seconds=30)), schedule=schedule)
     seen: list[int] = []
     e.waiting = lambda: seen.append(current[0]) or []  # type: ignore[method-assign]
     return e, seen
@@ -53,7 +53,7 @@ def test_a_request_made_before_a_step_computes_is_seen_in_its_proposal_one_made_
 
     def loss(model, batch):
         if current[0] == 1 and not asked_during:  # while step 1 computes, once its read is done
-            assert e._prefetch is not None and e._prefetch[1].result() == 0
+            assert e.requests.prefetched is not None and e.requests.prefetched[1].result() == 0
             asked_during[1] = e.store.add(K.JOIN_REQUESTS, 1)
         return model(batch).pow(2).mean()
 
@@ -81,15 +81,15 @@ def test_the_read_is_used_once_and_only_for_the_next_steps_proposal() -> None:
     e, _ = engine(lambda model, batch: model(batch).pow(2).mean())
     reads = []
     counts = iter([5, 0, 0])
-    e._request_count = lambda: reads.append(1) or next(counts)  # type: ignore[method-assign]
+    e.requests.count = lambda: reads.append(1) or next(counts)  # type: ignore[method-assign]
     try:
         e._prefetch_requests(4)
-        assert e._prefetch is not None and e._prefetch[1].result() == 5
+        assert e.requests.prefetched is not None and e.requests.prefetched[1].result() == 5
         assert e._requests(ReadRequests((0,), step=4)) == ([], [])  # not step 5's: read afresh (0)
-        assert e._prefetch is None and len(reads) == 2
+        assert e.requests.prefetched is None and len(reads) == 2
         e._prefetch_requests(4)
         assert e._requests(ReadRequests((0,), step=5)) == ([], [])  # the prefetched 0, no third read
-        assert len(reads) == 3 and e._prefetch is None
+        assert len(reads) == 3 and e.requests.prefetched is None
     finally:
         e.close()
 
@@ -100,7 +100,7 @@ def test_an_unreachable_store_during_the_read_reports_no_requests_and_training_g
     def unreachable() -> int:
         raise StoreUnavailableError("etcd down (test)")
 
-    e._request_count = unreachable  # type: ignore[method-assign]
+    e.requests.count = unreachable  # type: ignore[method-assign]
     try:
         train(e, range(3))
         assert seen == [] and e.next_step == 3
@@ -110,10 +110,10 @@ def test_an_unreachable_store_during_the_read_reports_no_requests_and_training_g
 
 def test_with_a_schedule_the_leader_reads_no_requests() -> None:
     e, seen = engine(lambda model, batch: model(batch).pow(2).mean(), schedule={0: [0]})
-    e._request_count = lambda: pytest.fail("a schedule decides the members: no read")  # type: ignore[method-assign]
+    e.requests.count = lambda: pytest.fail("a schedule decides the members: no read")  # type: ignore[method-assign]
     try:
         e.store.add(K.JOIN_REQUESTS, 1)
         train(e, range(2))
-        assert seen == [] and e._reader is None
+        assert seen == [] and e.requests.reader is None
     finally:
         e.close()

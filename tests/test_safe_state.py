@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from unicron_elastic.api import StateDecodingError, StateEncodingError
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
 from unicron_elastic.strategy.effects import TransferState
 from unicron_elastic.strategy.safe_state import MAGIC, dumps, encode, loads, pack
 from unicron_elastic.store.keys import MeetingKeys
@@ -346,7 +346,7 @@ def _engines(store: dist.Store, **kwargs: Any) -> ElasticDataParallel:
     model = torch.nn.Linear(4, 2)
     return ElasticDataParallel(model, torch.optim.Adam(model.parameters()), plan=None, batch=lambda idx: idx,
                                loss_fn=lambda m, b: m(b).sum(), store=store, world_size=2,
-                               timeout=timedelta(seconds=30), **kwargs)
+                               options=EngineOptions(timeout=timedelta(seconds=30)), **kwargs)
 
 
 def _broadcast_raw(store: dist.Store, payload: bytes) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 
 DATA = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
@@ -25,7 +25,7 @@ def engine(loss_fn=lambda model, batch: model(batch).pow(2).mean()) -> ElasticDa
     return ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                plan=GlobalBatchPlan(len(DATA), 4, 2, seed=0), batch=lambda idx: DATA[idx],
                                loss_fn=loss_fn, store=dist.HashStore(), rank=0, world_size=1,
-                               timeout=timedelta(seconds=30))
+                               options=EngineOptions(timeout=timedelta(seconds=30)))
 
 
 def test_a_stop_asked_while_a_step_computes_is_agreed_in_that_steps_exchange() -> None:

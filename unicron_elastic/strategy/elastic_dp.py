@@ -86,8 +86,6 @@ import json
 import sys
 import time
 from collections.abc import Callable, Generator
-from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 import structlog
@@ -99,25 +97,23 @@ from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy import effects as E
 from unicron_elastic.strategy.bootstrap import watch_members
 from unicron_elastic.strategy.effects import Excluded, ReplicaBroken, Retired, StepReport
+from unicron_elastic.strategy.engine_options import EngineHooks, EngineOptions
+from unicron_elastic.strategy.exchange import ExchangeSlots
+from unicron_elastic.strategy.gradients import GradientBuffer
 from unicron_elastic.strategy.membership import MembershipError
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.pipeline import StageLinks, forward_only, run_pipeline, schedule_for
 from unicron_elastic.strategy.protocol import Protocol
 from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
+from unicron_elastic.strategy.requests import RequestReader
 from unicron_elastic.strategy.state_transfer import broadcast_state
-from unicron_elastic.strategy.transport import CollectiveTransport, GlooTransport, is_peer_failure
-from unicron_elastic.strategy.watch import GroupWatch, WatchTimes
+from unicron_elastic.strategy.transport import GlooTransport, is_peer_failure
+from unicron_elastic.strategy.watch import GroupWatch
 
-__all__ = ["ElasticDataParallel", "Excluded", "ReplicaBroken", "Retired", "StepReport"]
+__all__ = ["ElasticDataParallel", "EngineHooks", "EngineOptions", "Excluded", "ReplicaBroken", "Retired", "StepReport"]
 
 log = structlog.get_logger(__name__)
-#: Seconds the leader's per-step read of the join/leave requests waits for an unreachable etcd.
-REQUESTS_PATIENCE_S = 1.0
 
-Hook = Callable[..., None]
-#: ``stage_fn(model, batch, input)``: a pipeline stage's output for one micro-batch (the loss on the last stage).
-StageFn = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
-_EXTRA_SLOTS = 3  # an exchange's slots besides the members: their count, the overflow verdict, the stop request
 _PAUSED = object()  # _run stopped before an effect that needs the model
 _STEP0 = object()  # no fallback state: this rank's fresh state is step 0's
 
@@ -146,56 +142,15 @@ class ElasticDataParallel:
         store: A store every rank reaches that outlives workers (the agent's).
         rank: This launch rank.
         world_size: Launch world size (ranks).
-        bucket_numel: Elements per gradient bucket (None: one bucket).
-        timeout: Timeout of collectives.
-        checkin_timeout: After a failure, how long survivors wait for a rank that is alive but has
-            not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
-        hook: Called as ``hook(rank, step, micro_batch=j)`` before each
-            micro-batch (its forward, with PP) and ``hook(rank, step, bucket=k)``
-            before each bucket's reduction, ``hook(rank, -1, at="before_first_group")``
-            before the first group is built (fault injection: ``unicron_elastic.faults.maybe_fail``).
         members: Initial members (default all; replicas with TP/PP).
         joining: This rank is not a member yet: :meth:`join` waits to be added.
         schedule: ``step -> members`` from that step on (the leader applies it).
-        get_state: The state a replica hands to a joiner (default: model,
-            optimizer, RNG); the step is added.
-        set_state: Loads what ``get_state`` returned (default: the inverse).
-        on_group: Called as ``on_group(members, generation)`` when every new
-            group (failure, resize, join) is built, before any state moves
-            (with TP/PP it must rebuild the world the model's collectives use:
-            :func:`~unicron_elastic.strategy.parallel.rebuild_world`); a
-            ``RuntimeError`` there (a member gone) gives up that group.
-        on_drop: Called when this rank drops its group (a failure, or
-            :meth:`close`): drop every other group of the same members too,
-            so a rank blocked in one of them with this rank fails at once
-            (the Lightning strategy destroys its world group and megatron-core's:
-            a tensor-parallel collective would otherwise keep a survivor waiting).
-        fallback: Called by a joiner when no replica is left (every member is
-            waiting to join): returns the state to resume from (in-memory
-            snapshot, then persisted checkpoint) or None. With TP/PP the
-            other shards of the resuming replica call it as ``fallback(step)``:
-            their shard's state of that step.
-        pause: Called as ``pause(True, bound_s)`` when a regroup begins and
-            ``pause(False, None)`` when it ends (e.g. ``Worker.set_paused``:
-            a regroup is a declared pause for the hang detector, bounded so a
-            rank stuck in it is still found).
-        grad_dtype: Dtype of the gradient sums and their all-reduce. float64
-            makes the result independent of who computed which micro-batch
-            (float32 sums depend on the order: after a failure the last bits
-            differ, and Adam-like optimizers amplify that).
-        max_world: Ranks ``0..max_world-1`` may ask to join (default
-            ``world_size``; more when nodes may grow the run: ``$UNICRON_MAX_WORLD``).
-        model_parallel: Tensor x pipeline parallel layout (default: none, TP = PP = 1).
-        stage_fn: With ``pipeline > 1``: ``stage_fn(model, batch, input)``, this
-            stage's output for one micro-batch (``input`` is None on the first
-            stage, the previous stage's output otherwise); the loss on the last stage.
-        pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``.
-        transport: Makes and aborts the engine's groups (default: gloo).
-        report_waiting: Called as ``report_waiting(True)`` (repeated) while this
-            rank waits on its group for a peer, ``report_waiting(False)`` when
-            the wait ends (e.g. ``Worker.waiting``: the hang detector spares
-            it and blames the peer that went silent); see :mod:`~unicron_elastic.strategy.watch`.
-        watch_times: When a wait is reported and the members' liveness checked.
+        options: Buckets, timeouts, the gradient dtype, the most ranks, the
+            model's layout, the transport (:class:`~unicron_elastic.strategy.engine_options.EngineOptions`).
+        hooks: What the engine calls back: fault injection, a pipeline stage's
+            forward, the state a joiner gets, group changes, the fallback state,
+            pauses and waits for the hang detector, the loss scaler's verdict
+            (:class:`~unicron_elastic.strategy.engine_options.EngineHooks`).
 
     Raises:
         ValueError: ``max_world`` is smaller than ``world_size``.
@@ -212,32 +167,18 @@ class ElasticDataParallel:
         store: dist.Store,
         rank: int,
         world_size: int,
-        bucket_numel: int | None = None,
-        timeout: timedelta = timedelta(seconds=30),
-        checkin_timeout: float = 10.0,
-        hook: Hook | None = None,
+        *,
         members: list[int] | None = None,
         joining: bool = False,
         schedule: dict[int, list[int]] | None = None,
-        get_state: Callable[[], dict[str, Any]] | None = None,
-        set_state: Callable[[dict[str, Any]], None] | None = None,
-        on_group: Callable[[list[int], int], None] | None = None,
-        fallback: Callable[..., dict[str, Any] | None] | None = None,
-        grad_dtype: torch.dtype = torch.float32,
-        pause: Callable[[bool, float | None], None] | None = None,
-        on_drop: Callable[[], None] | None = None,
-        max_world: int | None = None,
-        model_parallel: ModelParallel | None = None,
-        stage_fn: StageFn | None = None,
-        pipeline_schedule: str = "1f1b",
-        transport: CollectiveTransport | None = None,
-        report_waiting: Callable[[bool], None] | None = None,
-        watch_times: WatchTimes | None = None,
-        overflow: Callable[[torch.Tensor, int], bool] | None = None,
+        options: EngineOptions = EngineOptions(),
+        hooks: EngineHooks = EngineHooks(),
     ) -> None:
+        timeout, checkin_timeout, bucket_numel = options.timeout, options.checkin_timeout, options.bucket_numel
+        max_world, stage_fn = options.max_world, hooks.stage_fn
         if max_world is not None and max_world < world_size:
             raise ValueError(f"max_world {max_world} is smaller than world_size {world_size}")
-        self.layout = model_parallel or ModelParallel()
+        self.layout = options.model_parallel or ModelParallel()
         if self.layout.pipeline > 1 and stage_fn is None:
             raise ConfigError("a pipeline-parallel model needs stage_fn (each stage's forward of one micro-batch)")
         replicas = self.layout.replicas(world_size)
@@ -245,31 +186,32 @@ class ElasticDataParallel:
         self.batch, self.loss_fn, self.stage_fn, self.store = batch, loss_fn, stage_fn, store
         self.rank, self.timeout, self.checkin_timeout = rank, timeout, checkin_timeout
         self.replica, self.coordinate = self.layout.replica(rank), self.layout.coordinate(rank)
-        self.pipeline_schedule = pipeline_schedule
-        self.hook = hook or (lambda *a, **k: None)
+        self.pipeline_schedule = options.pipeline_schedule
+        self.hook = hooks.hook or (lambda *a, **k: None)
         self.world_size = world_size
         self.max_world = max_world or world_size
         self.max_replicas = max(self.max_world // self.layout.size, replicas)
-        self.get_state = get_state or self._default_state
-        self.set_state = set_state or self._load_default_state
-        self.on_group = on_group or (lambda members, generation: None)
-        self.fallback = fallback or (lambda step=None: None)
-        self.grad_dtype = grad_dtype
-        self.pause = pause or (lambda paused, bound: None)
-        self.on_drop = on_drop or (lambda: None)
-        self.transport = transport or GlooTransport()
+        self.get_state = hooks.get_state or self._default_state
+        self.set_state = hooks.set_state or self._load_default_state
+        self.on_group = hooks.on_group or (lambda members, generation: None)
+        self.fallback = hooks.fallback or (lambda step=None: None)
+        self.grad_dtype = options.grad_dtype
+        self.pause = hooks.pause or (lambda paused, bound: None)
+        self.on_drop = hooks.on_drop or (lambda: None)
+        self.transport = options.transport or GlooTransport()
         #: Watches this rank's waits on its groups: reports them, and gives a group up once a member is gone.
-        self.watch = GroupWatch(report_waiting or (lambda waiting: None), self._gone, self._interrupt, watch_times)
+        self.watch = GroupWatch(hooks.report_waiting or (lambda waiting: None), self._gone, self._interrupt,
+                                options.watch_times)
         self.state_source: str | None = None  # where a joiner's state came from
         self.stop_requested = False  # this rank was asked to stop (request_stop): sent in every exchange from now on
         self.stop_agreed = False  # a member asked to stop, as an exchange of the members said
-        self.overflow = overflow  # (loss scaling) whether this shard's reduced sum is not finite once unscaled
+        self.overflow = hooks.overflow  # (loss scaling) whether this shard's reduced sum is not finite once unscaled
         self.overflow_agreed = False  # with TP/PP: a shard's sum was not finite, as the step's commit said
         self._resume_state: Any = None  # fallback state a joiner hands to the others (_STEP0: the fresh one)
         self._resume_applied = False
         self.bucket_numel = bucket_numel
-        self.params: list[torch.nn.Parameter] = []
-        self.bounds: list[tuple[int, int]] = []
+        #: This shard's gradient sums (made by :meth:`bind`).
+        self.gradients: GradientBuffer | None = None
         # with TP/PP a last, small all-reduce over every rank commits the step (and carries the next members)
         self.committed = self.layout.size > 1
         self.membership = ReplicaMembership(store, self.layout, rank, self.max_replicas)
@@ -281,11 +223,10 @@ class ElasticDataParallel:
         self.world_pg: dist.ProcessGroup | None = None  # with TP/PP: every rank (commit, pipeline)
         self._incarnations: dict[int, str] = {}
         self._bootstrap_stores: list[dist.Store] = []  # where each generation's groups bootstrapped (one small each)
-        self._sum: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # the step's local gradient sum (reused)
-        self._reduced: torch.Tensor | None = None  # where the step's buckets are reduced (reused; see _reduce_buffer)
-        self._reduced_views: list[torch.Tensor] | None = None  # its per-parameter views (where dtypes match)
-        self._reader: ThreadPoolExecutor | None = None  # the publishing rank's read of the requests, off the step
-        self._prefetch: tuple[int, Future[int]] | None = None  # (step, its read begun with its computation)
+        #: The join/leave requests' counter (the publishing rank reads it off the step's critical path).
+        self.requests = RequestReader(store, rank)
+        #: The slots the step's last exchange carries (next members, overflow verdict, stop request).
+        self.slots = ExchangeSlots(self.max_replicas)
         self._shard_buckets: list[int] | None = None  # buckets of every shard (read once, for recomputations)
         #: ``(step, j)``: the micro-batch whose forward runs now (``batch``, ``loss_fn`` and ``stage_fn`` may read it).
         self.current_micro_batch: tuple[int, int] | None = None
@@ -307,17 +248,22 @@ class ElasticDataParallel:
         Raises:
             ConfigError: The model has no parameter that requires a gradient.
         """
+        self.gradients = GradientBuffer([p for p in model.parameters() if p.requires_grad], self.grad_dtype,
+                                        self.bucket_numel)
         self.model, self.optimizer = model, optimizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self._sum = self._reduced = self._reduced_views = None  # (their views have the old parameters' shapes)
-        if not self.params:
-            raise ConfigError("the model has no parameter that requires a gradient")
-        numel = sum(p.numel() for p in self.params)
-        size = self.bucket_numel or numel
-        self.bounds = [(start, min(start + size, numel)) for start in range(0, numel, size)]
         self.protocol.buckets = len(self.bounds) + self.committed
         if self.committed:
             self.store.set(K.buckets(self.coordinate), str(len(self.bounds)))
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients the engine sums (none before :meth:`bind`)."""
+        return [] if self.gradients is None else self.gradients.params
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each gradient bucket (none before :meth:`bind`)."""
+        return [] if self.gradients is None else self.gradients.bounds
 
     # -- the protocol's state ----------------------------------------------------------
     @property
@@ -549,35 +495,21 @@ class ElasticDataParallel:
         The leader reads this every step, for the next step's members; the
         read began when this step began computing (:meth:`_prefetch_requests`).
         With etcd unreachable (an outage) it gives up after
-        :data:`REQUESTS_PATIENCE_S` and reports none, so training goes on and
-        the requests are seen at a later step. With TP/PP only the
+        :data:`~unicron_elastic.strategy.requests.REQUESTS_PATIENCE_S` and
+        reports none, so training goes on and the requests are seen at a later step. With TP/PP only the
         first shard of the leading replica reads them (its offer is the one the
         commit carries); the others report none.
         """
         if self.coordinate != 0 and effect.proposal:
             return [], []
-        prefetched, self._prefetch = self._prefetch, None
         try:
-            if effect.proposal and prefetched is not None and effect.step == prefetched[0] + 1:
-                count = prefetched[1].result()  # read while this rank computed: no round trip at the step's end
-            else:
-                count = self._request_count()
+            count = self.requests.count_for(effect.step, effect.proposal)
         except StoreUnavailableError as exc:
             log.warning("requests_unreadable", error=str(exc)[:200])
             return [], []
         if count <= 0:
             return [], []
         return self.waiting(), self.membership.leaving(effect.members)
-
-    def _request_count(self) -> int:
-        """The join/leave request counter (0 if absent).
-
-        Raises:
-            StoreUnavailableError: etcd stayed unreachable for :data:`REQUESTS_PATIENCE_S`.
-        """
-        if hasattr(self.store, "read_int"):
-            return self.store.read_int(K.JOIN_REQUESTS, REQUESTS_PATIENCE_S)
-        return self.store.add(K.JOIN_REQUESTS, 0)
 
     def _prefetch_requests(self, step: int) -> None:
         """The publishing rank begins reading the requests for ``step + 1``'s members now, in a thread.
@@ -590,17 +522,11 @@ class ElasticDataParallel:
         """
         if self.coordinate != 0 or not self.protocol.reads_requests:  # (the first shard reads for its replica)
             return
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unicron-requests")
-        self._prefetch = (step, self._reader.submit(self._request_count))
+        self.requests.prefetch(step)
 
     def withdraw_leave_request(self) -> None:
         """Forget this rank's leave request (it retired); a failure is logged, not raised (its agent withdraws too)."""
-        try:
-            if self.store.check([K.leave(self.rank)]) and self.store.delete_key(K.leave(self.rank)):
-                self.store.add(K.JOIN_REQUESTS, -1)
-        except Exception as exc:  # noqa: BLE001 - retiring must not turn into a crash
-            log.warning("leave_request_not_withdrawn", rank=self.rank, error=str(exc)[:200])
+        self.requests.withdraw_leave()
 
     def request_stop(self) -> None:
         """Ask every member to stop after a step: the next exchange carries it (safe in a signal handler).
@@ -613,24 +539,15 @@ class ElasticDataParallel:
 
     def _encode(self, members: list[int] | tuple[int, ...] | None, dtype: torch.dtype,
                 overflow: bool = False) -> torch.Tensor:
-        """``[count, members..., 0..., overflow, stop]``: the members offered (zeros: none), whether this rank's
-        gradients overflowed (the commit only), and this rank's stop request."""
-        slots = torch.zeros(self.max_replicas + _EXTRA_SLOTS, dtype=dtype)
-        if members is not None:
-            slots[0] = len(members)
-            slots[1 : 1 + len(members)] = torch.tensor(list(members), dtype=dtype)
-        if overflow:
-            slots[-2] = 1
-        if self.stop_requested:
-            slots[-1] = 1
-        return slots
+        """This rank's slots of an exchange (:class:`~unicron_elastic.strategy.exchange.ExchangeSlots`)."""
+        return self.slots.encode(members, dtype, overflow, self.stop_requested)
 
     def _decode(self, slots: torch.Tensor) -> list[int]:
         """The members summed slots carry; notes a stop any rank asked for (:attr:`stop_agreed`, sent on from now)."""
-        values = slots.tolist()
-        if values[-1] > 0:
+        said = self.slots.decode(slots)
+        if said.stop:
             self.stop_agreed = self.stop_requested = True
-        return [int(r) for r in values[1 : 1 + int(values[0])]]
+        return said.members
 
     def stopping(self, step: int) -> None:
         """This rank stops after ``step`` (:attr:`stop_agreed`): recorded for ranks that regroup after failing it.
@@ -678,10 +595,7 @@ class ElasticDataParallel:
         """
         self._drop_group()
         self.watch.close()
-        self._prefetch = None
-        if self._reader is not None:
-            self._reader.shutdown(wait=False)
-            self._reader = None
+        self.requests.close()
 
     def start_join(self, timeout: float = 120.0) -> bool:
         """Wait until the group admits this rank and its groups are built (``on_group`` ran), without a model.
@@ -868,65 +782,11 @@ class ElasticDataParallel:
             message = f"rank {self.rank}: a collective of its model failed: {exc}"
         raise ReplicaBroken(message)  # outside the handler: no __context__ keeps the frames
 
-    def _zeros(self, reuse: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A gradient sum of this shard, zeroed, and its per-parameter views.
-
-        ``reuse``: the step's first computation sums into the engine's own
-        buffer (kept between steps: no fresh allocation per step); a
-        recomputation after a failure gets a new one, since the first sum is
-        still needed beside it.
-        """
-        numel = sum(p.numel() for p in self.params)
-        if not reuse:
-            return self._views(torch.zeros(numel, dtype=self.grad_dtype, device=self.params[0].device))
-        cached = self._sum
-        if cached is None or cached[0].numel() != numel or cached[0].dtype != self.grad_dtype \
-                or cached[0].device != self.params[0].device:
-            cached = self._sum = self._views(torch.empty(numel, dtype=self.grad_dtype, device=self.params[0].device))
-        cached[0].zero_()
-        return cached
-
-    def _views(self, total: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``total`` and its per-parameter views."""
-        views, offset = [], 0
-        for p in self.params:
-            views.append(total[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return total, views
-
-    def _accumulate(self, views: list[torch.Tensor]) -> None:
-        """Add the gradients in ``.grad`` that are not in the sum already to it, then clear ``.grad``."""
-        for p, view in zip(self.params, views):
-            grad = p.grad
-            if grad is not None and grad.data_ptr() != view.data_ptr():  # (a bound .grad is the sum itself)
-                view.add_(grad)  # in place into the sum's dtype: no temporary copies
-            p.grad = None
-
-    def _bind(self, views: list[torch.Tensor]) -> bool:
-        """Let autograd add each micro-batch's gradients straight into the sum: ``p.grad`` = its view.
-
-        Only where the sum has the parameters' dtype (the default float32
-        sums of float32 parameters; float64 sums cannot be a float32
-        parameter's ``.grad``). Backward runs with grad mode off, so autograd
-        adds into a ``.grad`` that exists in place (``grad += new``): the same
-        sums, in the same order, as :meth:`_accumulate` after each
-        micro-batch, without a fresh gradient tensor per micro-batch and a
-        Python pass over the parameters. A ``training_step`` must therefore
-        not zero gradients in place (Lightning zeroes them itself, after the
-        step's computation); one that sets them to None is harmless.
-
-        Returns:
-            Whether ``.grad`` are bound; else they are cleared (None) and each
-            micro-batch is added by :meth:`_accumulate`.
-        """
-        bound = all(view.dtype == p.dtype for p, view in zip(self.params, views))
-        for p, view in zip(self.params, views):
-            p.grad = view if bound else None
-        return bound
-
     def _compute(self, step: int, micro_batches: list[int], redo: bool = False) -> torch.Tensor:
-        total, views = self._zeros(reuse=not redo)
-        bound = self._bind(views)  # (or .grad cleared)
+        gradients = self.gradients
+        assert gradients is not None  # (a model is bound before any step)
+        total, views = gradients.zeros(reuse=not redo)
+        bound = gradients.bind(views)  # (or .grad cleared)
         try:
             if self.layout.pipeline > 1:
                 self._pipeline(step, micro_batches, redo, views, bound)
@@ -936,12 +796,11 @@ class ElasticDataParallel:
                     self.hook(self.rank, step, micro_batch=j)
                     self.loss_fn(self.model, self.batch(self._plan.indices(step, j))).backward()
                     if not bound:
-                        self._accumulate(views)
+                        gradients.accumulate(views)
             if bound:
-                self._accumulate(views)  # a .grad that is not its view (a hook set it to None) is added
+                gradients.accumulate(views)  # a .grad that is not its view (a hook set it to None) is added
         finally:
-            for p in self.params:  # nothing keeps pointing into the sum (nor holds a failed micro-batch's part)
-                p.grad = None
+            gradients.release()
         return total
 
     def _pipeline(self, step: int, micro_batches: list[int], redo: bool, views: list[torch.Tensor],
@@ -951,7 +810,8 @@ class ElasticDataParallel:
         In a recomputation after a failure (``redo``) the stages below every
         stage that still needs gradients run forward only, and nothing runs
         when every stage kept its reduced buckets. ``bound``: autograd sums
-        into ``views`` itself (:meth:`_bind`).
+        into ``views`` itself (:meth:`GradientBuffer.bind
+        <unicron_elastic.strategy.gradients.GradientBuffer.bind>`).
         """
         layout = self.layout
         stage, stages = layout.stage(self.rank), layout.pipeline
@@ -976,7 +836,7 @@ class ElasticDataParallel:
             return self.stage_fn(self.model, self.batch(self._plan.indices(step, j)), received)
 
         run_pipeline(forward, ops, links, self.transport.device,
-                     on_backward=None if bound else lambda _: self._accumulate(views))
+                     on_backward=None if bound else lambda _: self.gradients.accumulate(views))
 
     def _stages_to_backpropagate(self) -> set[int]:
         """After a regroup: the stages whose backward is still needed (from the record's buckets kept per shard)."""
@@ -1001,7 +861,7 @@ class ElasticDataParallel:
         if self.pg is None:
             raise RuntimeError("the group failed before this reduction (membership sync)")
         start, end = self.bounds[effect.bucket]
-        whole = self._reduce_buffer(local)  # reduce a copy: the local sum survives a failure
+        whole = self.gradients.reduce_buffer(local, self.slots.size)  # a copy: the local sum survives a failure
         buf = whole[start:] if effect.last else whole[start:end]  # the last bucket: the slots follow it
         buf[: end - start].copy_(local[start:end])
         if effect.last:  # the next step's members ride along (the leader's proposal, zeros elsewhere)
@@ -1017,46 +877,14 @@ class ElasticDataParallel:
         they agree by construction; the shards of a replica do not, hence the
         commit's slot: every rank then follows the sum of the verdicts.
         """
-        if self.overflow is None or self._reduced is None:
+        reduced = self.gradients.reduced_sum()
+        if self.overflow is None or reduced is None:
             return False
-        return self.overflow(self._reduced[: self.bounds[-1][1]], self._plan.num_micro_batches)
-
-    def _reduce_buffer(self, local: torch.Tensor) -> torch.Tensor:
-        """Where the step's buckets are reduced: one buffer kept between steps, each bucket its own slice.
-
-        Reducing a copy keeps ``local`` whole for a recomputation after a
-        failure. The buffer is reused (no allocation and first-touch page
-        faults per step), and bucket *k* is always reduced into slice *k*, so
-        the buckets a failed attempt kept are not overwritten when the others
-        are reduced again. The exchange's slots (:meth:`_encode`) follow the
-        last bucket, which ends the sum.
-        """
-        size = local.numel() + self.max_replicas + _EXTRA_SLOTS
-        buf = self._reduced
-        if buf is None or buf.numel() != size or buf.dtype != local.dtype or buf.device != local.device:
-            buf = self._reduced = torch.empty(size, dtype=local.dtype, device=local.device)
-            same = all(p.dtype == buf.dtype and p.device == buf.device for p in self.params)
-            self._reduced_views = self._views(buf)[1] if same else None  # (else p.grad are copies: .to(p.dtype))
-        return buf
+        return self.overflow(reduced, self._plan.num_micro_batches)
 
     def _set_gradients(self, effect: E.SetGradients) -> None:
-        """``p.grad`` = the reduced sum / B: views of the reduce buffer (copies only where the dtypes differ).
-
-        Every gradient bucket in ``effect.reduced`` is the slice of
-        :meth:`_reduce_buffer` it was reduced in (also a bucket kept from a
-        failed attempt), so the sum is the buffer's head, already in place.
-        """
-        assert self._reduced is not None  # (every step reduces each of its buckets first)
-        grad = self._reduced[: self.bounds[-1][1]]
-        grad.div_(self._plan.num_micro_batches)
-        if self.committed and self.overflow_agreed:  # another shard overflowed: the scaler skips the step here too
-            grad.fill_(float("nan"))
-        if self._reduced_views is not None:  # the buffer's per-parameter views, made once
-            for p, view in zip(self.params, self._reduced_views):
-                p.grad = view
-            return
-        for p, view in zip(self.params, self._views(grad)[1]):
-            p.grad = view.to(p.dtype)
+        """``p.grad`` = the reduced sum / B (NaN where another shard overflowed: the scaler skips the step here too)."""
+        self.gradients.set_gradients(self._plan.num_micro_batches, self.committed and self.overflow_agreed)
 
     def begin_step(self, step: int) -> StepReport:
         """Agree on the members of ``step`` and compute this rank's micro-batches.
@@ -1071,7 +899,7 @@ class ElasticDataParallel:
                 its replica lost a rank, or the membership sync failed and the
                 regroup left it out): it must :meth:`join`.
         """
-        self._prefetch = None  # (a read begun with an earlier step: the membership sync reads afresh)
+        self.requests.prefetched = None  # (a read begun with an earlier step: the membership sync reads afresh)
         try:
             return self._run(self.protocol.begin_step(step))
         except Retired:

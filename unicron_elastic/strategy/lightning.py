@@ -66,6 +66,7 @@ from unicron_elastic.faults import maybe_fail
 from unicron_elastic.meeting import MEETING_ENV, connect_meeting_store
 from unicron_elastic.strategy.bootstrap import watch_members
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, StepReport
+from unicron_elastic.strategy.engine_options import EngineHooks, EngineOptions
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.feed import MicroBatchFeed
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
@@ -389,21 +390,26 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def _engine(self, joining: bool) -> ElasticDataParallel:
         """The elastic engine, without its model yet (bound in :meth:`setup`)."""
-        return ElasticDataParallel(
-            None, None, plan=None,  # the model comes in setup, the plan with the dataset (process_dataloader)
-            batch=self._materialise, loss_fn=self._micro_batch_loss, store=self._store,
-            rank=self.env.launch_rank, world_size=self.env.launch_world_size, bucket_numel=self.bucket_numel,
-            timeout=self._timeout or timedelta(seconds=60), checkin_timeout=self.checkin_timeout,
-            hook=self._hook, joining=joining, members=self._members(), schedule=self.schedule,
-            get_state=self._state, set_state=self._load_state,
-            on_group=self._on_group, fallback=self._fallback, grad_dtype=self.grad_dtype,
+        options = EngineOptions(
+            bucket_numel=self.bucket_numel, timeout=self._timeout or timedelta(seconds=60),
+            checkin_timeout=self.checkin_timeout, grad_dtype=self.grad_dtype,
+            max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
+            model_parallel=self.layout, pipeline_schedule=self.pipeline_schedule,
+            transport=transport_for(self.root_device),
+        )
+        hooks = EngineHooks(
+            hook=self._hook, stage_fn=self._stage_forward if self.pp > 1 else None,
+            get_state=self._state, set_state=self._load_state, on_group=self._on_group, fallback=self._fallback,
             pause=self._worker.set_paused,  # a regroup is a declared, bounded pause, not a hang
             report_waiting=self._worker.waiting,  # blocked on a peer: spared by the hang detector
             on_drop=self._drop_world,  # a survivor blocked in a TP collective (or Lightning's) fails too
-            max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
-            model_parallel=self.layout, stage_fn=self._stage_forward if self.pp > 1 else None,
-            pipeline_schedule=self.pipeline_schedule, transport=transport_for(self.root_device),
             overflow=lambda total, micro_batches: overflowed(self.precision_plugin, total, micro_batches),
+        )
+        return ElasticDataParallel(
+            None, None, plan=None,  # the model comes in setup, the plan with the dataset (process_dataloader)
+            batch=self._materialise, loss_fn=self._micro_batch_loss, store=self._store,
+            rank=self.env.launch_rank, world_size=self.env.launch_world_size,
+            joining=joining, members=self._members(), schedule=self.schedule, options=options, hooks=hooks,
         )
 
     def _drop_world(self) -> None:

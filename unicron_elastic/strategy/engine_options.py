@@ -1,0 +1,110 @@
+"""The elastic engine's settings and the callbacks it calls: what :class:`ElasticDataParallel` is built with.
+
+A leaf module of frozen dataclasses, so callers (the Lightning strategy, the
+examples, tests) state a setting by name without importing the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from unicron_elastic.strategy.replicas import ModelParallel
+    from unicron_elastic.strategy.transport import CollectiveTransport
+    from unicron_elastic.strategy.watch import WatchTimes
+
+#: ``hook(rank, step, micro_batch=j | bucket=k | at=...)``: a fault-injection point.
+Hook = Callable[..., None]
+#: ``stage_fn(model, batch, input)``: a pipeline stage's output for one micro-batch (the loss on the last stage).
+StageFn = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine reduces, waits and lays out the model.
+
+    Attributes:
+        bucket_numel: Elements per gradient bucket (None: one bucket).
+        timeout: Timeout of collectives.
+        checkin_timeout: After a failure, how long survivors wait for a rank that is alive but has
+            not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
+        grad_dtype: Dtype of the gradient sums and their all-reduce. float64
+            makes the result independent of who computed which micro-batch
+            (float32 sums depend on the order: after a failure the last bits
+            differ, and Adam-like optimizers amplify that).
+        max_world: Ranks ``0..max_world-1`` may ask to join (default
+            ``world_size``; more when nodes may grow the run: ``$UNICRON_MAX_WORLD``).
+        model_parallel: Tensor x pipeline parallel layout (default: none, TP = PP = 1).
+        pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+        transport: Makes and aborts the engine's groups (default: gloo).
+        watch_times: When a wait is reported and the members' liveness checked.
+    """
+
+    bucket_numel: int | None = None
+    timeout: timedelta = timedelta(seconds=30)
+    checkin_timeout: float = 10.0
+    grad_dtype: torch.dtype = torch.float32
+    max_world: int | None = None
+    model_parallel: ModelParallel | None = None
+    pipeline_schedule: str = "1f1b"
+    transport: CollectiveTransport | None = None
+    watch_times: WatchTimes | None = None
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """What the engine calls back (each optional).
+
+    Attributes:
+        hook: Called as ``hook(rank, step, micro_batch=j)`` before each
+            micro-batch (its forward, with PP) and ``hook(rank, step, bucket=k)``
+            before each bucket's reduction, ``hook(rank, -1, at="before_first_group")``
+            before the first group is built (fault injection: ``unicron_elastic.faults.maybe_fail``).
+        stage_fn: With ``pipeline > 1``: ``stage_fn(model, batch, input)``, this
+            stage's output for one micro-batch (``input`` is None on the first
+            stage, the previous stage's output otherwise); the loss on the last stage.
+        get_state: The state a replica hands to a joiner (default: model,
+            optimizer, RNG); the step is added.
+        set_state: Loads what ``get_state`` returned (default: the inverse).
+        on_group: Called as ``on_group(members, generation)`` when every new
+            group (failure, resize, join) is built, before any state moves
+            (with TP/PP it must rebuild the world the model's collectives use:
+            :func:`~unicron_elastic.strategy.parallel.rebuild_world`); a
+            ``RuntimeError`` there (a member gone) gives up that group.
+        on_drop: Called when this rank drops its group (a failure, or
+            ``close()``): drop every other group of the same members too,
+            so a rank blocked in one of them with this rank fails at once
+            (the Lightning strategy destroys its world group and megatron-core's:
+            a tensor-parallel collective would otherwise keep a survivor waiting).
+        fallback: Called by a joiner when no replica is left (every member is
+            waiting to join): returns the state to resume from (in-memory
+            snapshot, then persisted checkpoint) or None. With TP/PP the
+            other shards of the resuming replica call it as ``fallback(step)``:
+            their shard's state of that step.
+        pause: Called as ``pause(True, bound_s)`` when a regroup begins and
+            ``pause(False, None)`` when it ends (e.g. ``Worker.set_paused``:
+            a regroup is a declared pause for the hang detector, bounded so a
+            rank stuck in it is still found).
+        report_waiting: Called as ``report_waiting(True)`` (repeated) while this
+            rank waits on its group for a peer, ``report_waiting(False)`` when
+            the wait ends (e.g. ``Worker.waiting``: the hang detector spares
+            it and blames the peer that went silent); see :mod:`~unicron_elastic.strategy.watch`.
+        overflow: With a loss scaler: ``overflow(reduced_sum, B)``, whether this shard's
+            reduced sum is not finite once unscaled (see :mod:`~unicron_elastic.strategy.precision`).
+    """
+
+    hook: Hook | None = None
+    stage_fn: StageFn | None = None
+    get_state: Callable[[], dict[str, Any]] | None = None
+    set_state: Callable[[dict[str, Any]], None] | None = None
+    on_group: Callable[[list[int], int], None] | None = None
+    on_drop: Callable[[], None] | None = None
+    fallback: Callable[..., dict[str, Any] | None] | None = None
+    pause: Callable[[bool, float | None], None] | None = None
+    report_waiting: Callable[[bool], None] | None = None
+    overflow: Callable[[torch.Tensor, int], bool] | None = None

@@ -1,0 +1,66 @@
+"""The integer slots a step's last exchange carries besides gradients: next members, overflow verdict, stop request.
+
+They ride in the last gradient bucket (or the commit with TP x PP > 1, or
+the members' agreement) and are summed like it, so no extra collective runs
+per step: ``[count, members..., 0..., overflow, stop]``. Only the leader
+offers members (the others send zeros); any rank's overflow or stop counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Slots besides the members: their count, the overflow verdict, the stop request.
+EXTRA_SLOTS = 3
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """What summed slots said.
+
+    Attributes:
+        members: The members offered (empty: none).
+        overflow: A shard's reduced sum was not finite (loss scaling).
+        stop: A rank asked to stop after this step.
+    """
+
+    members: list[int]
+    overflow: bool
+    stop: bool
+
+
+@dataclass(frozen=True)
+class ExchangeSlots:
+    """The slots of a group whose replicas ``0..max_replicas-1`` may be members.
+
+    Attributes:
+        max_replicas: Replicas that may ever be members.
+    """
+
+    max_replicas: int
+
+    @property
+    def size(self) -> int:
+        """Elements of the slots."""
+        return self.max_replicas + EXTRA_SLOTS
+
+    def encode(self, members: list[int] | tuple[int, ...] | None, dtype: torch.dtype, overflow: bool = False,
+               stop: bool = False) -> torch.Tensor:
+        """This rank's slots: the members it offers (None: zeros), its overflow verdict and its stop request."""
+        slots = torch.zeros(self.size, dtype=dtype)
+        if members is not None:
+            slots[0] = len(members)
+            slots[1 : 1 + len(members)] = torch.tensor(list(members), dtype=dtype)
+        if overflow:
+            slots[-2] = 1
+        if stop:
+            slots[-1] = 1
+        return slots
+
+    @staticmethod
+    def decode(slots: torch.Tensor) -> Exchanged:
+        """What the summed ``slots`` of every rank say."""
+        values = slots.tolist()
+        return Exchanged([int(r) for r in values[1 : 1 + int(values[0])]], values[-2] > 0, values[-1] > 0)
