@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from unicron_elastic.coordinator.api import ClusterPlan, NodeRecord
-from unicron_elastic.coordinator.policy import PolicyConfig
+from unicron_elastic.coordinator.vocabulary import PolicyConfig
 from unicron_elastic.coordinator.service import Coordinator, read_plan
 from unicron_elastic.node.local_cluster import LocalCluster
 from unicron_elastic.planner.onestep import OneStepTable

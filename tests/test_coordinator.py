@@ -17,7 +17,7 @@ from conftest import BIN, json_log_entries, leader_of, unicron, wait_for
 from unicron_elastic.api import EtcdConfig, NotLeaderError
 from unicron_elastic.coordinator.api import ClusterPlan, NodeRecord
 from unicron_elastic.coordinator.metrics import CoordinatorMetrics
-from unicron_elastic.coordinator.policy import PolicyConfig
+from unicron_elastic.coordinator.vocabulary import PolicyConfig
 from unicron_elastic.coordinator.service import Coordinator, read_plan
 from unicron_elastic.events import ErrorEvent, Severity
 from unicron_elastic.node.local_cluster import LocalCluster

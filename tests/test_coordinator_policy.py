@@ -10,28 +10,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unicron_elastic.coordinator.api import ClusterPlan, Command, NodeRecord, SpecError, TaskSpec
-from unicron_elastic.coordinator.policy import (
+from unicron_elastic.coordinator.observe import Observed, changes
+from unicron_elastic.coordinator.policy import decide, fold, replan
+from unicron_elastic.coordinator.sizing import place, replica_sizes, task_throughput
+from unicron_elastic.coordinator.standby import state_from_json, state_to_json
+from unicron_elastic.coordinator.vocabulary import (
     Alert,
     ClusterState,
     Failure,
     NodeJoined,
     NodeLeft,
     NodeLost,
-    Observed,
     PolicyConfig,
     Replan,
     TaskFinished,
     TaskSubmitted,
     WritePlan,
-    changes,
-    decide,
-    fold,
-    place,
-    replan,
-    replica_sizes,
-    state_from_json,
-    state_to_json,
-    task_throughput,
 )
 from unicron_elastic.coordinator.service import task_status
 from unicron_elastic.events import ErrorEvent, Severity

@@ -90,7 +90,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
 # -- unicron-coordinator ----------------------------------------------------------------------------
 def _policy_config(args: argparse.Namespace):
-    from unicron_elastic.coordinator.policy import PolicyConfig
+    from unicron_elastic.coordinator.vocabulary import PolicyConfig
     from unicron_elastic.planner import CostModel, ThroughputModel, gpu_type
 
     gpu_type(args.gpu)  # refuses an unknown type now

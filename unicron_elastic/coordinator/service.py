@@ -27,21 +27,18 @@ import structlog
 from unicron_elastic.api import MalformedValueError, NotLeaderError, StoreError
 from unicron_elastic.coordinator.api import ClusterPlan, NodeRecord, SpecError, TaskSpec
 from unicron_elastic.coordinator.metrics import CoordinatorMetrics
-from unicron_elastic.coordinator.policy import (
+from unicron_elastic.coordinator.observe import Observed, changes
+from unicron_elastic.coordinator.policy import fold
+from unicron_elastic.coordinator.standby import state_from_json, state_from_plan, state_to_json
+from unicron_elastic.coordinator.vocabulary import (
     Alert,
     ClusterState,
     Decision,
     Failure,
     NodeLost,
-    Observed,
-    PolicyEvent,
     PolicyConfig,
+    PolicyEvent,
     WritePlan,
-    changes,
-    fold,
-    state_from_json,
-    state_from_plan,
-    state_to_json,
 )
 from unicron_elastic.events import ErrorEvent
 from unicron_elastic.store.client import StatusStore

@@ -36,7 +36,8 @@ from collections.abc import Sequence
 import structlog
 
 from unicron_elastic.api import MalformedValueError, StoreError
-from unicron_elastic.coordinator.api import Command, NodeRecord, TaskSpec
+from unicron_elastic.coordinator.api import ClusterPlan, Command, NodeRecord, TaskSpec
+from unicron_elastic.coordinator.transition import keeps_running, leaves_first
 from unicron_elastic.events import ErrorEvent, Severity
 from unicron_elastic.node.processes import signal_tree
 from unicron_elastic.store.client import StatusStore
@@ -173,7 +174,7 @@ class NodeDaemon:
                 log.warning("node_not_drained", node=self.name, error=str(exc)[:200])
                 return
             if plan is None or self.name not in plan.nodes:  # re-planned without this node (or never planned)
-                if self.launcher is not None and self.task is not None and self._goes_on_elsewhere(self.task):
+                if self.launcher is not None and self.task is not None and leaves_first(plan, self.task, self.name):
                     self._leave_launcher()
                 break
             time.sleep(0.1)
@@ -208,9 +209,9 @@ class NodeDaemon:
         log.info("command", node=self.name, generation=command.generation, task=command.task,
                  running=self.task)
         self.applied = command
-        if command.task == self.task and self.launcher is not None:
+        if keeps_running(self.task, self.launcher is not None, command):
             return
-        if self.task is not None and self._goes_on_elsewhere(self.task):
+        if self.task is not None and leaves_first(self._stored_plan(), self.task, self.name):
             self._leave_launcher()
         self._stop_launcher()
         self.task = command.task
@@ -301,17 +302,15 @@ class NodeDaemon:
         log.info("launcher_starting", node=self.name, task=task, argv=argv)
         self.launcher = subprocess.Popen(argv, env=env)
 
-    def _goes_on_elsewhere(self, task: str) -> bool:
-        """Whether the stored plan keeps ``task`` running on other nodes."""
+    def _stored_plan(self) -> ClusterPlan | None:
+        """The plan in the store (None: none yet, or unreadable: then the launcher is stopped, not left)."""
         from unicron_elastic.coordinator.service import read_plan
 
         try:
-            plan = read_plan(self.store)
+            return read_plan(self.store)
         except StoreError as exc:
             log.warning("plan_unreadable", error=str(exc)[:200])
-            return False
-        share = plan.tasks.get(task) if plan is not None else None
-        return share is not None and bool(set(share.nodes) - {self.name})
+            return None
 
     def _leave_launcher(self) -> None:
         """Ask the launcher to leave its task at a step boundary; wait up to ``leave_timeout`` for it to exit.

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from unicron_elastic.api import lookup
-from unicron_elastic.coordinator.policy import plan_sizes
+from unicron_elastic.coordinator.sizing import plan_sizes
 from unicron_elastic.planner.cost_model import CostModel, PlanTask
 from unicron_elastic.planner.solver import Problem, solve
 from unicron_elastic.sim.trace import Trace
