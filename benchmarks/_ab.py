@@ -37,18 +37,18 @@ def with_part(step: int) -> bool:
 def _sigterm() -> None:
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-    from unicron_elastic.strategy.lightning import UnicronMegatronStrategy
+    from unicron_elastic.strategy.sigterm import SigtermTakeover
 
     lightning_broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
-    take_over = UnicronMegatronStrategy._take_over_sigterm
+    take_over = SigtermTakeover.take_over
 
-    def patched(strategy: Any, trainer: Any) -> None:
-        take_over(strategy, trainer)
+    def patched(sigterm: Any, trainer: Any) -> None:
+        take_over(sigterm, trainer)
         loop = trainer.fit_loop.epoch_loop
         loop._broadcast_sigterm_tensor = (
             lambda: lightning_broadcast(loop) if with_part(trainer.global_step) else None)
 
-    UnicronMegatronStrategy._take_over_sigterm = patched
+    SigtermTakeover.take_over = patched
 
 
 def _log() -> None:

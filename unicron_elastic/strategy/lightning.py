@@ -46,9 +46,8 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,6 +73,9 @@ from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_
 from unicron_elastic.strategy.pipeline import SCHEDULES
 from unicron_elastic.strategy.precision import check_module, check_precision, overflowed, scaled, start_scale
 from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.strategy.rng import micro_batch_rng, micro_batch_seed
+from unicron_elastic.strategy.shard_checkpoints import load_shard, save_shard
+from unicron_elastic.strategy.sigterm import SigtermTakeover
 from unicron_elastic.strategy.snapshot_places import PeerServers
 from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
 from unicron_elastic.strategy.transport import nccl_error_handling, transport_for
@@ -82,10 +84,6 @@ from unicron_elastic.worker import get_worker
 log = structlog.get_logger(__name__)
 
 STRATEGY_NAME = "unicron_megatron"
-
-
-def _no_broadcast() -> None:
-    """In place of Lightning's SIGTERM broadcast before each batch: the step's exchange carries SIGTERM."""
 
 
 class _Steps:
@@ -212,7 +210,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._store: dist.Store | None = None
         self._world_stores: list[dist.Store] = []  # where each world bootstrapped (one small object each)
         self._local_only = False  # a joiner until its first step: Lightning's collectives stay local
-        self._stopping = False  # the members agreed to stop after the current step (SIGTERM)
+        self._sigterm = SigtermTakeover(self)  # SIGTERM in the step's last exchange (fit)
         self._trained = False  # fit ended normally (on_train_end): ranks waiting to join may stop waiting
         self._last_beat: float | None = None
         self._losses: list[torch.Tensor] = []
@@ -252,6 +250,16 @@ class UnicronMegatronStrategy(DDPStrategy):
         # A joiner catching up reports 1: Lightning's collectives on the default group (e.g. a
         # sync_dist log) must not run in a world whose members passed that point.
         return 1 if self._local_only else super().world_size
+
+    @property
+    def local_only(self) -> bool:
+        """Lightning's collectives stay on this rank (a joiner before its first step, a retired rank)."""
+        return self._local_only
+
+    @property
+    def worker(self) -> Any:
+        """This worker's end of the agent channel (:func:`~unicron_elastic.worker.get_worker`)."""
+        return self._worker
 
     @property
     def joining(self) -> bool:
@@ -471,7 +479,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._check_fit(trainer, module)
         if self.engine is None:
             raise ConfigError("unicron_megatron: fit() reached setup without the engine setup_distributed builds")
-        self._take_over_sigterm(trainer)
+        self._sigterm.take_over(trainer)
         self._admit()  # (a module without configure_model)
         if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
             log.info("rank_rejoined", step=None, state_from=None, finished_before_join=True)
@@ -486,66 +494,6 @@ class UnicronMegatronStrategy(DDPStrategy):
             self.finished_before_join = self.joined_at is None
             log.info("rank_rejoined", step=self.joined_at, state_from=self.engine.state_source,
                      finished_before_join=self.finished_before_join)
-
-    def _take_over_sigterm(self, trainer: Any) -> None:
-        """SIGTERM through the step's last exchange instead of Lightning's collectives (fit only).
-
-        Lightning 2.6 broadcasts a SIGTERM flag from rank 0 over the default
-        group before every batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``:
-        a barrier of every rank, ~5 ms of a 220 ms TP=2 x DP=2 step on 2 cores),
-        and its signal handler broadcasts once more from inside the handler.
-        Here the handler (:meth:`_on_sigterm`) only marks this rank; the engine
-        sums the mark in the step's last exchange, and every member stops after
-        that step (:meth:`backward`). Lightning's registration of its handler
-        comes after ``setup``, so it registers ours. A Lightning without these
-        two (private) members keeps its own way, with a warning.
-        """
-        connector = getattr(trainer, "_signal_connector", None)
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if not (hasattr(connector, "_sigterm_notifier_fn") and hasattr(epoch_loop, "_broadcast_sigterm_tensor")):
-            log.warning("lightning_sigterm_kept", reason="Lightning has no _SignalConnector._sigterm_notifier_fn or "
-                        "_TrainingEpochLoop._broadcast_sigterm_tensor: its SIGTERM broadcast runs before every batch")
-            return
-        self._stopping = False
-        connector._sigterm_notifier_fn = self._on_sigterm
-        epoch_loop._broadcast_sigterm_tensor = _no_broadcast
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """SIGTERM: every member stops after the step the engine's exchange agrees on.
-
-        Outside a training step (validation, a joiner not admitted yet, a
-        retired rank) there is no step to agree in: this rank stops at
-        Lightning's next check, as Lightning does. Only flags are set and one
-        line is written to stderr (no logger: see the body).
-        """
-        module = self.lightning_module
-        trainer = module.trainer if module is not None else None
-        if self.engine is not None:
-            self.engine.request_stop()
-        if trainer is not None and (self.engine is None or self._local_only or not trainer.training):
-            trainer._signal_connector.received_sigterm = True
-        # No logger here: structlog's (and print's) locks are not reentrant, and the main thread
-        # may be inside one when the signal is handled. A raw write of one line takes no lock.
-        try:
-            os.write(2, f"unicron_megatron: sigterm_received rank={self.env.launch_rank} signal={signum}: "
-                        "every rank stops after the step whose exchange carries it\n".encode())
-        except OSError:
-            pass
-
-    def _stop_if_agreed(self, step: int) -> None:
-        """A member asked to stop (its SIGTERM, in this step's exchange): Lightning ends ``fit`` after this step.
-
-        The rest of the step and the teardown are declared to the agent as a
-        pause (as at the end of training): they are not a hang.
-        """
-        if not self.engine.stop_agreed or self._stopping:
-            return
-        self._stopping = True
-        log.info("stopping_on_sigterm", rank=self.env.launch_rank, step=step)
-        self._worker.set_paused(True)
-        self.engine.stopping(step)
-        # Lightning raises SIGTERMException at the end of this batch
-        self.lightning_module.trainer._signal_connector.received_sigterm = True
 
     def _check_fit(self, trainer: Any, module: Any) -> None:
         """What this strategy cannot train, as clear errors.
@@ -643,25 +591,10 @@ class UnicronMegatronStrategy(DDPStrategy):
         """The engine's fault-injection point: ``$UNICRON_FAULTS`` (only that; the data path reads the engine)."""
         maybe_fail(rank, step, micro_batch=micro_batch, bucket=bucket, at=at)
 
-    @contextmanager
-    def _micro_batch_rng(self, stage: int = 0) -> Iterator[None]:
-        """The RNG of the micro-batch being computed: seeded from (seed, step, micro-batch, stage).
-
-        Dropout etc. do not depend on who computes micro-batch ``j``; every
-        tensor-parallel rank of a stage draws the same numbers (like
-        megatron-core's default generator outside its model-parallel regions).
-        """
+    def _micro_batch_rng(self, stage: int = 0) -> AbstractContextManager[None]:
+        """The random streams of the micro-batch being computed (:mod:`~unicron_elastic.strategy.rng`)."""
         step, j = self.engine.current_micro_batch
-        device = self.root_device
-        cuda = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            seed = (self.seed * 1_000_003 + step) * 65_537 + j
-            if self.pp > 1:  # (each stage a stream of its own; with one stage the seeds of earlier versions)
-                seed = seed * 131 + stage
-            torch.default_generator.manual_seed(seed)
-            if cuda:
-                torch.cuda.default_generators[device.index].manual_seed(seed)  # this rank's GPU only
-            yield
+        return micro_batch_rng(micro_batch_seed(self.seed, step, j, stage if self.pp > 1 else None), self.root_device)
 
     def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
         with self._micro_batch_rng(), self.precision_plugin.train_step_context():  # autocast: the forward only
@@ -736,7 +669,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         if self._memory is not None:
             self._memory.settle()  # a snapshot's copy from the GPU (beside the step's compute) ends before the step
         self.reports.append(report)
-        self._stop_if_agreed(report.step)
+        self._sigterm.stop_if_agreed(report.step)
         self._hook(self.env.launch_rank, report.step, at="before_optimizer_step")
         return closure_loss
 
@@ -761,7 +694,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._worker.set_paused(True)  # validation between steps is not a hang
 
     def on_validation_end(self) -> None:
-        if not self._stopping:  # (after the stop's step: the pause lasts until the process ends)
+        if not self._sigterm.stopping:  # (after the stop's step: the pause lasts until the process ends)
             self._worker.set_paused(False)
         self._last_beat = time.monotonic()
 
@@ -789,9 +722,6 @@ class UnicronMegatronStrategy(DDPStrategy):
         return {"num_replicas": len(members), "rank": members.index(self.replica)}
 
     # -- Lightning's checkpoints ------------------------------------------------------
-    def _shard_file(self, path: Any) -> Path:
-        return Path(path) / f"{self.layout.label(self.env.launch_rank)}.ckpt"
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Lightning's checkpoint; with TP x PP > 1 a directory ``filepath`` of one file per shard.
 
@@ -807,7 +737,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         if self.layout.size == 1:
             super().save_checkpoint(checkpoint, filepath, storage_options)
         elif not self._local_only and self.env.global_rank() < self.layout.size:
-            self.checkpoint_io.save_checkpoint(checkpoint, self._shard_file(filepath), storage_options=storage_options)
+            save_shard(self.checkpoint_io, checkpoint, filepath, self.layout.label(self.env.launch_rank), storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's resume (``ckpt_path``); with TP x PP > 1 this rank's shard of the directory.
@@ -817,11 +747,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         """
         if self.layout.size == 1:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        path = self._shard_file(checkpoint_path)
-        if not path.is_file():
-            raise ConfigError(f"{checkpoint_path} has no shard {path.name}: a checkpoint of a model with TP x PP > 1 "
-                              "is a directory of one file per shard, as save_checkpoint writes it")
-        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        return load_shard(self.checkpoint_io, checkpoint_path, self.layout.label(self.env.launch_rank), weights_only)
 
     # -- the end -------------------------------------------------------------------
     def teardown(self) -> None:
@@ -830,7 +756,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             self._feed.close()  # the DataLoader's worker processes
         # training is over only when fit ended normally or on an agreed stop: after a crash the restarted ranks
         # must resume, not conclude that the others finished
-        ended = self._trained or self._stopping
+        ended = self._trained or self._sigterm.stopping
         if ended and self.engine is not None and self.engine.pg is not None and self.retired_at is None:
             self.engine.finish()
         if self._memory is not None:
