@@ -354,16 +354,18 @@ def test_a_rejoin_request_past_max_rejoins_or_followed_by_exit_0_is_not_a_rejoin
 
     from unicron_elastic.agent.agent import AgentConfig, UnicronAgent
     from unicron_elastic.agent.ladder import LadderPolicy, RankHistory
+    from unicron_elastic.agent.rank_state import RankState
 
     agent = UnicronAgent.__new__(UnicronAgent)  # only the rejoin bookkeeping is used
-    agent._lock, agent._fatal, agent.node = threading.RLock(), {}, "n0"
+    agent._lock, agent.node = threading.RLock(), "n0"
     agent.config = AgentConfig(ladder=LadderPolicy(max_rejoins=1), node="n0")
     agent._worker_group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(task="t")))
-    agent._history = {1: RankHistory(resumable=True, rejoins=1)}
-    agent._rejoining = {1: "left out", 2: "left out"}
+    agent._ranks = {1: RankState(RankHistory(resumable=True, rejoins=1), rejoining="left out"),
+                    2: RankState(rejoining="left out")}
     with agent._lock:
         assert agent._rejoin(1, pid=10, exitcode=1, detected_at=0.0) is False  # the caller publishes a SEV2
         assert agent._rejoin(2, pid=11, exitcode=0, detected_at=0.0) is True  # finished: nothing to do
-    assert agent._rejoining == {} and agent._history[1].rejoins == 1 and 2 not in agent._history
+    assert all(state.rejoining is None for state in agent._ranks.values())
+    assert agent._ranks[1].history.rejoins == 1 and agent._ranks[2].history == RankHistory()
     out = capsys.readouterr().out
     assert "rejoin_refused" in out and "max_rejoins=1" in out and "worker_finished_after_rejoin_request" in out

@@ -43,6 +43,7 @@ from unicron_elastic.agent.api import AgentConfig, Detector, NodeGaveUp
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.ladder import LEFT_OUT, Action, RankHistory, Rung, climb
 from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+from unicron_elastic.agent.rank_state import RankState
 from unicron_elastic.agent.ranks import max_world, ranks_past_round
 from unicron_elastic.agent.signals import (
     begin_shutdown,
@@ -113,18 +114,13 @@ class UnicronAgent(LocalElasticAgent):
         self.events: list[ErrorEvent] = []
         self.actions: list[tuple[str, int]] = []
         self._lock = threading.RLock()
-        self._history: dict[int, RankHistory] = {}
-        self._replies: dict[int, str] = {}
-        self._fatal: dict[int, Classification] = {}
-        self._expected_exit: dict[int, Rung] = {}
-        self._rejoining: dict[int, str] = {}  # rank -> reason: its worker asked to rejoin (cleared when restarted)
+        self._ranks: dict[int, RankState] = {}  # global rank -> what this agent knows of it (under the lock)
         self._handled_pids: set[int] = set()
         self._give_up: Rung | None = None
         self._stopping = False  # torch is stopping the workers: their exits are not failures
         self._closed = False  # stopping for good (signal, error, end of run): never act or respawn again
         self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
         self.left = False  # asked to leave: the workers leave the data-parallel group at a step boundary
-        self._leavable: dict[int, bool] = {}  # rank -> its worker can leave at a step boundary (hello)
         self._pm = plugin_manager()
         self._detectors = make_detectors(self.config, self._pm)
         self._started = False
@@ -298,7 +294,8 @@ class UnicronAgent(LocalElasticAgent):
             install_leave_signal()  # (TORCHELASTIC_SIGNALS_TO_HANDLE may name SIGUSR2)
         with self._lock:  # only now: exits seen before are the old generation's
             self._stopping = self._closed
-            self._rejoining.clear()  # requests of the old generation's processes
+            for state in self._ranks.values():  # requests of the old generation's processes
+                state.rejoining = None
             if not self._closed:
                 leave_possible(True)
         self._notify_started(list(ids), f"gen{self.generation}")
@@ -404,13 +401,14 @@ class UnicronAgent(LocalElasticAgent):
                 self._notify_failed(rank)  # its peers may wait in a collective with it: not a hang
             if self._stopping or self._give_up is not None:
                 return
-            expected = self._expected_exit.pop(rank, None)
+            state = self._state(rank)
+            expected, state.expected_exit = state.expected_exit, None
             if expected is not None:  # we killed it (hang): the decision is already made
                 self._execute(rank, expected, None)
                 return
-            if rank in self._rejoining and self._rejoin(rank, pid, exitcode, detected_at):
+            if state.rejoining is not None and self._rejoin(rank, pid, exitcode, detected_at):
                 return  # finished, or restarted as a joiner: no failure
-            fatal = self._fatal.pop(rank, None)
+            fatal, state.fatal = state.fatal, None
             severity = Severity.SEV1 if fatal and fatal.severity is Severity.SEV1 else Severity.SEV2
             kind = fatal.kind if severity is Severity.SEV1 else "exited_abnormally"
             event = self._event(severity, kind, "process", rank, f"pid {pid} exited with {exitcode}",
@@ -422,7 +420,7 @@ class UnicronAgent(LocalElasticAgent):
         if self._closed:
             return  # stopping for good: a worker's exception on the way out is no failure to act on
         with self._lock:
-            rejoining = rank in self._rejoining
+            rejoining = self._ranks.get(rank, RankState()).rejoining is not None
         if rejoining and msg["fatal"]:  # the exception that left it out (sent after the request): no failure
             log.debug("exception_of_rejoining_worker", rank=rank, type=msg["type"])
             return
@@ -431,7 +429,7 @@ class UnicronAgent(LocalElasticAgent):
         self.publish(event)
         with self._lock:
             if msg["fatal"]:
-                self._fatal[rank] = classification  # acted on when the process exits
+                self._state(rank).fatal = classification  # acted on when the process exits
                 return
             self._climb(rank, event, responsive=True, step=int(msg["step"]))
 
@@ -458,30 +456,35 @@ class UnicronAgent(LocalElasticAgent):
             Whether the exit is handled; False (a plain script, or
             ``max_rejoins`` used up): it is an ordinary exit for the caller to handle.
         """
-        reason = self._rejoining.pop(rank)
+        state = self._ranks[rank]
+        reason, state.rejoining = state.rejoining or "", None
         if exitcode == 0:
             log.info("worker_finished_after_rejoin_request", rank=rank, pid=pid)
             return True
         event = self._event(Severity.SEV3, LEFT_OUT, "process", rank, f"pid {pid} left out: {reason}"[:500],
                             detected_at, detected_at)
-        history = replace(self._history.get(rank, RankHistory()), responsive=False)
+        history = replace(state.history, responsive=False)
         decision = climb(self.config.ladder, history, event)
         if decision.history.rejoins == history.rejoins:  # the ladder counted no rejoin
             why = "worker not resumable" if not history.resumable else f"max_rejoins={self.config.ladder.max_rejoins}"
             log.warning("rejoin_refused", rank=rank, reason=why, pid=pid, exitcode=exitcode)
             return False
-        self._fatal.pop(rank, None)
+        state.fatal = None
         log.info("worker_rejoining", rank=rank, reason=reason[:200], pid=pid, exitcode=exitcode)
-        self._history[rank] = decision.history
+        state.history = decision.history
         self._act(rank, decision, event)
         return True
 
     # -- the ladder --------------------------------------------------------------
     def _climb(self, rank: int, event: ErrorEvent, responsive: bool, step: int = -1) -> None:
-        history = replace(self._history.get(rank, RankHistory()), responsive=responsive)
-        decision = climb(self.config.ladder, history, event, step)
-        self._history[rank] = decision.history
+        state = self._state(rank)
+        decision = climb(self.config.ladder, replace(state.history, responsive=responsive), event, step)
+        state.history = decision.history
         self._act(rank, decision, event)
+
+    def _state(self, rank: int) -> RankState:
+        """The record of ``rank``, made on its first write (caller holds the lock; reads use ``_ranks.get``)."""
+        return self._ranks.setdefault(rank, RankState())
 
     def _act(self, rank: int, decision: Rung, event: ErrorEvent) -> None:
         if self._closed:  # callers hold the lock: a shutdown that began is final
@@ -494,11 +497,12 @@ class UnicronAgent(LocalElasticAgent):
         process = self._process(rank)
         if decision.action is Action.REATTEMPT:
             self.actions.append((decision.action.value, rank))
-            self._channel.send(self._replies.get(rank, ""), {"t": "verdict", "action": "reattempt"})
+            self._channel.send(self._ranks.get(rank, RankState()).reply, {"t": "verdict", "action": "reattempt"})
         elif process is not None and decision.action in (Action.RESTART_WORKER, Action.RESTART_ALL):
             # still running (hung, or told to stop): stop it, act on its exit
-            self._expected_exit[rank] = decision
-            self._channel.send(self._replies.get(rank, ""), {"t": "verdict", "action": "exit"})
+            state = self._state(rank)
+            state.expected_exit = decision
+            self._channel.send(state.reply, {"t": "verdict", "action": "exit"})
             os.kill(process.pid, signal.SIGKILL)
         else:
             self._execute(rank, decision, self._local_rank(rank))
@@ -527,16 +531,17 @@ class UnicronAgent(LocalElasticAgent):
 
     def _respawn_locked(self, local_rank: int) -> None:
         worker = self._worker_group.workers[local_rank]
-        history = self._history.get(worker.global_rank, RankHistory())
+        state = self._state(worker.global_rank)
+        history = state.history
         restarts = history.restarts + history.rejoins  # a rejoined worker is a joiner too: a new incarnation
-        self._rejoining.pop(worker.global_rank, None)
+        state.rejoining = None
         if self._meeting is not None:
             self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.{restarts}", self.left)
         env = {GENERATION_ENV: f"{self.generation}.{restarts}", "UNICRON_WORKER_RESTARTS": str(restarts)}
         started = time.monotonic()
         pid = _torch_compat.respawn(self._pcontext, local_rank, env)  # type: ignore[arg-type]
         worker.id = pid
-        self._replies.pop(worker.global_rank, None)
+        state.reply = ""
         log.info("worker_restarted", rank=worker.global_rank, local_rank=local_rank, pid=pid,
                  seconds=round(time.monotonic() - started, 4))
         self._notify_started([local_rank], env[GENERATION_ENV])
@@ -549,10 +554,9 @@ class UnicronAgent(LocalElasticAgent):
             if self._local_rank(msg["rank"]) is None:
                 return  # not one of this agent's workers: no table grows with made-up ranks
             with self._lock:
-                self._replies[msg["rank"]] = str(msg["reply"])
-                self._leavable[msg["rank"]] = msg.get("leavable") is True
-                history = self._history.get(msg["rank"], RankHistory())
-                self._history[msg["rank"]] = replace(history, resumable=bool(msg["resumable"]))
+                state = self._state(msg["rank"])
+                state.reply, state.leavable = str(msg["reply"]), msg.get("leavable") is True
+                state.history = replace(state.history, resumable=bool(msg["resumable"]))
                 meeting = self._meeting
             if msg.get("growable") is True and meeting is not None:
                 try:
@@ -580,7 +584,7 @@ class UnicronAgent(LocalElasticAgent):
                     or ("pid" in msg and msg["pid"] != process.pid)):
                 log.warning("rejoin_request_dropped", rank=rank, reason="not a current worker of this agent")
                 return
-            self._rejoining[rank] = str(msg["reason"])
+            self._state(rank).rejoining = str(msg["reason"])
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         raise_pending_stop()  # a signal some library code swallowed
@@ -596,7 +600,8 @@ class UnicronAgent(LocalElasticAgent):
                 elif code == 0 and proc.pid not in self._handled_pids:
                     self._handled_pids.add(proc.pid)  # finished: no longer live for peers that regroup
                     rank = self.workers().get(local_rank, (-1, None))[0]
-                    self._rejoining.pop(rank, None)  # asked to rejoin, then finished after all: nothing to do
+                    if rank in self._ranks:  # asked to rejoin, then finished after all: nothing to do
+                        self._ranks[rank].rejoining = None
                     if self._meeting is not None and rank >= 0 and not self._stopping:
                         self._meeting.worker_exited(rank)
             if self._give_up is not None:
@@ -629,7 +634,8 @@ class UnicronAgent(LocalElasticAgent):
         with self._lock:
             ranks = sorted(rank for rank, _ in self.workers().values() if self._process(rank) is not None)
             meeting = self._meeting
-            able = meeting is not None and bool(ranks) and all(self._leavable.get(r, False) for r in ranks)
+            able = meeting is not None and bool(ranks) and all(self._ranks.get(r, RankState()).leavable
+                                                               for r in ranks)
             if able:
                 self.left = True  # from now on a worker started for one of these ranks is asked to leave too
         if not able:
