@@ -487,7 +487,7 @@ def main() -> None:
     print(f"speed-up                                        : {b / a:8.1f}x   target >= 10x: {'met' if b / a >= 10 else 'NOT met'}")
     fa, fb = statistics.median(free_ours), statistics.median(free_plain)
     overhead = (fa - fb) / fb * 100
-    print(f"\n== failure-free step time ==")
+    print("\n== failure-free step time ==")
     print(f"ElasticDataParallel   : {fa * 1e3:8.2f} ms")
     print(f"plain all-reduce loop : {fb * 1e3:8.2f} ms")
     print(f"overhead              : {overhead:+8.1f} %  (torch level; the <= 2% target is for Lightning, below)")
