@@ -205,7 +205,7 @@ class ElasticDataParallel(JoiningPath):
         self.stop_agreed = False  # a member asked to stop, as an exchange of the members said
         self.overflow = hooks.overflow  # (loss scaling) whether this shard's reduced sum is not finite once unscaled
         self.overflow_agreed = False  # with TP/PP: a shard's sum was not finite, as the step's commit said
-        self._resume_state: Any = None  # fallback state a joiner hands to the others (_STEP0: the fresh one)
+        self._resume_state: Any = None  # fallback state a joiner hands to the others (joining.STEP0: the fresh one)
         self._resume_applied = False
         self.bucket_numel = bucket_numel
         #: This shard's gradient sums (made by :meth:`bind`).

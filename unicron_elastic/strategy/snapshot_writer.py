@@ -9,7 +9,7 @@ the list of arrays. A child process, the *snapshot writer*
 (started with this module's :func:`main`), maps the same
 memory and does everything else outside the training interpreter: cutting
 the document into pieces, sending them to the agents' snapshot servers
-(GEMINI's placement, :class:`~unicron_elastic.strategy.snapshots.PeerServers`)
+(GEMINI's placement, :class:`~unicron_elastic.strategy.snapshot_places.PeerServers`)
 or to torch's agent store, and deleting the previous upload.
 
 The two talk over a ``SOCK_SEQPACKET`` socket pair. The writer first says it

@@ -8,12 +8,13 @@ Two tiers behind the replicas:
   of an agent, not of any worker, so it survives the loss of every worker of
   the group (a store only this process reaches: a thread of its own).
   Under ``unicron-run`` those agents are the ones of the *next two* live
-  nodes in ring order (GEMINI's placement, :func:`snapshot_targets`; the
-  other node when there are two): each agent
-  hosts a snapshot server and publishes its address in the meeting store
-  (:class:`PeerServers`), so losing any one node (dead or frozen) loses a
-  replica or a copy, never the only snapshot. Under plain ``torchrun`` it is torch's agent TCPStore (the
-  rank-0 node's agent).
+  nodes in ring order (GEMINI's placement,
+  :mod:`~unicron_elastic.strategy.snapshot_places`; the other node when
+  there are two): each agent hosts a snapshot server and publishes its
+  address in the meeting store, so losing any one node (dead or frozen)
+  loses a replica or a copy, never the only snapshot. Under plain
+  ``torchrun`` it is torch's agent TCPStore (the rank-0 node's agent). How
+  one snapshot sits in a store is :mod:`~unicron_elastic.strategy.snapshot_wire`.
 * :class:`DiskCheckpoints`: every ``every`` steps the leader writes the state
   in a background thread (the step goes on) to ``<directory>/step-<s>.state``;
   a ``latest`` file names the newest *complete* checkpoint, so a crash while
@@ -22,8 +23,10 @@ Two tiers behind the replicas:
 Both are written by one replica only: every data-parallel replica holds the
 same state. With tensor/pipeline parallelism each *shard* of that replica
 (``tp<t>-pp<p>``) writes its own part (``shard=``), and a resume takes the
-newest step that every shard has (:func:`newest_common_step`): a save that
-completed for some shards only is skipped, never mixed with another step. Both hold it in the format of :mod:`~unicron_elastic.strategy.safe_state`
+newest step that every shard has
+(:func:`~unicron_elastic.strategy.snapshot_wire.newest_common_step`): a save
+that completed for some shards only is skipped, never mixed with another
+step. Both hold it in the format of :mod:`~unicron_elastic.strategy.safe_state`
 (raw tensor bytes plus JSON), so reading one never unpickles anything: the
 agents' stores have no authentication, and a checkpoint directory may be
 shared.
@@ -74,8 +77,8 @@ class MemorySnapshot:
     leaves a step every shard has.
 
     Args:
-        store: Where it lives: the agents' snapshot servers (:class:`PeerServers`,
-            under ``unicron-run``), or one store that outlives workers (torch's
+        store: Where it lives: the agents' snapshot servers
+            (:class:`~unicron_elastic.strategy.snapshot_places.PeerServers`, under ``unicron-run``), or one store that outlives workers (torch's
             agent TCPStore under plain ``torchrun``); None: no snapshots.
         every: Steps between snapshots (0: never).
         shard: This rank's model shard (``tp<t>-pp<p>``) with tensor/pipeline
@@ -155,7 +158,10 @@ class MemorySnapshot:
         return 0 if self.shard is None else (step // self.every) % SLOTS
 
     def _upload(self, state: EncodedState, step: int) -> None:
-        """In the background thread: the document, then :func:`upload` (failures are warnings: training goes on)."""
+        """In the background thread: the document, then :func:`~unicron_elastic.strategy.snapshot_wire.upload`.
+
+        Failures are warnings: training goes on.
+        """
         try:
             upload(self._places, pack(state), step, self.shard, self._slot(step))
         except UNREACHABLE as exc:
