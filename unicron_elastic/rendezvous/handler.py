@@ -149,7 +149,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             for g in range(nodes):
                 if g not in alive and rounds.place_free(prefix, g) and rounds.fits(prefix, g, self.local_world_size) \
                         and rounds.claim(prefix, g, holder):
-                    return self._running_round_info(round_, prefix, g, nodes)
+                    return self._running_round_info(rounds, round_, prefix, g, nodes)
             request = JoinRequest(self.get_run_id(), self.task, str(self._this_node), round_)
             if nodes < self._settings.max_nodes and self.gate.grow(request, len(alive)):
                 growable = rounds.growable(prefix, nodes, self.local_world_size)
@@ -157,7 +157,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                     if rounds.claim(prefix, nodes, holder):
                         raise_places(rounds.store, prefix, nodes + 1)
                         log.info("rendezvous_grown", run_id=self.get_run_id(), round=round_, place=nodes)
-                        return self._running_round_info(round_, prefix, nodes, nodes + 1)
+                        return self._running_round_info(rounds, round_, prefix, nodes, nodes + 1)
                     time.sleep(0.05)
                     continue  # another node took that place first: look again
                 if growable is not None and self.gate.restarts_to_grow:
@@ -179,7 +179,8 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         assert self.status_store is not None
         return RunRounds(self.status_store, self.get_run_id())
 
-    def _running_round_info(self, round_: int, prefix: str, group_rank: int, nodes: int) -> RendezvousInfo:
+    def _running_round_info(self, rounds: RunRounds, round_: int, prefix: str, group_rank: int,
+                            nodes: int) -> RendezvousInfo:
         """The rendezvous of place ``group_rank`` of the running round (``nodes`` places now).
 
         A place of the round torch formed gets that round's node count (torch's
@@ -188,7 +189,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         """
         store = dist.PrefixStore(f"torch.rendezvous.{self.get_run_id()}.{round_}", self._store)  # torch's layout
         self._rejoined_round = round_
-        start = initial_round(self._rounds().store, prefix)
+        start = initial_round(rounds.store, prefix)
         self.round_shape = None if start is None else (start.nodes, start.world)
         self.past_round = self.round_shape if start is not None and group_rank >= start.nodes else None
         world = nodes if start is None else (group_rank + 1 if self.past_round else start.nodes)

@@ -98,7 +98,7 @@ from unicron_elastic.strategy import effects as E
 from unicron_elastic.strategy.bootstrap import watch_members
 from unicron_elastic.strategy.effects import Excluded, ReplicaBroken, Retired, StepReport
 from unicron_elastic.strategy.engine_options import EngineHooks, EngineOptions
-from unicron_elastic.strategy.exchange import ExchangeSlots
+from unicron_elastic.strategy.exchange import Exchanged, ExchangeSlots
 from unicron_elastic.strategy.gradients import GradientBuffer
 from unicron_elastic.strategy.joining import PAUSED, JoiningPath
 from unicron_elastic.strategy.membership import MembershipError
@@ -542,10 +542,14 @@ class ElasticDataParallel(JoiningPath):
 
     def _decode(self, slots: torch.Tensor) -> list[int]:
         """The members summed slots carry; notes a stop any rank asked for (:attr:`stop_agreed`, sent on from now)."""
+        return self._exchanged(slots).members
+
+    def _exchanged(self, slots: torch.Tensor) -> Exchanged:
+        """What summed slots say; a stop any rank asked for is noted (:attr:`stop_agreed`, sent on from now)."""
         said = self.slots.decode(slots)
         if said.stop:
             self.stop_agreed = self.stop_requested = True
-        return said.members
+        return said
 
     def stopping(self, step: int) -> None:
         """This rank stops after ``step`` (:attr:`stop_agreed`): recorded for ranks that regroup after failing it.
@@ -693,9 +697,9 @@ class ElasticDataParallel(JoiningPath):
             payload = self._encode(self._offer(effect.offer), torch.int64, self._overflowed()).to(self.transport.device)
             with self.watch.waiting("commit"):
                 self.world_pg.allreduce([payload]).wait()
-            slots = payload.cpu()
-            self.overflow_agreed = bool(slots[-2] > 0)
-            return local.new_zeros(0), self._decode(slots)
+            said = self._exchanged(payload.cpu())
+            self.overflow_agreed = said.overflow
+            return local.new_zeros(0), said.members
         if self.pg is None:
             raise RuntimeError("the group failed before this reduction (membership sync)")
         start, end = self.bounds[effect.bucket]
