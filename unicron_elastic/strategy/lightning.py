@@ -563,6 +563,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         norm = self.grad_norm
         if norm is None:
             raise RuntimeError("unicron_megatron: clipping by norm, but this step's commit took no gradient norm")
+        if norm + 1e-6 <= clip_val:  # (torch clamps the coefficient at 1: nothing to scale; older releases'
+            return                    # docs do not say they clamp)
         params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
         device = params[0].grad.device if params else self.root_device
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.tensor(norm, dtype=torch.float32, device=device))
