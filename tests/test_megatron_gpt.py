@@ -143,6 +143,7 @@ def the_lost_replica_rejoined(out: Path, layout: ModelParallel, fired: dict) -> 
         assert s["state_from"] == "replica" and s["joined_at"] is not None and s["joined_at"] > fired["step"], r
 
 
+@pytest.mark.compat  # (megatron-core's GPTModel, its marks and groups, on the oldest releases too)
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_pp2_dp2_gptmodel_clipped_and_killed_trains_the_model_defined(tmp_path: Path, single_rank: Path) -> None:
     """PP=2 x DP=2, tied embeddings, clipping on every step, the last stage of replica 1 SIGKILLed in a micro-batch.

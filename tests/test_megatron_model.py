@@ -302,6 +302,7 @@ def held(module: nn.Module) -> list[Any]:
     return found
 
 
+@pytest.mark.compat
 def test_every_group_a_gptmodel_holds_is_the_new_worlds_after_the_world_is_rebuilt(world: Any) -> None:
     world(0)
     module = gpt_model()
