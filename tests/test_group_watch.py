@@ -6,6 +6,8 @@ answers (a frozen one: no reset) fails at once, here and at the peer.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -114,3 +116,79 @@ def test_the_gloo_transport_interrupts_a_collective_blocked_on_a_silent_peer() -
     assert time.monotonic() - started < 5
     for rank in (0, 1):
         transport.abort(groups.pop(rank))
+
+
+class _OpensASocketWhileItForms(dist.Store):
+    """Rank 0's bootstrap store: while its group forms, another thread connects a socket (an etcd reconnect)."""
+
+    def __init__(self, store: dist.Store, address: tuple[str, int]) -> None:
+        super().__init__()  # (the pybind trampoline)
+        self._store, self._address = store, address
+        self.other: socket.socket | None = None
+        self.set_timeout(store.timeout)
+
+    def _open(self) -> None:
+        self.other = socket.create_connection(self._address, timeout=10)
+
+    def set(self, key, value):  # noqa: D102 - c10d semantics
+        if self.other is None:  # the group has begun to form: its sockets are being opened now
+            opener = threading.Thread(target=self._open)
+            opener.start()
+            opener.join(10)
+        self._store.set(key, value)
+
+    def get(self, key):  # noqa: D102
+        return self._store.get(key)
+
+    def wait(self, keys, timeout=None):  # noqa: D102
+        self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
+
+    def check(self, keys):  # noqa: D102
+        return self._store.check(keys)
+
+
+def _echo_server() -> tuple[socket.socket, tuple[str, int]]:
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                while data := conn.recv(64):
+                    conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, server.getsockname()
+
+
+@pytest.mark.compat
+def test_an_interrupt_leaves_a_socket_another_thread_opened_while_the_group_formed_working() -> None:
+    """Only the group's own connections are shut down: not another thread's (an etcd reconnect, a snapshot
+    upload) that happened to connect while the group was being built."""
+    server, address = _echo_server()
+    store, transport = dist.HashStore(), GlooTransport()
+    rank0 = _OpensASocketWhileItForms(dist.PrefixStore("g", store), address)
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def make(rank: int) -> None:
+        view = rank0 if rank == 0 else dist.PrefixStore("g", store)
+        groups[rank] = transport.new_group(view, rank, 2, timedelta(seconds=60))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert rank0.other is not None
+    try:
+        work = groups[0].allreduce([torch.ones(4)])  # rank 1 never joins it: blocked, as on a frozen peer
+        transport.interrupt(groups[0])
+        with pytest.raises(RuntimeError, match="Connection closed by peer|Connection reset|closed"):
+            work.wait()  # the group's connections were shut down
+        rank0.other.sendall(b"still here")
+        assert rank0.other.recv(64) == b"still here"  # the other thread's socket was not
+    finally:
+        rank0.other.close()
+        server.close()
+        for rank in (0, 1):
+            transport.abort(groups.pop(rank))
