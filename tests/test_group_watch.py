@@ -30,14 +30,44 @@ def _until(condition, seconds: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_a_short_wait_is_not_reported_and_a_long_one_is_repeated_then_closed() -> None:
+class _Members:
+    """The watch's ``gone()``: counts each look (the watch thread's own evidence that it ran) and says whether a
+    member is gone."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+        self.gone: str | None = None
+
+    def __call__(self) -> str | None:
+        self.looks += 1
+        return self.gone
+
+    def looked(self, more: int) -> None:
+        """Wait until the watch thread looked ``more`` more times."""
+        target = self.looks + more
+        _until(lambda: self.looks >= target)
+
+
+def test_a_wait_shorter_than_report_after_is_not_reported_though_the_thread_watched_it() -> None:
+    reports: list[bool] = []
+    members = _Members()
+    watch = GroupWatch(reports.append, members, lambda reason: None,
+                       WatchTimes(report_after=30, refresh=30, check_after=0.05, poll=0.05))
+    try:
+        with watch.waiting("reduce"):
+            members.looked(3)  # the thread saw this wait, past check_after, three times
+            assert reports == []
+        assert reports == [] and watch.interrupted == 0
+    finally:
+        watch.close()
+
+
+def test_a_long_wait_is_reported_repeated_then_closed() -> None:
     reports: list[bool] = []
     watch = GroupWatch(reports.append, lambda: None, lambda reason: None, FAST)
     try:
         with watch.waiting("reduce"):
             pass  # completes at once: nothing said
-        time.sleep(0.15)
-        assert reports == []
         with watch.waiting("reduce"):
             _until(lambda: len(reports) >= 3)  # said, and said again while it lasts
         assert reports[:-1] == [True] * (len(reports) - 1) and reports[-1] is False
@@ -47,40 +77,43 @@ def test_a_short_wait_is_not_reported_and_a_long_one_is_repeated_then_closed() -
 
 
 def test_a_member_gone_during_a_wait_interrupts_it_once_and_the_next_wait_is_watched_again() -> None:
-    gone: list[str] = []
+    members = _Members()
     interrupts: list[str] = []
-    released = threading.Event()
-
-    def interrupt(reason: str) -> None:
-        interrupts.append(reason)
-        released.set()
-
-    watch = GroupWatch(lambda waiting: None, lambda: gone[0] if gone else None, interrupt, FAST)
+    reports: list[bool] = []
+    watch = GroupWatch(reports.append, members, interrupts.append, FAST)
     try:
         with watch.waiting("reduce"):
-            time.sleep(0.3)
+            members.looked(3)
             assert interrupts == []  # every member alive: the wait goes on
-            gone.append("member 2 gone")
-            assert released.wait(5)
-        assert interrupts == ["member 2 gone"] and watch.interrupted == 1
-        gone.clear()
+            members.gone = "member 2 gone"
+            _until(lambda: interrupts)
+            said = len(reports)
+            _until(lambda: len(reports) >= said + 3)  # the thread goes on watching this wait...
+        assert interrupts == ["member 2 gone"] and watch.interrupted == 1  # ...and interrupted it once
+        members.gone = None
         with watch.waiting("commit"):
-            time.sleep(0.3)
-        assert watch.interrupted == 1
+            members.looked(3)  # the next wait is watched: its members are looked at
+            assert watch.interrupted == 1
+            members.gone = "member 1 gone"
+            _until(lambda: len(interrupts) == 2)
+        assert interrupts == ["member 2 gone", "member 1 gone"]
     finally:
         watch.close()
 
 
 def test_a_check_that_fails_leaves_the_wait_to_its_timeout() -> None:
+    calls: list[int] = []
+
     def gone() -> str | None:
+        calls.append(1)
         raise RuntimeError("etcd unreachable")
 
     interrupts: list[str] = []
     watch = GroupWatch(lambda waiting: None, gone, interrupts.append, FAST)
     try:
         with watch.waiting("reduce"):
-            time.sleep(0.3)
-        assert interrupts == []
+            _until(lambda: len(calls) >= 3)  # the check ran, and failed, three times
+        assert interrupts == [] and watch.interrupted == 0
     finally:
         watch.close()
 
