@@ -24,6 +24,18 @@ from unicron_elastic.launcher import get_parser
 
 pytestmark = pytest.mark.compat
 
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what PContext.start() registers
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_put_back():
+    """Starting workers registers torch's handlers in this process: put the previous ones back (a later test
+    of this process, e.g. Lightning's SIGTERM handling, must not find torch's)."""
+    before = {sig: signal.getsignal(sig) for sig in _HANDLED}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
 
 def _context(tmp_path, code: str, nproc: int = 1) -> SubprocessContext:
     """A context of ``nproc`` Python workers running ``code`` (its output in files), as torch's agent makes."""
@@ -74,23 +86,17 @@ def test_torch_starts_workers_with_the_signal_handler_the_agent_replaces(tmp_pat
     torch handles, not torch's ``_terminate_process_handler``."""
     monkeypatch.setattr(mp_api, "_terminate_process_handler", mp_api._terminate_process_handler)
     monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
-    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torch's default list
-    before = {sig: signal.getsignal(sig) for sig in handled}
 
     def ours(signum, frame) -> None:
         pass
 
+    assert _torch_compat.use_signal_handler(ours)
+    context = _context(tmp_path, "pass")
+    context.start()  # (the fixture puts the handlers back)
     try:
-        assert _torch_compat.use_signal_handler(ours)
-        context = _context(tmp_path, "pass")
-        context.start()
-        try:
-            assert {sig: signal.getsignal(sig) for sig in handled} == {sig: ours for sig in handled}
-        finally:
-            context.close()
+        assert {sig: signal.getsignal(sig) for sig in _HANDLED} == {sig: ours for sig in _HANDLED}
     finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+        context.close()
 
 
 def test_every_launch_setting_passed_on_is_one_the_worker_spec_takes() -> None:
