@@ -395,10 +395,10 @@ class UnicronAgent(LocalElasticAgent):
             rank, current = self.workers().get(local_rank, (-1, None))
             if current is None or current.pid != pid:
                 return  # a process torch already replaced (restart-all): not a new failure
+            if not self._stopping:  # first: the etcd write below can take etcd's request timeout (a lost leader)
+                self._notify_failed(rank)  # its peers may wait in a collective with it: not a hang
             if self._meeting is not None and not self._stopping:  # (stopping: close() revokes the lease)
                 self._meeting.worker_exited(rank)  # peers regrouping stop waiting for it now
-            if not self._stopping:
-                self._notify_failed(rank)  # its peers may wait in a collective with it: not a hang
             if self._stopping or self._give_up is not None:
                 return
             state = self._state(rank)
