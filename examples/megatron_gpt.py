@@ -7,7 +7,7 @@ strategy built the world by then) and gives the strategy its step in Megatron-LM
 parallelism the strategy runs each stage through the model's ``set_input_tensor``, sums the tied word
 embedding's gradients of the first and the last stage every step, and clips by the norm of the whole replica
 (``--clip-grad``). Eight ranks, TP=2 x PP=2 x DP=2, killing rank 5 (replica 1, stage 0, tensor rank 1) before
-micro-batch 1 of step 3 (replica 1 computes micro-batches 1, 3 and 5)::
+its replica's first micro-batch of step 3 (replica 1 computes micro-batches 1, 3 and 5)::
 
     unicron-run --standalone --nproc-per-node=8 examples/megatron_gpt.py --tensor-parallel 2 \\
         --pipeline-parallel 2 --clip-grad 0.05 --steps 8 --hold-for-joiner 6 --out /tmp/megatron-gpt \\
@@ -19,9 +19,10 @@ group collection without the embedding group (megatron-core's constructor moves 
 its initial all-reduce; the strategy makes the two copies equal itself). On a GPU the stock local spec and
 megatron-core's own groups are used unchanged.
 
-Each rank writes ``OUT/rank<R>.json`` (what each step did, the norm the gradients were clipped by) and
-``OUT/shards<R>.pt``: its parameters by their name in the whole model (layers numbered globally), with their
-tensor-parallel partition, so a test assembles the whole model from the shards.
+Each rank writes ``OUT/rank<R>.json`` (what each step did, the norm the gradients were clipped by;
+``"trained": false`` for a rank that came back after training ended) and, if it trained, ``OUT/shards<R>.pt``:
+its parameters by their name in the whole model (layers numbered globally), with their tensor-parallel
+partition, so a test assembles the whole model from the shards.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_gpt import HoldForJoiner, LossRecord, SlowDown, Tokens
+from lightning_gpt import HoldForJoiner, LossRecord, SlowDown, Tokens, kill_fault
 from unicron_elastic.strategy import UnicronMegatronStrategy, run_forward_step  # also registers the strategy
-from unicron_elastic.testing import FAULTS_ENV, faults_env, fail_at
+from unicron_elastic.testing import FAULTS_ENV, faults_env
 
 
 def sdpa_core_attention() -> type:
@@ -191,7 +192,8 @@ def shard_parameters(module: GPTModule) -> dict[str, dict[str, Any]]:
             for name, p in module.model.named_parameters()}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--global-batch", type=int, default=24)
@@ -213,10 +215,18 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.kill_rank is not None and FAULTS_ENV not in os.environ:
-        os.environ.update(faults_env([fail_at(args.kill_rank, args.kill_step, micro_batch=args.kill_micro_batch)],
-                                     str(args.out / "faults.log")))
+        fault = kill_fault(parser, args.kill_rank, args.kill_step, args.kill_micro_batch, steps=args.steps,
+                           world=int(os.environ.get("WORLD_SIZE", "1")),
+                           micro_batches=args.global_batch // args.micro_batch,
+                           replica_size=args.tensor_parallel * args.pipeline_parallel)
+        os.environ.update(faults_env([fault], str(args.out / "faults.log")))
     pl.seed_everything(0, verbose=False)
     rank = int(os.environ.get("RANK", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -236,13 +246,13 @@ def main() -> None:
         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=callbacks,
         gradient_clip_val=args.clip_grad)
     trainer.fit(module, DataLoader(Tokens(), batch_size=args.micro_batch))
-    if strategy.finished_before_join:  # came back after training ended: it holds no trained state
-        return
-    summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
+    trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
+    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "losses": losses.losses, "grad_norms": norms.norms}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
-    torch.save(shard_parameters(module), args.out / f"shards{rank}.pt")
+    if trained:
+        torch.save(shard_parameters(module), args.out / f"shards{rank}.pt")
 
 
 if __name__ == "__main__":

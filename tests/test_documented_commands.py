@@ -53,6 +53,10 @@ CLAIMS: dict[tuple[str, str, tuple[int, int, int | None]], tuple[str, int | None
         ("killing rank 2 in the middle of step 3, before its second micro-batch", 1),
     ("examples/lightning_gpt.py", "lightning_gpt.py", (5, 3, 3)):
         ("killing rank 5 (replica 1, stage 0, tensor rank 1) before its replica's second micro-batch of step 3", 1),
+    ("docs/strategy.md", "megatron_gpt.py", (5, 3, 1)):
+        ("Rank 5 is SIGKILLed before its replica's first micro-batch of step 3", 0),
+    ("examples/megatron_gpt.py", "megatron_gpt.py", (5, 3, 1)):
+        ("killing rank 5 (replica 1, stage 0, tensor rank 1) before its replica's first micro-batch of step 3", 0),
     ("examples/lightning_demo_transformer.py", "lightning_demo_transformer.py", (0, 1, 3)):
         ("killing rank 0 in step 1 before its second micro-batch", 1),
 }

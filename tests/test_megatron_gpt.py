@@ -140,7 +140,7 @@ def the_lost_replica_rejoined(out: Path, layout: ModelParallel, fired: dict) -> 
         assert len(lost) == 1 and lost[0]["dead"] == [1] and sorted(lost[0]["micro_batches"]) == list(range(B)), r
     for r in layout.ranks(1):
         s = summary(out, r)
-        assert s["state_from"] == "replica" and s["joined_at"] is not None and s["joined_at"] > fired["step"], r
+        assert s["trained"] and s["state_from"] == "replica" and s["joined_at"] is not None and s["joined_at"] > fired["step"], r
 
 
 @pytest.mark.compat  # (megatron-core's GPTModel, its marks and groups, on the oldest releases too)
