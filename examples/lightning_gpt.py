@@ -399,6 +399,9 @@ def main() -> None:
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="16-mixed: the GradScaler's initial scale")
     parser.add_argument("--inf-at", default=None, metavar="RANK:STEP:MB",
                         help="make this rank's gradients infinite in this micro-batch of this step (first incarnation)")
+    parser.add_argument("--preemption-checkpoint", type=Path, default=None, metavar="FILE",
+                        help="on a stop (SIGTERM; SLURM's warning), write the step to FILE and requeue a SLURM job; "
+                             "resume from FILE when it exists (docs/slurm.md)")
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
@@ -432,6 +435,12 @@ def main() -> None:
         callbacks.append(HoldForJoiner(args.hold_for_joiner, ranks=args.hold_ranks))
     if args.hold_until is not None:
         callbacks.append(HoldUntil(args.hold_step, args.hold_until))
+    preempted = None
+    if args.preemption_checkpoint is not None:
+        from unicron_elastic.slurm.preemption import PreemptionCheckpoint
+
+        preempted = PreemptionCheckpoint(args.preemption_checkpoint)
+        callbacks.append(preempted)
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
         snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -446,7 +455,8 @@ def main() -> None:
     )
     data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None)
     trainer.fit(model, DataLoader(data, batch_size=args.micro_batch, num_workers=args.num_workers,
-                                  persistent_workers=args.num_workers > 0))
+                                  persistent_workers=args.num_workers > 0),
+                ckpt_path=preempted.resume_path if preempted is not None else None)
     trainer.save_checkpoint(args.out / "final.ckpt")
     summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
                "retired_at": strategy.retired_at, "fed": strategy.feed.fed if strategy.feed else 0,
@@ -454,7 +464,7 @@ def main() -> None:
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "forward_only": strategy.engine.forward_only if strategy.engine else [],
                "scales": scales.scales, "precision_state": trainer.precision_plugin.state_dict(),
-               "losses": losses.losses}
+               "losses": losses.losses, "environment": type(trainer.strategy.cluster_environment).__name__}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
     if megatron:

@@ -53,6 +53,7 @@ from unicron_elastic.agent.signals import (
     leave_requested,
     raise_if_orphaned,
     raise_pending_stop,
+    signal_for_workers,
     stop_signals_deferred,
 )
 from unicron_elastic.api import ConfigError, StoreError
@@ -270,7 +271,8 @@ class UnicronAgent(LocalElasticAgent):
             super()._shutdown(death_sig)  # (no workers to stop: they are ours to stop)
         finally:
             self._pcontext = pcontext
-        _torch_compat.stop_workers(pcontext, death_sig, self.shutdown_timeout if timeout is None else timeout)
+        _torch_compat.stop_workers(pcontext, signal_for_workers(death_sig),
+                                   self.shutdown_timeout if timeout is None else timeout)
 
     def _close_for_good(self) -> None:
         """Under the lock: no detection acts and no worker is respawned from now on.
