@@ -93,6 +93,7 @@ class LoopbackSlurm:
         self.directory = Path(directory) if directory is not None else None
         self._daemons: dict[str, subprocess.Popen[bytes]] = {}
         self._munged_pid: int | None = None
+        self.killed_at: dict[str, float] = {}  # node -> time.time() right after its processes were SIGKILLed
 
     # -- start and stop ------------------------------------------------------------------------------
     @property
@@ -179,6 +180,19 @@ class LoopbackSlurm:
                                            check=False).returncode == 0, 60, f"node {name} back in service")
             self.wait_for(lambda: not self.node_flags(name) & {"DOWN", "NOT_RESPONDING", "DRAIN"}, 60,
                           f"node {name} up")
+
+    def heal(self) -> None:
+        """Cancel every job and bring every node back (its slurmd started again, returned to service)."""
+        self.run("scancel", "--user=root", check=False)
+        self.wait_for(lambda: not self.run("squeue", "-h", "-o", "%i").stdout.strip(), 60, "no job left")
+        for name in self.names:
+            proc = self._daemons.get(name)
+            if proc is None or proc.poll() is not None:
+                self.kill_node(name, mark_down=False)  # (what its steps left running)
+                self.start_node(name)
+            elif self.node_flags(name) & {"DOWN", "DRAIN", "NOT_RESPONDING"}:
+                self.resume(name)
+        self.wait_for(lambda: all(self.node_flags(n) == {"IDLE"} for n in self.names), 60, "every node idle")
 
     def stop(self) -> None:
         """Cancel every job, stop every daemon (and what their steps left running), remove the files."""
@@ -283,10 +297,55 @@ class LoopbackSlurm:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self.killed_at[name] = time.time()
         if mark_down:
             self.scontrol("update", f"nodename={name}", "state=down", "reason=lost")
         log.warning("loopback_node_killed", node=name, pids=len(pids))
         return pids
+
+    def etcd_leader(self, endpoint: str) -> str:
+        """The name of the member that leads the etcd cluster at ``endpoint`` (members named after nodes)."""
+        members = self._etcd_members(endpoint)
+        client = self._etcd_client(endpoint)
+        try:
+            leader = client.status().leader.id
+        finally:
+            client.close()
+        return next(name for name, member_id in members.items() if member_id == leader)
+
+    def move_etcd_leader(self, endpoint: str, to: str) -> None:
+        """Make member ``to`` the etcd cluster's leader (etcd's MoveLeader, sent to the leader)."""
+        from etcd3.etcdrpc import rpc_pb2
+
+        members = self._etcd_members(endpoint)
+        leader = self.etcd_leader(endpoint)
+        client = self._etcd_client(self._etcd_urls(endpoint)[leader])
+        try:
+            client.maintenancestub.MoveLeader(rpc_pb2.MoveLeaderRequest(targetID=members[to]), timeout=10)
+        finally:
+            client.close()
+        self.wait_for(lambda: self.etcd_leader(endpoint) == to, 30, f"etcd leader {to}")
+
+    @staticmethod
+    def _etcd_client(endpoint: str):  # type: ignore[no-untyped-def]
+        import etcd3
+
+        host, port = endpoint.split(",")[0].rsplit(":", 1)
+        return etcd3.client(host=host, port=int(port), timeout=5)
+
+    def _etcd_members(self, endpoint: str) -> dict[str, int]:
+        client = self._etcd_client(endpoint)
+        try:
+            return {m.name: m.id for m in client.members}
+        finally:
+            client.close()
+
+    def _etcd_urls(self, endpoint: str) -> dict[str, str]:
+        client = self._etcd_client(endpoint)
+        try:
+            return {m.name: m.client_urls[0].split("://", 1)[1] for m in client.members}
+        finally:
+            client.close()
 
     def drain(self, name: str) -> None:
         self.scontrol("update", f"nodename={name}", "state=drain", "reason=maintenance")
