@@ -261,13 +261,13 @@ def _loader() -> DataLoader:
 
 @pytest.mark.timeout(120)
 def test_a_stop_writes_the_step_it_ends_at_and_the_next_run_resumes_from_the_next_step(tmp_path: Path) -> None:
-    first = PreemptionCheckpoint(tmp_path / "preempted.ckpt", requeue=False)
+    first = PreemptionCheckpoint(tmp_path / "preempted.ckpt")
     assert first.resume_path is None
     with pytest.raises(SIGTERMException):
         _trainer(tmp_path, 8, [_StopAt(2), first]).fit(_Regression(), _loader())
     assert first.saved_step == 3 and first.resume_path == str(tmp_path / "preempted.ckpt")  # step 2 done, then stop
     assert not (tmp_path / "preempted.ckpt.tmp").exists()
-    again, steps, model = PreemptionCheckpoint(tmp_path / "preempted.ckpt", requeue=False), _StopAt(None), _Regression()
+    again, steps, model = PreemptionCheckpoint(tmp_path / "preempted.ckpt"), _StopAt(None), _Regression()
     _trainer(tmp_path, 8, [again, steps]).fit(model, _loader(), ckpt_path=again.resume_path)
     assert steps.steps == [3, 4, 5, 6, 7] and again.saved_step is None  # its first step is the next one
     for ours, ref in zip(model.parameters(), _reference(8)):
@@ -276,7 +276,7 @@ def test_a_stop_writes_the_step_it_ends_at_and_the_next_run_resumes_from_the_nex
 
 @pytest.mark.timeout(120)
 def test_a_stop_after_the_last_step_writes_nothing(tmp_path: Path) -> None:
-    callback = PreemptionCheckpoint(tmp_path / "preempted.ckpt", requeue=False)
+    callback = PreemptionCheckpoint(tmp_path / "preempted.ckpt")
     with contextlib.suppress(SIGTERMException):  # (Lightning raises it at the epoch's end too)
         _trainer(tmp_path, 3, [_StopAt(2), callback]).fit(_Regression(), _loader())  # training is over with that step
     assert callback.saved_step is None and callback.resume_path is None

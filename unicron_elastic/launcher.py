@@ -184,7 +184,9 @@ def launch(
     Returns:
         The workers' return values by global rank; empty when the run had
         finished before this node joined (its rendezvous closed after a node
-        passed the exit barrier: :class:`~unicron_elastic.rendezvous.handler.RunFinished`).
+        passed the exit barrier: :class:`~unicron_elastic.rendezvous.handler.RunFinished`),
+        or when a stop signal came once this node's workers had all succeeded
+        (in the exit barrier: training is finished, exit code 0).
 
     Raises:
         ChildFailedError: A worker failed and the agent gave up.
@@ -244,6 +246,10 @@ def launch(
     except ChildFailedError:
         raise
     except Exception as exc:
+        if isinstance(exc, SignalException) and elastic_agent.finished:  # (in the exit barrier: the work is done)
+            log.info("stopped_after_training_finished", signal=exc.sigval.name)
+            shutdown_rdzv = False
+            return {}
         # A signal or a node giving up must not close the rendezvous for the others.
         if isinstance(exc, NodeGaveUp) or type(exc).__name__ == "SignalException":
             shutdown_rdzv = False

@@ -122,6 +122,7 @@ class UnicronAgent(LocalElasticAgent):
         self._closed = False  # stopping for good (signal, error, end of run): never act or respawn again
         self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
         self.left = False  # asked to leave: the workers leave the data-parallel group at a step boundary
+        self.finished = False  # every worker of this node succeeded (torch's exit barrier comes only then)
         self._pm = plugin_manager()
         self._detectors = make_detectors(self.config, self._pm)
         self._started = False
@@ -230,6 +231,7 @@ class UnicronAgent(LocalElasticAgent):
 
         A node that left the task (:meth:`leave_at_step_boundary`) does not wait: the others train on.
         """
+        self.finished = not self.left
         if self.left:
             log.info("exit_barrier_skipped", reason="this node left the task")
             return

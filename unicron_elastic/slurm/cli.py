@@ -45,8 +45,18 @@ def _cmd_endpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_requeue(args: argparse.Namespace) -> int:
+    from unicron_elastic.slurm.job import current_job, requeue_unless_cancelled
+
+    job = current_job()
+    if requeue_unless_cancelled(job):
+        print(f"requeued job {job.requeue_id}", flush=True)
+        return 0
+    return 1
+
+
 def add_slurm_commands(sub) -> None:
-    """Add ``slurm`` (``etcd``, ``endpoint``) to ``unicron``'s sub-commands."""
+    """Add ``slurm`` (``etcd``, ``endpoint``, ``requeue``) to ``unicron``'s sub-commands."""
     slurm = sub.add_parser("slurm", help="run inside a SLURM allocation (docs/slurm.md)")
     verbs = slurm.add_subparsers(dest="verb", required=True)
     etcd = verbs.add_parser(
@@ -62,3 +72,6 @@ def add_slurm_commands(sub) -> None:
     endpoint.add_argument("--wait", type=bounded(86400), default=None, metavar="SECONDS",
                           help="first wait until a majority of the members answers (exit 1 if not within SECONDS)")
     endpoint.set_defaults(func=_cmd_endpoint)
+    requeue = verbs.add_parser("requeue", help="requeue this job (an array task by its own id) unless it was "
+                                               "cancelled; exit 1 if it was")
+    requeue.set_defaults(func=_cmd_requeue)

@@ -134,6 +134,23 @@ def job_state(job: SlurmJob) -> str:
     return fields.get("JobState", "UNKNOWN")
 
 
+def requeue_unless_cancelled(job: SlurmJob) -> bool:
+    """Requeue the job unless it was cancelled (``scancel`` set its state to ``CANCELLED`` before signalling).
+
+    Returns:
+        Whether the job was requeued.
+
+    Raises:
+        SlurmCommandError: scontrol failed or refused the requeue.
+    """
+    state = job_state(job)
+    if state.startswith("CANCELLED"):
+        log.warning("slurm_requeue_skipped", job=job.requeue_id, state=state, reason="the job was cancelled")
+        return False
+    requeue(job)
+    return True
+
+
 def requeue(job: SlurmJob) -> None:
     """``scontrol requeue`` the job (an array task by its ``ARRAYJOB_TASK`` id).
 

@@ -250,7 +250,10 @@ class LoopbackSlurm:
         return state_flags(parse_node_line(self.scontrol("show", "node", "-o", name)).get("State", ""))
 
     def start_requeued(self, job_id: str) -> None:
-        """Start a requeued job now (SLURM holds one back for 120 s after a requeue)."""
+        """Start a requeued job now (SLURM holds one back for 120 s after a requeue), once its last run ended."""
+        self.wait_for(lambda: self.job(job_id).get("Reason") == "BeginTime"
+                      and not any("COMPLETING" in self.node_flags(n) for n in self.names), 120,
+                      f"job {job_id} requeued and its nodes free")
         self.scontrol("update", f"jobid={job_id}", "StartTime=now")
 
     @staticmethod

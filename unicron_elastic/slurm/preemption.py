@@ -1,15 +1,15 @@
-"""A Lightning callback for preemption and walltime: a checkpoint of the step a stop ends at, then a requeue.
+"""A Lightning callback for preemption and walltime: a checkpoint of the step a stop ends at.
 
 Under ``unicron_megatron`` a stop (SIGTERM to the workers: ``unicron-run``
 stopping on SLURM's SIGUSR1 warning, on SIGTERM, or a ``scancel``) rides in a
 step's last exchange, and every member ends ``fit`` after that same step
 (docs/strategy.md). :class:`PreemptionCheckpoint` writes a Lightning
 checkpoint at the end of that step (``trainer.save_checkpoint``: every member
-takes part, one writes) and, in a SLURM job, global rank 0 then requeues the
-job (``scontrol requeue``; an array task by its ``ARRAYJOB_TASK`` id), unless
-training finished with that step or the job was cancelled. The requeued job
-passes :attr:`PreemptionCheckpoint.resume_path` to ``fit(ckpt_path=...)`` and
-its first step is the one after the checkpoint::
+takes part, one writes; written to a temporary name, then renamed), unless
+training finished with that step. The job's batch script then requeues the
+job (``unicron slurm requeue``, examples/slurm/train.sbatch); the requeued
+job passes :attr:`PreemptionCheckpoint.resume_path` to ``fit(ckpt_path=...)``
+and its first step is the one after the checkpoint::
 
     preempted = PreemptionCheckpoint("/shared/ckpt/preempted.ckpt")
     trainer = pl.Trainer(strategy="unicron_megatron", callbacks=[preempted], max_steps=...)
@@ -25,8 +25,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import structlog
-
-from unicron_elastic.slurm.api import NotUnderSlurm, SlurmCommandError
 
 log = structlog.get_logger(__name__)
 
@@ -44,23 +42,20 @@ def _replace(tmp: Path, path: Path) -> None:
 
 
 class PreemptionCheckpoint(pl.Callback):
-    """The step a stop ends at, on disk; in a SLURM job, the job requeued.
+    """The step a stop ends at, on disk, for the run that resumes it.
 
     Args:
         path: Where the checkpoint goes (a file; with tensor x pipeline
             parallelism Lightning's checkpoint is a directory of shards). On a
             file system every node sees (the requeued job may run elsewhere).
-        requeue: Requeue the SLURM job after the checkpoint (default: when
-            ``SLURM_JOB_ID`` is set).
 
     Attributes:
         saved_step: The first step still to train after the checkpoint this
             run wrote (None: none written).
     """
 
-    def __init__(self, path: str | os.PathLike[str], requeue: bool | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.requeue = bool(os.environ.get("SLURM_JOB_ID")) if requeue is None else requeue
         self.saved_step: int | None = None
 
     @property
@@ -73,7 +68,7 @@ class PreemptionCheckpoint(pl.Callback):
             log.info("resuming_from_preemption_checkpoint", path=str(self.path), step=trainer.global_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """At the end of the step every member agreed to stop after: checkpoint, then (rank 0) requeue."""
+        """At the end of the step every member agreed to stop after: the checkpoint."""
         if not trainer.received_sigterm or self.saved_step is not None:
             return
         if trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
@@ -87,27 +82,3 @@ class PreemptionCheckpoint(pl.Callback):
             return
         _replace(tmp, self.path)
         log.warning("preemption_checkpoint_saved", path=str(self.path), next_step=trainer.global_step)
-        if self.requeue:
-            requeue_unless_cancelled()
-
-
-def requeue_unless_cancelled() -> bool:
-    """Requeue this SLURM job unless it was cancelled (``scancel``: its state is ``CANCELLED`` already).
-
-    Returns:
-        Whether the job was requeued. A failure is logged, not raised: the
-        checkpoint is written, and the job can be submitted again by hand.
-    """
-    from unicron_elastic.slurm.job import current_job, job_state, requeue
-
-    try:
-        job = current_job()
-        state = job_state(job)
-        if state.startswith("CANCELLED"):
-            log.warning("slurm_requeue_skipped", job=job.requeue_id, state=state, reason="the job was cancelled")
-            return False
-        requeue(job)
-        return True
-    except (NotUnderSlurm, SlurmCommandError) as exc:
-        log.error("slurm_requeue_failed", error=str(exc)[:300])
-        return False
