@@ -188,8 +188,10 @@ def main() -> None:
                         results[name].append(drain(slurm, out))
                     else:
                         results[name].append(warning(slurm, out))
-                finally:
-                    shutil.rmtree(out, ignore_errors=True)
+                except Exception:
+                    print(f"{name} failed; its logs are in {out}", file=sys.stderr)
+                    raise
+                shutil.rmtree(out, ignore_errors=True)
     print(f"\n== examples/slurm/train.sbatch on a loopback SLURM (3 nodes x 1 rank, ~0.45 s steps, node TTL "
           f"{NODE_TTL} s), median of {args.runs} ==")
     for name in chosen:

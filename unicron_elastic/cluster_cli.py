@@ -212,7 +212,8 @@ def add_cluster_commands(sub) -> None:
                       help="run as this node's task of a SLURM step (srun --ntasks-per-node=1 --no-kill "
                            "--kill-on-bad-exit=0): named SLURMD_NODENAME, drained when SLURM drains the node")
     node.add_argument("--slurm-poll", type=bounded(86400, allow_zero=True), default=10.0,
-                      help="with --slurm: seconds between two looks at the node's state in SLURM (0: never; default 10)")
+                      help="with --slurm: seconds between two looks at the node's state in SLURM "
+                           "(0: never; default 10)")
     node.set_defaults(func=_cmd_node)
 
     cluster = sub.add_parser("cluster", help="a whole cluster on this machine, for demos and tests")
