@@ -161,7 +161,6 @@ def warning(slurm: LoopbackSlurm, out: Path) -> tuple[float, float, int, int]:
     resume = int(re.search(r"preemption_checkpoint_saved\s+next_step=(\d+)",
                            "".join(p.read_text() for p in out.glob("node-*.log"))).group(1))
     first_run = len(_times(out, 0))
-    slurm.start_requeued(job)
     _ended(slurm, job)
     return written - warned, requeued - warned, resume, _times(out, 0)[first_run]["step"]
 

@@ -34,6 +34,8 @@ log = structlog.get_logger(__name__)
 
 #: The environment variable that marks a loopback node's ``slurmd`` (and the ``slurmstepd`` it starts).
 NODE_MARK_ENV = "UNICRON_LOOPBACK_SLURM_NODE"
+#: Seconds a job credential lives, and so how long SLURM holds a requeued job back (its default is 120).
+CRED_EXPIRE_S = 10
 #: What a loopback cluster needs on PATH (Debian: ``apt-get install slurmd slurmctld munge``).
 BINARIES = ("slurmctld", "slurmd", "munged", "mungekey", "srun", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
 
@@ -46,12 +48,15 @@ def _conf(directory: Path, nodes: list[str], ports: dict[str, int], cpus: int, f
     lines = [
         "ClusterName=loopback", "SlurmctldHost=localhost", f"SlurmctldPort={ports['ctld']}",
         f"SlurmdPort={ports['slurmd']}", "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
-        f"AuthInfo=socket={directory}/munge-run/munge.socket", "CredType=cred/munge",
+        # a credential's lifetime is also how long a requeued job is held back (slurmd refuses to launch a job id
+        # whose credential it revoked until then): 10 s instead of 120 s
+        f"AuthInfo=socket={directory}/munge-run/munge.socket,cred_expire={CRED_EXPIRE_S}", "CredType=cred/munge",
         f"StateSaveLocation={directory}/state", f"SlurmdSpoolDir={directory}/spool/%n",
         f"SlurmctldPidFile={directory}/slurmctld.pid", f"SlurmdPidFile={directory}/slurmd-%n.pid",
         f"SlurmctldLogFile={directory}/log/slurmctld.log", f"SlurmdLogFile={directory}/log/slurmd-%n.log",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SchedulerType=sched/backfill",
         "SelectType=select/cons_tres", "ReturnToService=2", "MpiDefault=none", "KillWait=10",
+        "SchedulerParameters=sched_interval=2,bf_interval=2",  # a requeued job starts within seconds once eligible
         f"FirstJobId={first_job}", "JobRequeue=1",
     ]
     lines += [f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports[name]} CPUs={cpus} "
@@ -248,13 +253,6 @@ class LoopbackSlurm:
 
     def node_flags(self, name: str) -> frozenset[str]:
         return state_flags(parse_node_line(self.scontrol("show", "node", "-o", name)).get("State", ""))
-
-    def start_requeued(self, job_id: str) -> None:
-        """Start a requeued job now (SLURM holds one back for 120 s after a requeue), once its last run ended."""
-        self.wait_for(lambda: self.job(job_id).get("Reason") == "BeginTime"
-                      and not any("COMPLETING" in self.node_flags(n) for n in self.names), 120,
-                      f"job {job_id} requeued and its nodes free")
-        self.scontrol("update", f"jobid={job_id}", "StartTime=now")
 
     @staticmethod
     def wait_for(condition, seconds: float, what: str) -> None:  # type: ignore[no-untyped-def]
