@@ -438,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="16-mixed: the GradScaler's initial scale")
     parser.add_argument("--inf-at", default=None, metavar="RANK:STEP:MB",
                         help="make this rank's gradients infinite in this micro-batch of this step (first incarnation)")
+    parser.add_argument("--preemption-checkpoint", type=Path, default=None, metavar="FILE",
+                        help="on a stop (SIGTERM; SLURM's warning), write the step to FILE and requeue a SLURM job; "
+                             "resume from FILE when it exists (docs/slurm.md)")
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
@@ -481,6 +484,12 @@ def main() -> None:
         callbacks.append(HoldForJoiner(args.hold_for_joiner, ranks=args.hold_ranks))
     if args.hold_until is not None:
         callbacks.append(HoldUntil(args.hold_step, args.hold_until))
+    preempted = None
+    if args.preemption_checkpoint is not None:
+        from unicron_elastic.slurm.preemption import PreemptionCheckpoint
+
+        preempted = PreemptionCheckpoint(args.preemption_checkpoint)
+        callbacks.append(preempted)
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
         snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -495,7 +504,8 @@ def main() -> None:
     )
     data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None)
     trainer.fit(model, DataLoader(data, batch_size=args.micro_batch, num_workers=args.num_workers,
-                                  persistent_workers=args.num_workers > 0))
+                                  persistent_workers=args.num_workers > 0),
+                ckpt_path=preempted.resume_path if preempted is not None else None)
     trainer.save_checkpoint(args.out / "final.ckpt")  # (the strategy writes none for a rank that trained nothing)
     trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
     summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
@@ -505,7 +515,7 @@ def main() -> None:
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "forward_only": strategy.engine.forward_only if strategy.engine else [],
                "scales": scales.scales, "precision_state": trainer.precision_plugin.state_dict(),
-               "losses": losses.losses}
+               "losses": losses.losses, "environment": type(trainer.strategy.cluster_environment).__name__}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     if not trained:
         return  # its parameters are untrained: not a result
