@@ -351,6 +351,13 @@ class EmuAgent:
     def worker_exited(self, *args: Any) -> None:  # noqa: D102
         pass
 
+    def _peer_lost(self, node: str, revision: int) -> None:
+        """(The meeting point's watch) as the agent does: the node detector reports it; the time is noted."""
+        if self.on_loss_seen is not None:
+            self.on_loss_seen(node, self.node, time.monotonic())
+        for detector in self.detectors:
+            detector.peer_lost(node, revision)
+
     # life ---------------------------------------------------------------------------------------------------
     def start(self) -> EmuAgent:
         self._thread = threading.Thread(target=self._run, name=f"emu-agent-{self.node}", daemon=True)
@@ -404,13 +411,14 @@ class EmuAgent:
         world = self.workers[0].world_size
         start = RoundStart(info.world_size, world, s.nproc, max_world(info.world_size, world, handler.max_nodes,
                                                                       s.nproc))
+        detector = NodeHealthDetector(s.ttl)
+        self.detectors.append(detector)
         self.meeting = EmuMeetingPoint(self.store, handler.get_run_id(), handler.current_round(), s.ttl, info.rank,
-                                       info.world_size, host=self.node, start=start)
+                                       info.world_size, host=self.node, start=start, node=self.node,
+                                       on_peer_lost=self._peer_lost)
         for worker in self.workers:
             self.meeting.worker_started(worker.global_rank, f"{self.node}.1.0")
-        detector = _SeeingNodeDetector(s.ttl, self)
         detector.start(self)
-        self.detectors.append(detector)
         self.joined_at = time.monotonic()
         self.joined.set()
 
@@ -441,9 +449,8 @@ class EmuAgent:
         for lease in self._leases():
             lease._stop.set()
             lease.lost.set()  # (so that nothing revokes it)
-        for detector in self.detectors:
-            if getattr(detector, "_watch", None) is not None:
-                detector._watch.cancel()
+        if self.meeting is not None and self.meeting._places is not None:
+            self.meeting._places.cancel()
 
     def stop(self) -> None:
         """A clean stop (SIGTERM): the leases are revoked, the watches cancelled."""
@@ -490,19 +497,6 @@ def EmuMeetingPoint(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - a class m
     cls = _meeting_point_class()
     globals()["EmuMeetingPoint"] = cls
     return cls(*args, **kwargs)
-
-
-def _SeeingNodeDetector(ttl: int, agent: EmuAgent) -> Any:  # noqa: N802
-    """The agent's node detector, noting when its watch sees a peer go (for the loss latency)."""
-    from unicron_elastic.agent.detectors import NodeHealthDetector
-
-    class Seeing(NodeHealthDetector):
-        def _on_change(self, change: Any) -> None:
-            if change.kind == "delete" and agent.on_loss_seen is not None:
-                agent.on_loss_seen(change.key.rsplit("/", 1)[-1], agent.node, time.monotonic())
-            super()._on_change(change)
-
-    return Seeing(ttl)
 
 
 # -- the emulated daemon ------------------------------------------------------------------------------
@@ -620,11 +614,12 @@ class EmuCluster:
 
     # tasks -----------------------------------------------------------------------------------------------
     def submit(self, name: str, nodes: int, slots: int | None = None, weight: float = 1.0) -> None:
-        """Store a task that runs on exactly ``nodes`` nodes (a calibration table with that one size)."""
+        """Store a task that runs on 1 to ``nodes`` nodes, the more the better (it keeps the rest after a loss)."""
         slots = slots or self.settings.nproc
         workers = nodes * slots
-        spec = {"name": name, "command": ["true"], "weight": weight, "min_workers": workers, "max_workers": workers,
-                "global_batch": workers, "model": {"calibration": {str(workers): float(workers)}}}
+        table = {str(k * slots): float(k) for k in range(1, nodes + 1)}
+        spec = {"name": name, "command": ["true"], "weight": weight, "min_workers": slots, "max_workers": workers,
+                "global_batch": workers, "model": {"calibration": table}}
         self._min_nodes[name] = nodes
         self.admin.put(self.admin.keys.task_spec(name), json.dumps(spec))
 
@@ -647,6 +642,14 @@ class EmuCluster:
             self._threads.append(t)
             names.append(name)
         return names
+
+    def wait_registered(self, count: int, timeout: float) -> None:
+        """Wait until ``count`` node records are in etcd (then one plan places a task on all of them)."""
+        deadline = time.monotonic() + timeout
+        while self.admin.count_prefix(self.admin.keys.nodes()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {count} nodes registered within {timeout}s")
+            time.sleep(0.1)
 
     def agents(self) -> dict[str, EmuAgent]:
         return {n: d.agent for n, d in self.daemons.items() if getattr(d, "agent", None) is not None}
