@@ -677,6 +677,21 @@ class EmuCluster:
             out.extend(agent._leases())
         return out
 
+    def wait_count_joined(self, count: int, timeout: float) -> None:
+        """Wait until ``count`` agents joined their rounds (raises on a timeout or an agent's failure)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            agents = list(self.agents().values())
+            failed = [a.failed for a in agents if a.failed is not None]
+            if failed:
+                raise RuntimeError(f"an agent failed: {failed[0]!r}") from failed[0]
+            joined = sum(1 for a in agents if a.joined.is_set())
+            if joined >= count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{joined} of {count} agents joined within {timeout}s")
+            time.sleep(0.1)
+
     def loss_seen(self, lost: str, seer: str, when: float) -> None:
         self.losses[lost].setdefault(seer, when)
 

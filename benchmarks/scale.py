@@ -8,10 +8,10 @@ request is counted on the client (by role, kind and key family) and on the serve
 
 Scenarios, each a function of N:
 
-* ``steady``: a coordinator and its standby, N daemons, one task on all N nodes; after the round formed, the
-  etcd requests and bytes per node per second by kind over a window;
-* ``loss``: one node of that task lost (its leases lapse, nothing cleaned up): the time until each surviving
-  node's agent sees it (p50, p99, max) and the watch events and writes the loss causes in total;
+* ``steady``: a coordinator and its standby, N daemons, runs of up to 64 nodes (``--task-nodes``) whose
+  rounds form one after the other; then the etcd requests and bytes per node per second by kind over a window;
+* ``loss``: one node of a run lost (its leases lapse, nothing cleaned up): the time until each surviving
+  node of its run is told (p50, p99, max) and the watch events and writes the loss causes in total;
 * ``join``: N agents joining one run at once (``--nnodes=N``): the time until every one has its rank, with the
   rendezvous transactions and their conflicts counted;
 * ``plan``: N node records and 100 tasks: a node lost or joined -> the new plan in etcd (median, p99), and the
@@ -79,6 +79,27 @@ def _config(server, cluster: str):
     return replace(server.config, cluster=cluster, reconnect_timeout=60.0)
 
 
+def _cpu(server) -> tuple[float, float, float]:
+    """(wall, this process' CPU seconds, etcd's CPU seconds over its members) now."""
+    import os
+
+    etcd = 0.0
+    for member in getattr(server, "members", None) or [server]:
+        try:
+            fields = open(f"/proc/{member.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            etcd += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, AttributeError, IndexError, ValueError):
+            pass
+    times = os.times()
+    return time.monotonic(), times.user + times.system, etcd
+
+
+def _cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict[str, float]:
+    """Cores used between two :func:`_cpu` readings: by the emulation (this process) and by etcd."""
+    wall = max(after[0] - before[0], 1e-9)
+    return {"emulation_cores": (after[1] - before[1]) / wall, "etcd_cores": (after[2] - before[2]) / wall}
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
@@ -123,25 +144,32 @@ def _sum_by(snap: dict[str, Any], kinds: tuple[str, ...] | None = None) -> dict[
 
 
 # -- steady state and one loss --------------------------------------------------------------------------
-def steady_and_loss(server, n: int, seconds: float, settings: emu.Settings) -> dict[str, Any]:
-    """N daemons on one task: the steady state over ``seconds``, then one node lost."""
+def steady_and_loss(server, n: int, seconds: float, settings: emu.Settings, task_nodes: int) -> dict[str, Any]:
+    """N daemons on runs of ``task_nodes`` nodes: the steady state over ``seconds``, then one node lost."""
     endpoints = _endpoints(server)
     cluster = emu.EmuCluster(_config(server, f"scale-steady-{n}"), settings, coordinators=2)
-    out: dict[str, Any] = {"n": n}
+    runs = max(1, math.ceil(n / task_nodes))
+    out: dict[str, Any] = {"n": n, "runs": runs, "task_nodes": min(n, task_nodes)}
     try:
         cluster.start_coordinators(ttl=5)
         started = time.monotonic()
         names = cluster.start_daemons(n)
         cluster.wait_registered(n, timeout=max(60.0, n / 10))
-        cluster.submit("big", n)  # (once every node is there: the first plan gives it all of them)
-        out["formed_s"] = cluster.wait_joined(names, timeout=max(120.0, 2.0 * n))
+        placed = 0
+        for r in range(runs):  # (once every node is there: each plan places a run whole; one round forms at a time)
+            size = min(task_nodes, n - r * task_nodes)
+            cluster.submit(f"run{r}", size)
+            placed += size
+            cluster.wait_count_joined(placed, timeout=max(120.0, 2.0 * size))
+        out["formed_s"] = time.monotonic() - started
         time.sleep(max(3.0, settings.keep_alive_interval))  # past the start's writes, one heartbeat period in
         emu.METER.reset()
-        before = emu.server_metrics(endpoints)
+        before, cpu = emu.server_metrics(endpoints), _cpu(server)
         time.sleep(seconds)
         snap = emu.METER.snapshot()
         server_delta = _delta(emu.server_metrics(endpoints), before)
         out["steady"] = _by_kind(snap, n)
+        out["steady"].update(_cores(cpu, _cpu(server)))
         out["steady"]["server_per_s"] = {k: v / snap["seconds"] for k, v in server_delta.items()}
         agents = cluster.agents()
         out["steady"]["waiting_seen"] = sum(a.waiting_seen for a in agents.values())
@@ -155,7 +183,8 @@ def steady_and_loss(server, n: int, seconds: float, settings: emu.Settings) -> d
 
 def _lose_one(cluster: emu.EmuCluster, endpoints: list[str], names: list[str], settings: emu.Settings) -> dict:
     victim = names[len(names) // 2]
-    survivors = [x for x in names if x != victim]
+    runs = {name: agent.task for name, agent in cluster.agents().items()}
+    survivors = [x for x in names if x != victim and runs.get(x) == runs.get(victim)]  # (its run's nodes)
     emu.METER.reset()
     before = emu.server_metrics(endpoints)
     killed = time.monotonic()
@@ -194,6 +223,7 @@ def join_storm(server, n: int, settings: emu.Settings) -> dict[str, Any]:
     agents = [emu.EmuAgent(stores, endpoint, config.cluster, f"j{i:05d}", "storm", (n, n), settings)
               for i in range(n)]
     emu.METER.reset()
+    cpu = _cpu(server)
     started = time.monotonic()
     for agent in agents:
         agent.start()
@@ -204,6 +234,7 @@ def join_storm(server, n: int, settings: emu.Settings) -> dict[str, Any]:
             time.sleep(0.05)
         done = [a.joined_at - started for a in agents if a.joined_at is not None]
         snap = emu.METER.snapshot()
+        result.update(_cores(cpu, _cpu(server)))
         rdzv = {k: v for (r, k, fam), v in snap["calls"].items() if fam == "rdzv"}
         result.update({
             "joined": len(done), "failed": sum(1 for a in agents if a.failed),
@@ -424,7 +455,7 @@ def run(args: argparse.Namespace) -> None:
             began = time.monotonic()
             try:
                 if scenario == "steady":
-                    result = steady_and_loss(server, n, args.seconds, settings)
+                    result = steady_and_loss(server, n, args.seconds, settings, args.task_nodes)
                 elif scenario == "join":
                     result = join_storm(server, n, settings)
                 elif scenario == "plan":
@@ -455,6 +486,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="steady-state window")
     parser.add_argument("--events", type=int, default=20, help="events of the plan scenario")
     parser.add_argument("--ttl", type=int, default=2)
+    parser.add_argument("--task-nodes", type=int, default=64,
+                        help="nodes per run in the steady scenario (N nodes make ceil(N / this) runs)")
     parser.add_argument("--step-time", type=float, default=1.0)
     parser.add_argument("--monitor-interval", type=float, default=0.1,
                         help="torchrun's --monitor-interval of the emulated agents (how often they ask num_nodes_waiting)")
