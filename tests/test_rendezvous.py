@@ -423,3 +423,65 @@ def test_a_node_arriving_after_the_run_finished_is_told_so_and_one_after_a_failu
         with pytest.raises(RendezvousClosedError) as caught:  # plain torchrun: torch's error, as before
             plain.next_rendezvous()
         assert not isinstance(caught.value, RunFinished)
+
+
+# -- a running round is quiet: no torch heartbeats, no reads of torch's state (rendezvous/quiet.py) ------------
+
+
+class _GrowsByRestart:
+    """What PlanGate says when the plan gives the task one more node and its workers cannot admit joiners."""
+
+    restarts_to_grow = True
+
+    def admit(self, request) -> None:
+        return None
+
+    def grow(self, request, nodes: int) -> bool:
+        return True
+
+
+def test_a_running_round_is_quiet_and_a_node_entering_the_rendezvous_keeps_it_alive(
+        etcd_config: EtcdConfig, store: StatusStore, monkeypatch) -> None:
+    """Seen at 64 nodes: torch's heartbeats and state reads cost every node of a running round the whole
+    state a second (benchmarks/scale.py). Quiet, the round writes nothing; a node entering the rendezvous
+    stamps the live places first, so the long-silent participant is not dropped as dead, and announces
+    itself, so the participant sees it waiting and the round re-forms with both."""
+    import unicron_elastic.rendezvous.handler as handler_module
+    import unicron_elastic.rendezvous.rounds as rounds_module
+    from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+    from unicron_elastic.rendezvous.backend import decode_state
+
+    monkeypatch.setattr(rounds_module, "GROWABLE_WAIT_S", 0.0)  # the round's workers never said growable
+    monkeypatch.setattr(handler_module, "SETTLE_S", 0.1)
+    conf = dict(last_call_timeout="1", join_timeout="30", keep_alive_interval="1", keep_alive_max_attempt="2")
+    first = create_handler(_params(etcd_config, "quiet", **conf))
+    first.rejoin, first.local_world_size = True, 2
+    first.next_rendezvous()
+    point = MeetingPoint(first.status_store, "quiet", first.current_round(), 5, 0, 1, host="127.0.0.1",
+                         start=RoundStart(1, 2, 2, 4))
+    key = store.keys.rdzv("quiet")
+    try:
+        written = store.get(key).mod_revision
+        quiet_until = time.monotonic() + 2.5  # more than keep_alive_interval x keep_alive_max_attempt
+        while time.monotonic() < quiet_until:
+            assert first.num_nodes_waiting() == 0  # (torch's agent asks at every monitor interval)
+            time.sleep(0.1)
+        assert store.get(key).mod_revision == written  # torch would have written a heartbeat every second
+
+        second = create_handler(_params(etcd_config, "quiet", **conf))
+        second.rejoin, second.local_world_size, second.gate = True, 2, _GrowsByRestart()
+        joined: list = []
+        thread = threading.Thread(target=lambda: joined.append(second.next_rendezvous()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while first.num_nodes_waiting() == 0:  # the announcement is seen within keep_alive_interval
+            assert time.monotonic() < deadline, "the node waiting for the next round was not seen"
+            time.sleep(0.1)
+        state = pickle.loads(decode_state(store.get(key).value))
+        assert first._this_node in state.participants  # stamped from its live place: not dropped as dead
+        info = first.next_rendezvous()  # torch's agent restarts every worker: the round re-forms with both
+        thread.join(30)
+        assert joined and (info.world_size, joined[0].world_size) == (2, 2)
+        assert store.count_prefix(store.keys.rdzv_waiting("quiet")) == 0  # the announcements are withdrawn
+    finally:
+        point.close()

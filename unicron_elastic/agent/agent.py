@@ -60,6 +60,7 @@ from unicron_elastic.api import ConfigError, StoreError
 from unicron_elastic.detection.hang import Finding
 from unicron_elastic.events import Classification, ErrorEvent, Severity
 from unicron_elastic.meeting import MAX_WORLD_ENV
+from unicron_elastic.node import NODE_DAEMON_ENV
 from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.worker import SOCKET_ENV
@@ -218,10 +219,14 @@ class UnicronAgent(LocalElasticAgent):
             return
         if self._meeting is not None:
             self._meeting.close()
+        watching = any(hasattr(d, "peer_lost") for d in self._detectors)
+        under_daemon = bool(os.environ.get(NODE_DAEMON_ENV))
         self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
                                      worker_group.group_rank, worker_group.group_world_size,
                                      host=worker_group.spec.local_addr or socket.getfqdn(),
-                                     start=self._round_start(worker_group), on_place_lost=self.lost_place)
+                                     start=self._round_start(worker_group), on_place_lost=self.lost_place,
+                                     node=self.node, on_peer_lost=self._peer_lost if watching else None,
+                                     on_lease_lost=self.lost_own_lease if under_daemon else None)
         self._meeting.export()
         for worker in worker_group.workers:
             self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0", self.left)
@@ -358,6 +363,15 @@ class UnicronAgent(LocalElasticAgent):
         if event.severity is Severity.SEV1 and event.node == self.node:
             with self._lock:
                 self._act(-1, Rung(Action.GIVE_UP, Severity.SEV1, RankHistory(), event.kind), event)
+
+    def _peer_lost(self, node: str, revision: int) -> None:
+        """(The meeting point's watch) another node of this round is lost: the detectors that care report it."""
+        for detector in self._detectors:
+            if hasattr(detector, "peer_lost"):
+                try:
+                    detector.peer_lost(node, revision)
+                except Exception:  # noqa: BLE001 - isolate plugin detectors
+                    log.exception("detector_failed", detector=detector.name)
 
     def lost_place(self) -> None:
         """Another node claimed this node's place in the round while its lease had lapsed: give the node up (SEV1).

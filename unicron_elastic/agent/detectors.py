@@ -23,7 +23,6 @@ from unicron_elastic.detection.hang import HangThresholds, IterationMonitor, han
 from unicron_elastic.events import ErrorEvent, Severity
 from unicron_elastic.node import NODE_DAEMON_ENV
 from unicron_elastic.store.lease import KeptLease
-from unicron_elastic.store.watch import PrefixWatch, WatchEvent
 
 log = structlog.get_logger(__name__)
 
@@ -237,15 +236,22 @@ class HangDetector(Detector):
 
 
 class NodeHealthDetector(Detector):
-    """Node health: this node's lease in etcd, and a watch on every other node's."""
+    """Node health: this node's lease in etcd, and the places of the other nodes of its run.
+
+    Without a node daemon the agent keeps this node's record (``nodes/<node>``) on a lease of this
+    detector's. Under one, the daemon's record is the node's and the agent's liveness is its meeting
+    point's lease (lost: :meth:`UnicronAgent.lost_own_lease
+    <unicron_elastic.agent.agent.UnicronAgent.lost_own_lease>`): no lease here. Peers lost are
+    told by the agent's meeting point, which watches the places of this node's round only
+    (:class:`~unicron_elastic.agent.meeting.PlacesWatch`): a loss reaches the run's nodes, not every
+    node of the cluster.
+    """
 
     name = "node"
 
     def __init__(self, ttl: int = 2) -> None:
         self.ttl = ttl
         self.lease: KeptLease | None = None
-        self._watch: PrefixWatch | None = None
-        self._leaving: set[str] = set()
         self._stopping = False  # a renewal must not turn the ``leaving`` record back to ``running``
 
     def start(self, ctx: DetectorContext) -> None:
@@ -254,8 +260,9 @@ class NodeHealthDetector(Detector):
         if store is None:
             log.info("detector_disabled", detector=self.name, reason="no etcd status store (not the unicron backend)")
             return
+        if os.environ.get(NODE_DAEMON_ENV):
+            return  # the daemon's record is this node's; the meeting point's lease is the agent's
         self.lease = KeptLease(store, self.ttl, on_lost=ctx.lost_own_lease, on_renewed=self._register)
-        self._watch = PrefixWatch(store, store.keys.nodes(), self._on_change)
         self._register(self.lease.id)
 
     def _register(self, lease: int) -> None:
@@ -271,18 +278,14 @@ class NodeHealthDetector(Detector):
         store.put_json(store.keys.node(self.ctx.node), {"state": "running", "lease": lease, "ts": time.time()},
                        lease=lease)
 
-    def _on_change(self, change: WatchEvent) -> None:
-        store = self.ctx.store
-        assert store is not None
-        node = change.key.rsplit("/", 1)[-1]
-        if change.kind == "put":
-            if b'"leaving"' in change.value:
-                self._leaving.add(node)
+    def peer_lost(self, node: str, revision: int) -> None:
+        """The place of ``node``, a peer of this run, vanished at ``revision`` (its lease expired): one SEV1
+        ``lost_connection`` event, deduplicated across the run's nodes by a create-only marker."""
+        ctx = getattr(self, "ctx", None)  # (not started yet: the agent's first moments)
+        store = ctx.store if ctx is not None else None
+        if store is None or node == ctx.node:
             return
-        if node == self.ctx.node or node in self._leaving:
-            self._leaving.discard(node)
-            return
-        marker = store.keys.node_lost(node, change.revision)
+        marker = store.keys.node_lost(node, revision)
         try:
             if not store.cas(marker, str(time.time()), None).succeeded:
                 return  # another node reported it
@@ -293,8 +296,6 @@ class NodeHealthDetector(Detector):
 
     def stop(self) -> None:
         store = self.ctx.store if hasattr(self, "ctx") else None
-        if self._watch is not None:
-            self._watch.cancel()
         self._stopping = True
         if self.lease is not None and store is not None:
             if not os.environ.get(NODE_DAEMON_ENV):

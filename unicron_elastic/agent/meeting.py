@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import structlog
 import torch.distributed as dist
@@ -48,6 +48,52 @@ def raise_places(store: StatusStore, prefix: str, places: int) -> None:
             return
         if store.cas(key, str(int(places)).encode(), None if kv is None else kv.mod_revision).succeeded:
             return
+
+
+@dataclass(frozen=True)
+class PlaceHolder:
+    """Who holds a place of a round: the value of its agent key, ``<node>@<host>:<pid>:<round>.<place>``.
+
+    A holder that leaves its place on purpose (its run ended, it left the task, it was stopped, its
+    round ended) marks it ``left`` before its lease goes (``...|left``): peers then see no lost node.
+
+    Attributes:
+        node: The node's name (``--node-name``).
+        host: Its host name.
+        pid: The agent's process.
+        round: The round.
+        place: The place (group rank).
+        left: Marked by its holder just before it let the place go.
+    """
+
+    node: str
+    host: str
+    pid: int
+    round: int
+    place: int
+    left: bool = False
+
+    def encode(self) -> str:
+        """The agent key's value."""
+        text = f"{self.node}@{self.host}:{self.pid}:{self.round}.{self.place}"
+        return text + LEFT_MARK if self.left else text
+
+    @staticmethod
+    def decode(value: bytes | str) -> PlaceHolder | None:
+        """The holder an agent key names; None for another value (a claim in progress)."""
+        try:
+            text = value.decode() if isinstance(value, bytes) else value
+            left = text.endswith(LEFT_MARK)
+            node, rest = text.removesuffix(LEFT_MARK).rsplit("@", 1)
+            host, pid, where = rest.rsplit(":", 2)
+            round_, place = where.split(".")
+            return PlaceHolder(node, host, int(pid), int(round_), int(place), left)
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+
+#: What a holder appends to its agent key's value just before letting its place go on purpose.
+LEFT_MARK = "|left"
 
 
 @dataclass(frozen=True)
@@ -105,6 +151,13 @@ class MeetingPoint:
             this node lost its place: its lease lapsed and another node
             claimed the place before the renewal could put the node's keys
             back (see :meth:`_rekey`).
+        node: This node's name (``--node-name``), in its agent key (default: the host name).
+        on_peer_lost: Called ``(node, revision)`` from a watch thread when the
+            place of another node of the round vanished without its holder
+            marking it left (its lease expired: the node is lost); ``revision``
+            is the deletion's. None: the round's places are not watched.
+        on_lease_lost: Called once when this node's lease could not be kept
+            (etcd unreachable past the store's patience; see :class:`KeptLease`).
 
     Raises:
         StoreError: etcd refused or could not be reached.
@@ -112,17 +165,22 @@ class MeetingPoint:
 
     def __init__(self, store: StatusStore, run_id: str, round_: int, ttl: int, group_rank: int, nodes: int,
                  *, host: str, start: RoundStart | None = None,
-                 on_place_lost: Callable[[], None] | None = None) -> None:
+                 on_place_lost: Callable[[], None] | None = None, node: str | None = None,
+                 on_peer_lost: Callable[[str, int], None] | None = None,
+                 on_lease_lost: Callable[[], None] | None = None) -> None:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
         self.group_rank = group_rank
+        self.place = PlaceHolder(node or socket.gethostname(), socket.gethostname(), os.getpid(), int(round_),
+                                 int(group_rank))
         #: The value of this node's agent key: who holds the place (a renewal puts it back only if nobody took it).
-        self.holder = f"{socket.gethostname()}:{os.getpid()}:{int(round_)}.{int(group_rank)}"
+        self.holder = self.place.encode()
         self._lock = threading.Lock()
         self._live: dict[int, str] = {}  # rank -> incarnation, the keys on this node's lease
         self._snapshot_address: str | None = None
         self._on_place_lost = on_place_lost
-        self.lease = KeptLease(store, ttl, on_renewed=self._rekey)
+        self._places: PlacesWatch | None = None
+        self.lease = KeptLease(store, ttl, on_lost=on_lease_lost, on_renewed=self._rekey)
         store.put(self.prefix + MeetingKeys.LIVENESS, b"1")
         if start is not None:  # create-only: the round's first agent records it (before anyone can rejoin)
             store.cas(self.prefix + MeetingKeys.AGENTS_INITIAL, json.dumps(asdict(start)).encode(), None)
@@ -132,6 +190,8 @@ class MeetingPoint:
         store.put(self.prefix + MeetingKeys.agent(group_rank), self.holder.encode(), lease=self.lease.id)
         store.put(self.prefix + MeetingKeys.agent_seen(group_rank), b"1")
         self.snapshots = self._serve_snapshots(host)
+        if on_peer_lost is not None:
+            self._places = PlacesWatch(store, self.prefix, group_rank, on_peer_lost)
 
     def _rekey(self, lease: int) -> None:
         """Put this node's keys back on ``lease``: its lease lapsed while the node was alive (an overloaded host).
@@ -286,12 +346,85 @@ class MeetingPoint:
             time.sleep(0.05)
 
     def close(self) -> None:
-        """Revoke the lease (every liveness key of this node goes with it), then stop the snapshot server.
+        """Mark the place left, revoke the lease (every liveness key of this node goes with it), then stop the
+        snapshot server.
 
         The server (and the snapshot in it) is dropped even when revoking fails.
         """
         os.environ.pop(MEETING_ENV, None)
+        if self._places is not None:
+            self._places.cancel()
         try:
+            self._mark_left()
             self.lease.close(revoke=True)
         finally:
             self.snapshots = None  # the last reference: the TCPStore server stops (no blocking call)
+
+    def _mark_left(self) -> None:
+        """Tell the round's watchers this place goes on purpose (no lost node); a failure is logged."""
+        if self.lease.lost.is_set():
+            return
+        key, left = self.prefix + MeetingKeys.agent(self.group_rank), replace(self.place, left=True).encode()
+        try:  # (only while this node still holds it)
+            self.store.call(lambda c: c.transaction(compare=[c.transactions.value(key) == self.holder],
+                                                    success=[c.transactions.put(key, left, lease=self.lease.id)],
+                                                    failure=[]), f"mark {key} left", patience=2.0)
+        except StoreError as exc:
+            log.warning("place_not_marked_left", group_rank=self.group_rank, error=str(exc)[:200])
+
+
+class PlacesWatch:
+    """The places of one round, as their holders' agent keys say: a node lost is told within its lease TTL.
+
+    One watch per node on the round's place keys (:attr:`MeetingKeys.PLACES`): a lost node's place vanishes
+    with its lease, seen by the run's other nodes only (not by every node of the cluster).
+
+    Args:
+        store: The status store.
+        prefix: The round's meeting space.
+        own: This node's place (its own changes are not reported).
+        on_peer_lost: Called ``(node, revision)`` when another holder's place vanished without being marked left.
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+    """
+
+    def __init__(self, store: StatusStore, prefix: str, own: int, on_peer_lost: Callable[[str, int], None]) -> None:
+        from unicron_elastic.store.watch import PrefixWatch
+
+        self._base = prefix + MeetingKeys.PLACES
+        self._own, self._on_peer_lost = own, on_peer_lost
+        self._lock = threading.Lock()
+        self.holders: dict[int, PlaceHolder] = {}
+        revision = store.revision()
+        for kv in store.get_prefix(self._base):
+            self._note(kv.key, kv.value)
+        self._watch = PrefixWatch(store, self._base, self._on_change, start_revision=revision + 1)
+
+    def _place(self, key: str) -> int | None:
+        suffix = key[len(self._base):]
+        return int(suffix) if suffix.isdigit() else None
+
+    def _note(self, key: str, value: bytes) -> None:
+        place, holder = self._place(key), PlaceHolder.decode(value)
+        if place is not None and holder is not None:
+            with self._lock:
+                self.holders[place] = holder
+
+    def _on_change(self, event) -> None:
+        if event.kind == "put":
+            self._note(event.key, event.value)
+            return
+        place = self._place(event.key)
+        if place is None:
+            return
+        with self._lock:
+            holder = self.holders.pop(place, None)
+        if holder is None or holder.left or place == self._own:
+            return
+        log.warning("peer_place_lost", place=place, node=holder.node, revision=event.revision)
+        self._on_peer_lost(holder.node, event.revision)
+
+    def cancel(self) -> None:
+        """Stop watching."""
+        self._watch.cancel()

@@ -260,7 +260,17 @@ class NodeRecord:
         Raises:
             MalformedValueError: Wrong shape.
         """
-        doc = _doc(raw, "node record")
+        return cls.from_doc(_doc(raw, "node record"), raw)
+
+    @classmethod
+    def from_doc(cls, doc: Any, raw: str | bytes = b"") -> NodeRecord:
+        """A node record from its parsed JSON (``raw``: the value, for the error message).
+
+        Raises:
+            MalformedValueError: Wrong shape.
+        """
+        if not isinstance(doc, dict):
+            raise MalformedValueError(f"not a node record: {str(raw)[:80]!r}")
         slots, pid = doc.get("slots"), doc.get("pid", 0)
         if not isinstance(doc.get("name"), str) or isinstance(slots, bool) or not isinstance(slots, int) \
                 or not 1 <= slots <= MAX_WORKERS or not isinstance(pid, int):

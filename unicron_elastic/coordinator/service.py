@@ -29,6 +29,7 @@ from unicron_elastic.coordinator.api import ClusterPlan, NodeRecord, SpecError, 
 from unicron_elastic.coordinator.metrics import CoordinatorMetrics
 from unicron_elastic.coordinator.observe import Observed, changes
 from unicron_elastic.coordinator.policy import fold
+from unicron_elastic.coordinator.sizing import DeferredTable
 from unicron_elastic.coordinator.standby import state_from_json, state_from_plan, state_to_json
 from unicron_elastic.coordinator.vocabulary import (
     Alert,
@@ -95,9 +96,10 @@ def _nodes(store: StatusStore) -> tuple[dict[str, int], dict[str, int], frozense
     slots, incarnations, leaving = {}, {}, set()
     for kv in store.get_prefix(store.keys.nodes()):
         try:
-            record = NodeRecord.from_json(kv.value)
-            state = json.loads(kv.value).get("state", "up")
-        except (MalformedValueError, ValueError, AttributeError):
+            doc = json.loads(kv.value)
+            record = NodeRecord.from_doc(doc, kv.value)
+            state = doc.get("state", "up")
+        except (MalformedValueError, ValueError, AttributeError, RecursionError):
             log.debug("not_a_daemon_node_record", key=kv.key)  # e.g. a unicron-run agent's record
             continue
         name = kv.key.rsplit("/", 1)[-1]
@@ -248,6 +250,7 @@ class Coordinator:
             self.cursor = self.store.revision()
             state = ClusterState(config=self.config) if plan is None else state_from_plan(plan, specs, self.config)
         self.state = state
+        self._prepare_table()
         log.info("leading", candidate=self.candidate, token=self.election.token,
                  generation=plan.generation if plan else None, tasks=[t.name for t in state.tasks])
 
@@ -269,6 +272,7 @@ class Coordinator:
         cursor = max(self.cursor, seen.cursor)
         self.execute(decision, cursor, self.state)
         self.state, self.cursor = decision.state, cursor
+        self._prepare_table()
         elapsed = time.perf_counter() - started
         for action in decision.actions:
             if isinstance(action, Alert):
@@ -283,6 +287,12 @@ class Coordinator:
             for event in events:
                 self.metrics.decided(_severity(event))
         return decision
+
+    def _prepare_table(self) -> None:
+        """Build the one-step table of the state's plan in a thread (the plan is already written)."""
+        table = self.state.table if self.state is not None else None
+        if isinstance(table, DeferredTable):
+            table.build_in_background()
 
     def execute(self, decision: Decision, cursor: int, before: ClusterState | None = None) -> None:
         """Write the decision fenced: plan, commands, changed task statuses and the state in one transaction.

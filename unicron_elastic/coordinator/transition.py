@@ -24,13 +24,23 @@ from unicron_elastic.coordinator.api import ClusterPlan, Command
 def commands(old: ClusterPlan | None, new: ClusterPlan, nodes: list[str]) -> tuple[Command, ...]:
     """A command for every node whose task changes between ``old`` and ``new`` (and every node of a first plan)."""
     out = []
+    new_of, old_of = _tasks_by_node(new), _tasks_by_node(old) if old is not None else {}
     for node in nodes:
-        task = new.task_of(node)
-        if old is not None and old.task_of(node) == task:
+        task = new_of.get(node)
+        if old is not None and old_of.get(node) == task:
             continue
         share = new.tasks.get(task) if task else None
         out.append(Command(node, new.generation, task, len(share.nodes) if share else 0, share.workers if share else 0))
     return tuple(out)
+
+
+def _tasks_by_node(plan: ClusterPlan) -> dict[str, str]:
+    """Each node's task under ``plan`` (:meth:`ClusterPlan.task_of` for every node at once: the first task naming it)."""
+    out: dict[str, str] = {}
+    for name, share in plan.tasks.items():
+        for node in share.nodes:
+            out.setdefault(node, name)
+    return out
 
 
 def keeps_running(running: str | None, launcher_alive: bool, command: Command) -> bool:

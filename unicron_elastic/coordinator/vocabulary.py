@@ -5,11 +5,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Protocol, Union
 
 from unicron_elastic.coordinator.api import ClusterPlan, Command, TaskSpec
 from unicron_elastic.events import ErrorEvent, Severity
-from unicron_elastic.planner.onestep import OneStepTable
+from unicron_elastic.planner.onestep import Event as TableEvent
+from unicron_elastic.planner.solver import Plan
+
+
+class OneStepLookup(Protocol):
+    """What the policy asks of a one-step table (a :class:`~unicron_elastic.planner.OneStepTable`, or the
+    coordinator's :class:`~unicron_elastic.coordinator.sizing.DeferredTable`)."""
+
+    def lookup(self, event: TableEvent) -> Plan:
+        """The precomputed plan for ``event``.
+
+        Raises:
+            KeyError: None is at hand: the caller solves.
+        """
 
 
 @dataclass(frozen=True)
@@ -137,7 +150,7 @@ class ClusterState:
     finished: frozenset[str] = frozenset()
     failures: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     task_failures: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
-    table: OneStepTable | None = field(default=None, compare=False, repr=False)
+    table: OneStepLookup | None = field(default=None, compare=False, repr=False)
     config: PolicyConfig = PolicyConfig()
     incarnations: Mapping[str, int] = field(default_factory=dict)
     failed: frozenset[str] = frozenset()

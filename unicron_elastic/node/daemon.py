@@ -50,6 +50,11 @@ log = structlog.get_logger(__name__)
 LAST_CALL_S = 5
 #: Seconds between a failed launcher and its next start.
 RESTART_BACKOFF_S = 1.0
+#: Seconds between two reads of this node's commands when its watch said nothing (a safety net: the watch
+#: wakes the daemon on every new command).
+COMMAND_RECHECK_S = 5.0
+#: Seconds between two looks at the launcher (no etcd request).
+SUPERVISE_S = 0.2
 
 
 class NodeDaemon:
@@ -80,6 +85,8 @@ class NodeDaemon:
         self._draining = False
         self._leaving = False  # the record says ``leaving`` (a drain is under way)
         self._wake = threading.Event()
+        self._commands_changed = threading.Event()  # the command watch saw a write: read the commands
+        self._recheck_at = 0.0  # monotonic time of the next read of the commands without a watch event
         self.applied: Command | None = None
         self.launcher: subprocess.Popen | None = None
         self.task: str | None = None
@@ -96,12 +103,12 @@ class NodeDaemon:
         keys = self.store.keys
         self.lease = KeptLease(self.store, self.ttl, on_lost=self.stop, on_renewed=self._register)
         self._register(self.lease.id)
-        watch = PrefixWatch(self.store, keys.commands(self.name), lambda _e: self._wake.set())
+        watch = PrefixWatch(self.store, keys.commands(self.name), self._on_command)
         try:
             while not self.stopped.is_set():
                 self._wake.clear()
                 self.tick()
-                self._wake.wait(0.2)
+                self._wake.wait(SUPERVISE_S)
         finally:
             watch.cancel()
             if self._draining and not self.lease.lost.is_set():
@@ -180,11 +187,21 @@ class NodeDaemon:
             time.sleep(0.1)
         log.info("node_drained" if self.launcher is None else "node_not_drained", node=self.name, task=self.task)
 
+    def _on_command(self, _event: object) -> None:
+        """(The watch's thread) a command was written or deleted: the loop reads them now."""
+        self._commands_changed.set()
+        self._wake.set()
+
     def tick(self) -> None:
-        """Apply the newest command, then look after the launcher."""
-        command = self.latest_command()
-        if command is not None and (self.applied is None or command.generation > self.applied.generation):
-            self.apply(command)
+        """Apply the newest command (when the watch saw one, or every :data:`COMMAND_RECHECK_S`), then look after
+        the launcher."""
+        now = time.monotonic()
+        if self._commands_changed.is_set() or now >= self._recheck_at:
+            self._commands_changed.clear()  # (before the read: a command written meanwhile is read next time)
+            self._recheck_at = now + COMMAND_RECHECK_S
+            command = self.latest_command()
+            if command is not None and (self.applied is None or command.generation > self.applied.generation):
+                self.apply(command)
         self.supervise()
 
     # -- commands ----------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import random
+import time
 
 import structlog
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
@@ -16,6 +18,14 @@ from unicron_elastic.store.client import KeyValue, StatusStore
 log = structlog.get_logger(__name__)
 
 _FORMAT = "torch-dynamic-rendezvous/v1"
+
+#: Pause after the first lost compare-and-set of the state (seconds), doubled with each further one in a row,
+#: at most :data:`CONFLICT_BACKOFF_MAX_S`, of which a uniformly random part is waited; the state is read again
+#: after it, so that torch's retry carries a fresh token. Without it, N nodes joining at once retry in lockstep,
+#: each retry carrying the whole state: 128 nodes made 19,000 attempts (140 MB) in two minutes without
+#: completing the round (``benchmarks/scale.py``).
+CONFLICT_BACKOFF_S = 0.01
+CONFLICT_BACKOFF_MAX_S = 1.0
 
 
 def encode_state(state: bytes) -> bytes:
@@ -54,6 +64,7 @@ class UnicronRendezvousBackend(RendezvousBackend):
             raise ValueError("The run id must be a non-empty string.")
         self._store = store
         self.key = store.keys.rdzv(run_id)
+        self.conflicts = 0  # compare-and-sets lost in a row
 
     @property
     def name(self) -> str:
@@ -86,9 +97,22 @@ class UnicronRendezvousBackend(RendezvousBackend):
                 return None if current is None else (*current, False)
         try:
             result = self._store.cas(self.key, encode_state(state), expected)
+            current = result.current
+            if not self._back_off(result.succeeded):
+                current = self._store.get(self.key)  # after the pause: torch retries on the state as it is now
         except StoreError as exc:
             raise RendezvousConnectionError(f"the connection to etcd has failed: {exc}") from exc
-        current = self._decoded(result.current)
+        current = self._decoded(current)
         if current is None:
             return None
         return (*current, result.succeeded)
+
+    def _back_off(self, succeeded: bool) -> bool:
+        """After a lost compare-and-set, wait a random part of an exponentially growing pause (torch retries at
+        once); returns ``succeeded``."""
+        if succeeded:
+            self.conflicts = 0
+            return True
+        self.conflicts += 1
+        time.sleep(random.uniform(0.0, min(CONFLICT_BACKOFF_MAX_S, CONFLICT_BACKOFF_S * 2 ** min(self.conflicts, 16))))
+        return False

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousStoreInfo,
@@ -22,8 +23,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from unicron_elastic.agent.meeting import initial_round, raise_places
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
 from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate, PlanGate
+from unicron_elastic.rendezvous import quiet
 from unicron_elastic.rendezvous.options import BackendOptions, parse_options
 from unicron_elastic.rendezvous.rounds import RunRounds
+from unicron_elastic.api import StoreError
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
 
@@ -50,6 +53,8 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     gate: JoinGate = OpenGate()
     task: str = ""
     status_store: StatusStore | None = None
+    #: The run's etcd backend (for :func:`~unicron_elastic.rendezvous.quiet.stamp_live`).
+    backend: UnicronRendezvousBackend | None = None
     #: Set by ``unicron-run``'s agent: a node that arrives while the round runs takes the
     #: place of a lost node instead of making every node restart (torch's ``num_nodes_waiting``).
     rejoin: bool = False
@@ -65,6 +70,11 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     local_world_size: int = 1
     _rejoined_round: int = -1
     _joined_before: bool = False
+    #: This node's round runs: no torch heartbeats, no reads of torch's state (:mod:`~unicron_elastic.rendezvous.quiet`).
+    _quiet: bool = False
+    _resumed: bool = False  # torch's heartbeats run again while a node announces it enters the rendezvous
+    _announced: int = 0  # announcements seen at the last look
+    _look_at: float = 0.0  # monotonic time of the next look at the announcements
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Wait for the plan to admit this node, then join the running round (rejoin) or the next one."""
@@ -83,6 +93,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         )
         self.gate.admit(request)
         self._forget_agent_store()
+        announcement = self._announce()
         try:
             info = super().next_rendezvous()
         except RendezvousClosedError:
@@ -91,6 +102,9 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                 log.info("rendezvous_run_finished", run_id=request.run_id, task=self.task)
                 raise RunFinished(f"run {request.run_id!r} finished before this node joined") from None
             raise
+        finally:
+            if announcement is not None:
+                announcement.close()
         log.info(
             "rendezvous_joined",
             run_id=request.run_id,
@@ -100,6 +114,69 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             nodes=info.world_size,
         )
         return info
+
+    # -- a running round costs etcd nothing per node and second (rendezvous/quiet.py) -----------------------
+    def _announce(self) -> quiet.Announcement | None:
+        """Before torch's rendezvous under ``unicron-run``: keep a running round's live nodes alive in torch's eyes.
+
+        When torch's state holds a complete round, its quiet participants' heartbeats are stamped from their
+        place keys, then this node announces itself, so that they heartbeat again until it has joined.
+
+        Returns:
+            The announcement to withdraw once this node joined (None: nothing runs, or not ``unicron-run``).
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable.
+        """
+        if not self.rejoin or self.status_store is None or self.backend is None:
+            return None
+        try:
+            if quiet.stamp_live(self.backend, self.status_store, self.get_run_id()) is None:
+                return None  # no round runs: nobody is quiet
+            ttl = max(2, int(self._settings.keep_alive_interval.total_seconds()))
+            return quiet.Announcement(self.status_store, self.get_run_id(), str(self._this_node), ttl)
+        except StoreError as exc:
+            raise RendezvousConnectionError(f"the connection to etcd has failed: {exc}") from exc
+
+    def _start_heartbeats(self) -> None:
+        """torch's heartbeats once a round formed; under ``unicron-run`` none: the round runs quiet."""
+        if not self.rejoin:
+            super()._start_heartbeats()
+            return
+        self._quiet, self._resumed, self._announced, self._look_at = True, False, 0, 0.0
+
+    def _stop_heartbeats(self) -> None:
+        """Stop torch's heartbeats (this node enters the rendezvous, or shuts it down): not quiet any more."""
+        self._quiet = False
+        self._resumed = False
+        super()._stop_heartbeats()
+
+    def num_nodes_waiting(self) -> int:
+        """torch's count of nodes waiting for the next round; while quiet, 0 unless a node announced itself.
+
+        A quiet node looks at the announcements every ``keep_alive_interval``; while there is one it sends
+        torch's heartbeats again and answers from torch's state.
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable.
+        """
+        if not self._quiet:
+            return super().num_nodes_waiting()
+        now = time.monotonic()
+        if now >= self._look_at:
+            self._look_at = now + self._settings.keep_alive_interval.total_seconds()
+            try:
+                self._announced = quiet.announced(self.status_store, self.get_run_id())  # type: ignore[arg-type]
+            except StoreError as exc:
+                raise RendezvousConnectionError(f"the connection to etcd has failed: {exc}") from exc
+            if self._announced and not self._resumed:
+                log.info("rendezvous_heartbeats_resumed", run_id=self.get_run_id(), announced=self._announced)
+                self._resumed = True
+                super()._start_heartbeats()
+            elif not self._announced and self._resumed:
+                self._resumed = False
+                super()._stop_heartbeats()
+        return super().num_nodes_waiting() if self._announced else 0
 
     def _rejoin_running_round(self) -> RendezvousInfo | None:
         """Join the running round: take a lost node's place, or grow the round by one place.
@@ -196,6 +273,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
         port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
         self.rejoined = True
+        self._start_heartbeats()  # (quiet: this node is no participant of torch's round)
         log.warning("rendezvous_rejoined", run_id=self.get_run_id(), round=round_, rank=group_rank, nodes=nodes)
         return RendezvousInfo(store, group_rank, world, RendezvousStoreInfo(addr, port))
 
@@ -273,5 +351,6 @@ def create_handler(params: RendezvousParameters, gate: JoinGate | None = None) -
     handler.gate = gate or _default_gate(store, options)
     handler.task = options.task
     handler.status_store = store
+    handler.backend = backend
     return handler
 

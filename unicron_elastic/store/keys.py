@@ -12,6 +12,7 @@
     /unicron/<cluster>/plan                    Plan JSON
     /unicron/<cluster>/commands/<node>/<seq>   actions for one agent
     /unicron/<cluster>/rdzv/<run_id>           DynamicRendezvous state bytes
+    /unicron/<cluster>/rdzv-waiting/<run_id>/<node>  a node entering a running run's rendezvous (on its lease)
     /unicron/<cluster>/c10d/<run_id>/<key>     c10d store keys of one run
     /unicron/<cluster>/leader/<name>           leader election
 """
@@ -114,6 +115,11 @@ class Keys:
         """Key holding the rendezvous state of a run."""
         return f"{self.prefix}rdzv/{_check_part('run_id', run_id)}"
 
+    def rdzv_waiting(self, run_id: str, node: str | None = None) -> str:
+        """Prefix of the announcements of nodes entering a running round's rendezvous (the key of ``node``'s)."""
+        prefix = f"{self.prefix}rdzv-waiting/{_check_part('run_id', run_id)}/"
+        return prefix if node is None else prefix + _check_part("node", node)
+
     def c10d(self, run_id: str) -> str:
         """Prefix of the c10d store of a run."""
         return f"{self.prefix}c10d/{_check_part('run_id', run_id)}/"
@@ -169,10 +175,12 @@ class MeetingKeys:
         """Present while worker ``rank`` runs."""
         return f"unicron-dp/live/{int(rank)}"
 
+    PLACES = "unicron-agents/"  # prefix of the place keys (:meth:`agent`; other keys under it start with a letter)
+
     @staticmethod
     def agent(group_rank: int) -> str:
-        """Present while the agent of node ``group_rank`` runs (on its lease)."""
-        return f"unicron-agents/{int(group_rank)}"
+        """Present while the agent of node ``group_rank`` runs (on its lease); its value names the holder."""
+        return f"{MeetingKeys.PLACES}{int(group_rank)}"
 
     AGENTS_WORLD = "unicron-agents/world"  # places (nodes) in the round; only grows (a node that grows the run adds one)
     AGENTS_INITIAL = "unicron-agents/initial"  # JSON {"nodes", "world", "started"}: the round as torch formed it

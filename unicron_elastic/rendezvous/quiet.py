@@ -1,0 +1,139 @@
+"""A running round's torch heartbeats, replaced by the nodes' leases (``unicron-run`` only).
+
+torch's dynamic rendezvous keeps every node's heartbeat in the run's one state key: each node rewrites the
+whole state (compare-and-set) every ``keep_alive_interval`` and reads it about once a second (torch's agent asks
+``num_nodes_waiting`` at each monitor interval, served from a state at most a second old). The state grows with
+the run's nodes, so a running round of N nodes costs etcd O(N) bytes per node per second, O(N^2) in all, and its N
+writers contend on one key (measured: ``benchmarks/scale.py``). Under ``unicron-run`` the nodes of a running round
+are known alive another way: each agent's place key in the round's meeting space, on its node's lease. So while
+its round runs, a node is *quiet*:
+
+* it sends no torch heartbeat and does not read torch's state: ``num_nodes_waiting`` counts the announcements
+  under ``rdzv-waiting/<run>/`` instead, one count-only read every ``keep_alive_interval``;
+* a node that enters torch's rendezvous while a round is complete (to grow the run by a restart of every node,
+  or because its own workers are restarted all together) first *stamps* torch's heartbeat of every participant
+  whose place is held by that participant's agent (:func:`stamp_live`: one compare-and-set), then *announces*
+  itself (:class:`Announcement`: a key on a lease of its own, gone with it). torch's own check (a participant
+  without a heartbeat for ``keep_alive_interval x keep_alive_max_attempt`` is dead and removed) then removes only
+  the nodes that are gone;
+* a quiet node that sees an announcement sends torch's heartbeats again and answers ``num_nodes_waiting`` from
+  torch's state (the stamps keep it alive until its own heartbeats take over), until no announcement is left.
+
+The stamp reads torch's state as torch's own state holder does (it is torch's pickle: see docs/rendezvous.md,
+"Security": whoever can write etcd can already run code in every agent through it).
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import time
+from datetime import datetime, timezone
+
+import structlog
+
+from unicron_elastic.store.client import StatusStore
+from unicron_elastic.store.keys import MeetingKeys
+from unicron_elastic.store.lease import KeptLease
+
+log = structlog.get_logger(__name__)
+
+#: Compare-and-set attempts of one stamp (conflicts come from nodes joining or heartbeating meanwhile).
+STAMP_ATTEMPTS = 50
+
+
+def live_places(store: StatusStore, run_id: str, round_: int) -> dict[int, int]:
+    """The places of round ``round_`` whose agent is alive, with the PID in each one's holder (-1 if unknown).
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+    """
+    from unicron_elastic.agent.meeting import PlaceHolder
+
+    prefix = f"{store.keys.meeting(run_id)}{int(round_)}/{MeetingKeys.PLACES}"
+    out = {}
+    for kv in store.get_prefix(prefix):
+        suffix = kv.key[len(prefix):]
+        if suffix.isdigit():
+            holder = PlaceHolder.decode(kv.value)
+            out[int(suffix)] = holder.pid if holder is not None else -1
+    return out
+
+
+def stamp_live(backend, store: StatusStore, run_id: str) -> int | None:
+    """Refresh torch's heartbeat of every participant of a complete round whose place its own agent holds.
+
+    Args:
+        backend: The run's :class:`~unicron_elastic.rendezvous.backend.UnicronRendezvousBackend`.
+        store: The status store.
+        run_id: The run.
+
+    Returns:
+        How many participants were stamped; None when torch's state holds no complete round (nothing runs
+        quiet: nobody to tell).
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+        RuntimeError: The stamp lost :data:`STAMP_ATTEMPTS` compare-and-sets in a row.
+    """
+    for attempt in range(STAMP_ATTEMPTS):
+        current = backend.get_state()
+        if current is None:
+            return None
+        raw, token = current
+        state = pickle.loads(raw)  # noqa: S301 - torch's own state format (see the module doc)
+        if not state.complete or state.closed:
+            return None
+        alive = live_places(store, run_id, state.round)
+        now = datetime.now(timezone.utc)
+        stamped = [node for node, place in state.participants.items() if alive.get(place) == node.pid]
+        if not stamped:
+            return 0
+        for node in stamped:
+            state.last_heartbeats[node] = now
+        result = backend.set_state(pickle.dumps(state), token)
+        if result is None or result[2]:
+            log.info("rendezvous_heartbeats_stamped", run_id=run_id, round=state.round, participants=len(stamped),
+                     of=len(state.participants))
+            return len(stamped)
+        time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))
+    raise RuntimeError(f"the heartbeats of run {run_id!r} could not be stamped: {STAMP_ATTEMPTS} conflicts in a row")
+
+
+class Announcement:
+    """This node enters torch's rendezvous while a round may be running: quiet nodes heartbeat again meanwhile.
+
+    A key under ``rdzv-waiting/<run>/`` on a lease of its own: gone when :meth:`close` revokes it, or
+    within ``ttl`` when this node is lost.
+
+    Args:
+        store: The status store.
+        run_id: The run.
+        node: This node's identity in torch's rendezvous.
+        ttl: The lease's TTL (seconds).
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+    """
+
+    def __init__(self, store: StatusStore, run_id: str, node: str, ttl: int) -> None:
+        self.lease = KeptLease(store, ttl)
+        try:
+            store.put(store.keys.rdzv_waiting(run_id, node), b"1", lease=self.lease.id)
+        except BaseException:
+            self.lease.close(revoke=True)
+            raise
+
+    def close(self) -> None:
+        """Withdraw the announcement (revokes its lease)."""
+        self.lease.close(revoke=True)
+
+
+def announced(store: StatusStore, run_id: str) -> int:
+    """How many nodes announced they are entering the run's rendezvous (one count-only read).
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+    """
+    return store.count_prefix(store.keys.rdzv_waiting(run_id))
+
