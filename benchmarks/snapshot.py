@@ -2,7 +2,7 @@
 
 A training loop of a plain MLP whose state (float32 weights + AdamW's two
 moments) is at least 700 MB, with a step of about 1 s, snapshots its state
-with :class:`~unicron_elastic.strategy.snapshots.MemorySnapshot` into a
+with :class:`~unicron_elastic.strategy.snapshots.tiers.MemorySnapshot` into a
 TCPStore hosted by another process (as an agent's snapshot server is), the
 way ``unicron_megatron`` does under ``torchrun``. Blocks of 10 steps
 alternate: in an "on" block the first step takes a snapshot (snapshots every
@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.snapshots import MemorySnapshot
+from unicron_elastic.strategy.snapshots.tiers import MemorySnapshot
 
 BLOCK = 10  # steps per block; a snapshot every BLOCK steps in the "on" blocks
 STORE_SERVER = ("import sys, time, torch.distributed as dist; from datetime import timedelta; "

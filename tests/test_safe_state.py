@@ -2,7 +2,7 @@
 
 Snapshots in the agent's TCPStore, the state a replica broadcasts to a joiner,
 and disk checkpoints are tensors plus a JSON skeleton
-(``unicron_elastic.strategy.safe_state``). A pickle put where one of them is
+(``unicron_elastic.strategy.snapshots.safe_state``). A pickle put where one of them is
 read (the "attacker" writes a payload whose ``__reduce__`` creates a marker
 file) must be refused with a clear error, and the marker must not exist.
 """
@@ -33,10 +33,10 @@ from hypothesis.extra import numpy as hnp
 from unicron_elastic.api import StateDecodingError, StateEncodingError
 from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
 from unicron_elastic.strategy.effects import TransferState
-from unicron_elastic.strategy.safe_state import MAGIC, dumps, encode, loads, pack
+from unicron_elastic.strategy.snapshots.safe_state import MAGIC, dumps, encode, loads, pack
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.strategy.snapshot_wire import PIECE_BYTES, SNAPSHOT_KEY
-from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
+from unicron_elastic.strategy.snapshots.wire import PIECE_BYTES, SNAPSHOT_KEY
+from unicron_elastic.strategy.snapshots.tiers import DiskCheckpoints, MemorySnapshot
 
 
 class _Evil:

@@ -20,19 +20,19 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-import unicron_elastic.strategy.snapshot_places as places_module
-import unicron_elastic.strategy.snapshot_wire as wire_module
-import unicron_elastic.strategy.snapshots as snapshots_module
+import unicron_elastic.strategy.snapshots.places as places_module
+import unicron_elastic.strategy.snapshots.wire as wire_module
+import unicron_elastic.strategy.snapshots.tiers as snapshots_module
 from test_safe_state import same
 from conftest import events_named
 from unicron_elastic.agent.meeting import MeetingPoint
 from unicron_elastic.store import StatusStore
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.strategy.snapshot_places import PeerServers, snapshot_targets
-from unicron_elastic.strategy.safe_state import dumps
-from unicron_elastic.strategy.snapshot_wire import SNAPSHOT_KEY, read_snapshot
-from unicron_elastic.strategy.snapshots import MemorySnapshot
+from unicron_elastic.strategy.snapshots.places import PeerServers, snapshot_targets
+from unicron_elastic.strategy.snapshots.safe_state import dumps
+from unicron_elastic.strategy.snapshots.wire import SNAPSHOT_KEY, read_snapshot
+from unicron_elastic.strategy.snapshots.tiers import MemorySnapshot
 
 LOOPBACK = "127.0.0.1"
 

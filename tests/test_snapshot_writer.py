@@ -1,7 +1,7 @@
-"""The snapshot writer process (``strategy/snapshot_writer.py``): one copy in the training process, the rest there.
+"""The snapshot writer process (``strategy/snapshots/writer.py``): one copy in the training process, the rest there.
 
 A real writer process and a real TCPStore (the agent's): the document it sends
-is the one :func:`~unicron_elastic.strategy.safe_state.dumps` writes, the buffer
+is the one :func:`~unicron_elastic.strategy.snapshots.safe_state.dumps` writes, the buffer
 grows with the state, a lost writer is restarted, and the writer ends with the
 training process (a SIGKILL included), leaving no memory behind.
 """
@@ -22,13 +22,13 @@ import structlog
 import torch
 import torch.distributed as dist
 
-import unicron_elastic.strategy.snapshot_writer as writer_module
+import unicron_elastic.strategy.snapshots.writer as writer_module
 from conftest import events_named, wait_for
 from test_safe_state import same
-from unicron_elastic.strategy.safe_state import dumps, encode, layout
-from unicron_elastic.strategy.snapshot_writer import HostBuffer, copy_document
-from unicron_elastic.strategy.snapshot_wire import SNAPSHOT_KEY, read_snapshot
-from unicron_elastic.strategy.snapshots import MemorySnapshot
+from unicron_elastic.strategy.snapshots.safe_state import dumps, encode, layout
+from unicron_elastic.strategy.snapshots.writer import HostBuffer, copy_document
+from unicron_elastic.strategy.snapshots.wire import SNAPSHOT_KEY, read_snapshot
+from unicron_elastic.strategy.snapshots.tiers import MemorySnapshot
 
 
 def _stores() -> tuple[dist.TCPStore, dist.TCPStore]:
@@ -92,7 +92,7 @@ def _gone(pid: int) -> bool:
 TRAINER = textwrap.dedent("""
     import sys, time, torch, torch.distributed as dist
     from datetime import timedelta
-    from unicron_elastic.strategy.snapshots import MemorySnapshot
+    from unicron_elastic.strategy.snapshots.tiers import MemorySnapshot
     worker = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
     snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
     snapshot.save({"w": torch.ones(1 << 20), "step": 1})

@@ -31,7 +31,7 @@ micro-batch:
   optimizer, loop progress, callbacks, RNG) by broadcast from a replica; when
   no replica is left, from the in-memory snapshot, else the newest disk
   checkpoint. All three carry the state as raw tensor bytes plus JSON
-  (:mod:`~unicron_elastic.strategy.safe_state`): loading never unpickles, so the
+  (:mod:`~unicron_elastic.strategy.snapshots.safe_state`): loading never unpickles, so the
   state may hold only plain data (no enums or custom objects, e.g. in hparams).
 
 Registering: ``import unicron_elastic.strategy`` registers ``unicron_megatron``
@@ -77,10 +77,10 @@ from unicron_elastic.strategy.precision import (check_module, check_precision, l
                                                 start_scale)
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.strategy.rng import micro_batch_rng, micro_batch_seed
-from unicron_elastic.strategy.shard_checkpoints import load_shard, save_shard
+from unicron_elastic.strategy.snapshots.shard_checkpoints import load_shard, save_shard
 from unicron_elastic.strategy.sigterm import SigtermTakeover
-from unicron_elastic.strategy.snapshot_places import PeerServers
-from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
+from unicron_elastic.strategy.snapshots.places import PeerServers
+from unicron_elastic.strategy.snapshots.tiers import DiskCheckpoints, MemorySnapshot
 from unicron_elastic.strategy.stages import MegatronStage
 from unicron_elastic.strategy.transport import nccl_error_handling, transport_for
 from unicron_elastic.worker import get_worker

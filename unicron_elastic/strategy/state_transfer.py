@@ -1,6 +1,6 @@
 """A training state broadcast to a process group tensor by tensor, without pickle.
 
-The root encodes its state with :func:`~unicron_elastic.strategy.safe_state.encode`
+The root encodes its state with :func:`~unicron_elastic.strategy.snapshots.safe_state.encode`
 (no copy: the state must not change during the broadcast) and sends, each
 message a broadcast from the root:
 
@@ -19,7 +19,7 @@ most ``max_bytes``) before anything more arrives, preallocate every tensor and
 array with its dtype and shape, receive each buffer directly into its own
 (a ``uint8`` view of it: gloo in torch 2.13 refuses int16, uint16/32/64 and the
 float8 dtypes with "Invalid scalar type", and a broadcast copies bytes anyway),
-then rebuild the state with :func:`~unicron_elastic.strategy.safe_state.decode`:
+then rebuild the state with :func:`~unicron_elastic.strategy.snapshots.safe_state.decode`:
 nothing is unpickled, and the largest message is the largest array or the
 header. The root sends contiguous CPU tensors and arrays from their own memory;
 others are made contiguous on the CPU one at a time, just before they are sent.
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.api import StateDecodingError, StateEncodingError
-from unicron_elastic.strategy.safe_state import (array_dtype, decode, dump_json, encode, load_json, looks_like,
+from unicron_elastic.strategy.snapshots.safe_state import (array_dtype, decode, dump_json, encode, load_json, looks_like,
                                                  tensor_dtype)
 
 log = structlog.get_logger(__name__)

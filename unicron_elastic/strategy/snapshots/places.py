@@ -20,7 +20,7 @@ import torch.distributed as dist
 from unicron_elastic.api import ConfigError
 from unicron_elastic.meeting import decode_meeting
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.strategy.snapshot_wire import UNREACHABLE
+from unicron_elastic.strategy.snapshots.wire import UNREACHABLE
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """One in-memory snapshot in a c10d store: its pieces, its head, its step as the fencing token, and reading it back.
 
-The format is :mod:`~unicron_elastic.strategy.safe_state`'s (never pickle).
+The format is :mod:`~unicron_elastic.strategy.snapshots.safe_state`'s (never pickle).
 A document goes in pieces of at most :data:`PIECE_BYTES` under a head that
 names its step and its pieces; one ``compare_set`` of the head commits an
 upload, only over a head of an older step (:func:`commit`), so a writer whose
@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from unicron_elastic.api import StateDecodingError, StoreError
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.strategy.safe_state import load_json, loads, looks_like
+from unicron_elastic.strategy.snapshots.safe_state import load_json, loads, looks_like
 
 log = structlog.get_logger(__name__)
 
 
 class Targets(Protocol):
-    """Where a snapshot goes (:mod:`~unicron_elastic.strategy.snapshot_places`)."""
+    """Where a snapshot goes (:mod:`~unicron_elastic.strategy.snapshots.places`)."""
 
     def targets(self) -> list[tuple[str, dist.Store]]:
         """``(where, store)`` of each store the snapshot is written to."""

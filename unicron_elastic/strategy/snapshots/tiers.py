@@ -4,17 +4,17 @@ Two tiers behind the replicas:
 
 * :class:`MemorySnapshot`: every ``every`` steps the group's leader copies the
   state once into a host buffer and its snapshot writer process
-  (:mod:`~unicron_elastic.strategy.snapshot_writer`) sends it into the memory
+  (:mod:`~unicron_elastic.strategy.snapshots.writer`) sends it into the memory
   of an agent, not of any worker, so it survives the loss of every worker of
   the group (a store only this process reaches: a thread of its own).
   Under ``unicron-run`` those agents are the ones of the *next two* live
   nodes in ring order (GEMINI's placement,
-  :mod:`~unicron_elastic.strategy.snapshot_places`; the other node when
+  :mod:`~unicron_elastic.strategy.snapshots.places`; the other node when
   there are two): each agent hosts a snapshot server and publishes its
   address in the meeting store, so losing any one node (dead or frozen)
   loses a replica or a copy, never the only snapshot. Under plain
   ``torchrun`` it is torch's agent TCPStore (the rank-0 node's agent). How
-  one snapshot sits in a store is :mod:`~unicron_elastic.strategy.snapshot_wire`.
+  one snapshot sits in a store is :mod:`~unicron_elastic.strategy.snapshots.wire`.
 * :class:`DiskCheckpoints`: every ``every`` steps the leader writes the state
   in a background thread (the step goes on) to ``<directory>/step-<s>.state``;
   a ``latest`` file names the newest *complete* checkpoint, so a crash while
@@ -24,9 +24,9 @@ Both are written by one replica only: every data-parallel replica holds the
 same state. With tensor/pipeline parallelism each *shard* of that replica
 (``tp<t>-pp<p>``) writes its own part (``shard=``), and a resume takes the
 newest step that every shard has
-(:func:`~unicron_elastic.strategy.snapshot_wire.newest_common_step`): a save
+(:func:`~unicron_elastic.strategy.snapshots.wire.newest_common_step`): a save
 that completed for some shards only is skipped, never mixed with another
-step. Both hold it in the format of :mod:`~unicron_elastic.strategy.safe_state`
+step. Both hold it in the format of :mod:`~unicron_elastic.strategy.snapshots.safe_state`
 (raw tensor bytes plus JSON), so reading one never unpickles anything: the
 agents' stores have no authentication, and a checkpoint directory may be
 shared.
@@ -49,9 +49,9 @@ import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, StateDecodingError
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.strategy.safe_state import EncodedState, encode, loads, pack, pack_parts
-from unicron_elastic.strategy.snapshot_places import PeerServers, _OneStore
-from unicron_elastic.strategy.snapshot_wire import (
+from unicron_elastic.strategy.snapshots.safe_state import EncodedState, encode, loads, pack, pack_parts
+from unicron_elastic.strategy.snapshots.places import PeerServers, _OneStore
+from unicron_elastic.strategy.snapshots.wire import (
     SLOTS,
     SNAPSHOT_KEY,
     UNREACHABLE,
@@ -61,7 +61,7 @@ from unicron_elastic.strategy.snapshot_wire import (
     state_step,
     upload,
 )
-from unicron_elastic.strategy.snapshot_writer import SnapshotWriter
+from unicron_elastic.strategy.snapshots.writer import SnapshotWriter
 
 log = structlog.get_logger(__name__)
 
@@ -78,7 +78,7 @@ class MemorySnapshot:
 
     Args:
         store: Where it lives: the agents' snapshot servers
-            (:class:`~unicron_elastic.strategy.snapshot_places.PeerServers`, under ``unicron-run``), or one store that outlives workers (torch's
+            (:class:`~unicron_elastic.strategy.snapshots.places.PeerServers`, under ``unicron-run``), or one store that outlives workers (torch's
             agent TCPStore under plain ``torchrun``); None: no snapshots.
         every: Steps between snapshots (0: never).
         shard: This rank's model shard (``tp<t>-pp<p>``) with tensor/pipeline
@@ -115,7 +115,7 @@ class MemorySnapshot:
     def save(self, state: dict[str, Any]) -> bool:
         """Copy the tensors of ``state`` now; serialize and upload in the background.
 
-        Out of process (:mod:`~unicron_elastic.strategy.snapshot_writer`): one
+        Out of process (:mod:`~unicron_elastic.strategy.snapshots.writer`): one
         copy of each array into the kept host buffer, the rest in the writer
         process (call :meth:`settle` before the state changes); while the
         writer still sends the previous snapshot this one is skipped with a
@@ -158,7 +158,7 @@ class MemorySnapshot:
         return 0 if self.shard is None else (step // self.every) % SLOTS
 
     def _upload(self, state: EncodedState, step: int) -> None:
-        """In the background thread: the document, then :func:`~unicron_elastic.strategy.snapshot_wire.upload`.
+        """In the background thread: the document, then :func:`~unicron_elastic.strategy.snapshots.wire.upload`.
 
         Failures are warnings: training goes on.
         """

@@ -1,7 +1,7 @@
 """A snapshot costs the training step one copy: the document is built in a kept host buffer, another process sends it.
 
 The training process lays the state out as a safe-state document
-(:func:`~unicron_elastic.strategy.safe_state.layout`) straight into a
+(:func:`~unicron_elastic.strategy.snapshots.safe_state.layout`) straight into a
 :class:`HostBuffer` it keeps between snapshots: anonymous shared memory
 (``memfd``), pinned and filled on a side CUDA stream when the state is on a
 GPU. Each array is copied once by torch (or numpy), in C; Python only walks
@@ -9,7 +9,7 @@ the list of arrays. A child process, the *snapshot writer*
 (started with this module's :func:`main`), maps the same
 memory and does everything else outside the training interpreter: cutting
 the document into pieces, sending them to the agents' snapshot servers
-(GEMINI's placement, :class:`~unicron_elastic.strategy.snapshot_places.PeerServers`)
+(GEMINI's placement, :class:`~unicron_elastic.strategy.snapshots.places.PeerServers`)
 or to torch's agent store, and deleting the previous upload.
 
 The two talk over a ``SOCK_SEQPACKET`` socket pair. The writer first says it
@@ -39,9 +39,9 @@ import structlog
 import torch
 
 from unicron_elastic.api import ConfigError, StoreError
-from unicron_elastic.strategy.safe_state import EncodedState, Layout, layout
-from unicron_elastic.strategy.snapshot_places import places_from
-from unicron_elastic.strategy.snapshot_wire import upload
+from unicron_elastic.strategy.snapshots.safe_state import EncodedState, Layout, layout
+from unicron_elastic.strategy.snapshots.places import places_from
+from unicron_elastic.strategy.snapshots.wire import upload
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +49,7 @@ _GROWTH = 1.25  # a new buffer's headroom over the document (optimizer state app
 _MESSAGE = 1 << 16  # largest control message
 WRITER_NICENESS = 5  # the writer yields the CPU to the training process, without starving on a busy node
 READY_TIMEOUT_S = 60.0  # the writer's start (an interpreter, torch) on a loaded machine
-_WRITER_MAIN = "from unicron_elastic.strategy.snapshot_writer import main; main()"  # (not -m: the package imports it)
+_WRITER_MAIN = "from unicron_elastic.strategy.snapshots.writer import main; main()"  # (not -m: the package imports it)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Job:
         step: The snapshot's step.
         shard: The model shard (``tp<t>-pp<p>``) or None.
         slot: The shard's slot (0 without shards).
-        places: Where it goes, as :meth:`~unicron_elastic.strategy.snapshots.MemorySnapshot` describes them.
+        places: Where it goes, as :meth:`~unicron_elastic.strategy.snapshots.tiers.MemorySnapshot` describes them.
     """
 
     id: int
