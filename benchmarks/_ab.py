@@ -64,7 +64,7 @@ def _log() -> None:
 
 
 def _commit() -> None:
-    from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
 
     reduce = ElasticDataParallel._reduce
 
@@ -77,7 +77,7 @@ def _commit() -> None:
 
 
 def _fresh_buffer() -> None:
-    from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
 
     reduce = ElasticDataParallel._reduce
 

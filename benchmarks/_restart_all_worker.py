@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan, deal
 from unicron_elastic.testing import maybe_fail, toy_problem
 
 

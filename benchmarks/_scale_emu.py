@@ -5,7 +5,7 @@ its command watch and loop), the agent's side of etcd as ``unicron-run`` drives 
 handler with torch's dynamic rendezvous and its heartbeats, torch's rank assignment in the c10d store,
 :class:`~unicron_elastic.agent.meeting.MeetingPoint` with one liveness key per rank, the node detector,
 ``num_nodes_waiting`` polled at torchrun's monitor interval), the data-parallel leader's request read each step
-(:class:`~unicron_elastic.strategy.requests.RequestReader`), and :class:`~unicron_elastic.coordinator.service.Coordinator`.
+(:class:`~unicron_elastic.strategy.engine.requests.RequestReader`), and :class:`~unicron_elastic.coordinator.service.Coordinator`.
 What is replaced: process creation (a launcher is a thread), the training (a thread that steps; only the leader of a
 task touches etcd in a step, as the engine's leader does) and the snapshot server (its address is published, no
 TCPStore is opened). Many emulated nodes share one process and one gRPC client per role; each watch keeps its own
@@ -425,7 +425,7 @@ class EmuAgent:
     def _serve(self) -> None:
         """torch's monitor loop (``num_nodes_waiting`` each interval) and, on the leader, one request read a step."""
         from unicron_elastic.store.c10d import EtcdC10dStore
-        from unicron_elastic.strategy.requests import RequestReader
+        from unicron_elastic.strategy.engine.requests import RequestReader
 
         s = self.settings
         leader = self.info.rank == 0

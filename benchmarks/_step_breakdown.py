@@ -50,7 +50,7 @@ def _timed(owner: Any, name: str, key: str | Callable[..., str]) -> None:
 def _instrument_strategy() -> None:
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-    from unicron_elastic.strategy.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
     from unicron_elastic.strategy.lightning import UnicronMegatronStrategy
 
     _timed(UnicronMegatronStrategy, "_micro_batch_loss", "forward")

@@ -27,7 +27,7 @@ from torch.utils.data import default_collate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from lightning_gpt import MegatronGPT, Tokens  # noqa: E402
 
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal  # noqa: E402
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan, deal  # noqa: E402
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from unicron_elastic.meeting import MAX_WORLD_ENV, connect_meeting_store
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded, Retired
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded, Retired
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import maybe_fail, toy_problem
 from unicron_elastic.worker import get_worker
 

@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from unicron_elastic.strategy import UnicronMegatronStrategy  # also registers "unicron_megatron"
-from unicron_elastic.strategy.microbatch import deal
+from unicron_elastic.strategy.engine.microbatch import deal
 from unicron_elastic.testing import FAULTS_ENV, Fault, fail_at, faults_env
 from unicron_elastic.worker import get_worker
 

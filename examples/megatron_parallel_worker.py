@@ -1,7 +1,7 @@
 """Tensor x pipeline x resilient data parallelism with megatron-core's parallel layers, on CPU/gloo.
 
 The torch-level engine without Lightning: each rank runs
-:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` for its shard
+:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` for its shard
 of a small MLP (``--tp`` tensor-parallel ranks per stage, ``--pp`` stages);
 the ranks of one data-parallel replica are ``TP x PP`` consecutive launch ranks.
 When a rank dies its whole replica is lost: its peers fail in a collective of
@@ -27,10 +27,10 @@ import torch.distributed as dist
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.parallel import destroy_world, drop_world, rebuild_world
-from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.testing import maybe_fail, toy_data
 
 WIDTH, HIDDEN = 8, 16

@@ -1,7 +1,7 @@
 """An in-process transport for the data-parallel recovery protocol (tests only).
 
-The ranks run the engine's own protocol - :class:`~unicron_elastic.strategy.protocol.Protocol`,
-the very code :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`
+The ranks run the engine's own protocol - :class:`~unicron_elastic.strategy.engine.protocol.Protocol`,
+the very code :class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel`
 runs - and this module executes its effects with fakes instead of gloo groups
 and a c10d store:
 
@@ -35,8 +35,8 @@ with ``Sim.outcome == "no_replica"``; ``"all_dead"`` when every rank died.
 Tensor x pipeline parallel replicas (``Scenario.model_parallel``, C = TP x PP > 1):
 every simulated process is a launch rank (``replica * C + coordinate``) that runs
 the protocol in *replica space* (its protocol rank is its replica) over a
-:class:`~unicron_elastic.strategy.replicas.ReplicaMembership` on the fake store,
-as :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` does:
+:class:`~unicron_elastic.strategy.engine.replicas.ReplicaMembership` on the fake store,
+as :class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` does:
 
 * each generation has one group per coordinate (that shard's K buckets, one
   rank per member replica) and one *commit* group of every rank of the members:
@@ -45,10 +45,10 @@ as :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` does:
   coordinates offer nothing; they also read no join or leave requests);
 * the model's own collectives are lockstep within a replica: a micro-batch is
   computed when every rank of the replica reached it, and a rank waiting there
-  fails with :class:`~unicron_elastic.strategy.protocol.ReplicaBroken` when a
+  fails with :class:`~unicron_elastic.strategy.engine.protocol.ReplicaBroken` when a
   rank of its replica is dead or no longer holds that generation's groups
   (dropped them, moved on, or was restarted); a recomputation after a failure
-  runs (with PP) only the stages :func:`~unicron_elastic.strategy.replicas.stages_to_backpropagate`
+  runs (with PP) only the stages :func:`~unicron_elastic.strategy.engine.replicas.stages_to_backpropagate`
   names, the others' sums being zeros (forward only);
 * liveness is read per incarnation (``live/<rank>`` holds ``incarnation-<n>``),
   as the real transport does: a rank restarted since a group formed is not the
@@ -71,11 +71,11 @@ from types import GeneratorType
 from typing import Any
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy import effects as E
-from unicron_elastic.strategy.membership import CheckIn, MembershipRecord
-from unicron_elastic.strategy.effects import Excluded, ReplicaBroken
-from unicron_elastic.strategy.protocol import Protocol
-from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
+from unicron_elastic.strategy.engine import effects as E
+from unicron_elastic.strategy.engine.membership import CheckIn, MembershipRecord
+from unicron_elastic.strategy.engine.effects import Excluded, ReplicaBroken
+from unicron_elastic.strategy.engine.protocol import Protocol
+from unicron_elastic.strategy.engine.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
 
 BASE = 1 << 8  # micro-batch j weighs BASE**j: counts below BASE decode exactly
 
@@ -322,11 +322,11 @@ class _Quiet:
 
 
 class _Rank:
-    """One worker: the engine's own protocol (:class:`~unicron_elastic.strategy.protocol.Protocol`) over the fakes.
+    """One worker: the engine's own protocol (:class:`~unicron_elastic.strategy.engine.protocol.Protocol`) over the fakes.
 
     It executes the protocol's effects as the real transport does with gloo
     and a c10d store, yielding to the scheduler where a real rank would wait.
-    The fake clock of a rank counts its polls (:class:`~unicron_elastic.strategy.protocol.Sleep`),
+    The fake clock of a rank counts its polls (:class:`~unicron_elastic.strategy.engine.protocol.Sleep`),
     so the check-in deadline is ``Scenario.deadline`` polls.
     """
 
@@ -597,9 +597,9 @@ class _Rank:
 class _ReplicaRank(_Rank):
     """One launch rank of a tensor x pipeline parallel replica: the protocol in replica space.
 
-    Its store side is the real :class:`~unicron_elastic.strategy.replicas.ReplicaMembership`;
+    Its store side is the real :class:`~unicron_elastic.strategy.engine.replicas.ReplicaMembership`;
     its groups, its model's lockstep computation and its liveness reads are
-    those of :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`
+    those of :class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel`
     with ``TP x PP > 1`` (see the module's docstring).
     """
 

@@ -1,4 +1,4 @@
-"""A group's bootstrap stops waiting for a member whose liveness key is gone (``strategy/bootstrap.py``).
+"""A group's bootstrap stops waiting for a member whose liveness key is gone (``strategy/engine/bootstrap.py``).
 
 Before, a node lost while a group formed (before its ranks published their
 gloo addresses) stalled every survivor for the store's timeout. Here each
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.bootstrap import MemberGoneError, WatchfulStore, gone_ranks, watch_members
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
-from unicron_elastic.strategy.transport import is_peer_failure
+from unicron_elastic.strategy.engine.bootstrap import MemberGoneError, WatchfulStore, gone_ranks, watch_members
+from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineOptions
+from unicron_elastic.strategy.engine.transport import is_peer_failure
 
 TIMEOUT = timedelta(seconds=30)  # the store's and the group's: far longer than any case may take
 

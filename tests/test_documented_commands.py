@@ -28,7 +28,7 @@ import pytest
 
 from conftest import BIN, EXAMPLES, REPO
 from unicron_elastic.faults import FAULT_LOG_ENV, FAULTS_ENV, planned_faults
-from unicron_elastic.strategy.microbatch import deal
+from unicron_elastic.strategy.engine.microbatch import deal
 from unicron_elastic.testing import kill_node
 
 sys.path.insert(0, EXAMPLES)  # the examples' parsers (lightning_demo_transformer imports lightning_gpt)

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from unicron_elastic.strategy.feed import MicroBatchFeed
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan, deal
 
 
 class Recorded(Dataset):

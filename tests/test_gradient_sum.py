@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineOptions
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 
 MICRO = 3
 DATA = torch.randn(MICRO * 2, 5, generator=torch.Generator().manual_seed(7))

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
-from unicron_elastic.strategy.transport import GlooTransport
-from unicron_elastic.strategy.watch import GroupWatch, WatchTimes
+from unicron_elastic.strategy.engine.transport import GlooTransport
+from unicron_elastic.strategy.engine.group_watch import GroupWatch, WatchTimes
 
 FAST = WatchTimes(report_after=0.05, refresh=0.05, check_after=0.1, poll=0.05)
 

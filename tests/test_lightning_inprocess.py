@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy import UnicronMegatronStrategy
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import toy_data
 
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from conftest import BIN, EXAMPLES
-from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.testing import Fault, fail_at, faults_env
 
 GPT = os.path.join(EXAMPLES, "megatron_gpt.py")

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from conftest import BIN, EXAMPLES, resumed_from_newest_snapshot
-from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.testing import Fault, fail_at, faults_env
 
 GPT = os.path.join(EXAMPLES, "lightning_gpt.py")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import EXAMPLES
-from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.testing import Fault, fail_at, faults_env, run_workers
 
 pytestmark = pytest.mark.e2e

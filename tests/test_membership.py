@@ -1,7 +1,7 @@
 """Membership and recovery (issue 10): the engine's own protocol, run in-process over fakes.
 
-:class:`~unicron_elastic.strategy.protocol.Protocol` - the state machine that
-:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` runs over gloo
+:class:`~unicron_elastic.strategy.engine.protocol.Protocol` - the state machine that
+:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` runs over gloo
 and the c10d store - runs here over ``tests/fake_dp.py``'s in-process groups and
 store, built on the pure decisions (:func:`decide_record`, :func:`role`,
 :func:`proposal`, :func:`deal`, :func:`redistribute`): ranks die anywhere
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from unicron_elastic.strategy.membership import (
+from unicron_elastic.strategy.engine.membership import (
     CheckIn,
     MembershipError,
     MembershipRecord,
@@ -33,7 +33,7 @@ from unicron_elastic.strategy.membership import (
     resize_record,
     role,
 )
-from unicron_elastic.strategy.microbatch import deal, redistribute
+from unicron_elastic.strategy.engine.microbatch import deal, redistribute
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_dp import ProtocolViolation, Scenario, Sim, counts, expected  # noqa: E402
@@ -509,9 +509,9 @@ def test_both_transports_execute_every_effect_of_the_protocol() -> None:
     import torch
 
     from fake_dp import _Rank
-    from unicron_elastic.strategy import effects as vocabulary
-    from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
-    from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+    from unicron_elastic.strategy.engine import effects as vocabulary
+    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineOptions
+    from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 
     effects = {cls for _, cls in inspect.getmembers(vocabulary, inspect.isclass)
                if cls.__module__ == vocabulary.__name__ and dataclasses.is_dataclass(cls)
@@ -857,7 +857,7 @@ def test_the_replica_fake_executes_every_effect_of_the_protocol() -> None:
     import inspect
 
     from fake_dp import _ReplicaRank
-    from unicron_elastic.strategy import effects as vocabulary
+    from unicron_elastic.strategy.engine import effects as vocabulary
 
     effects = {cls for _, cls in inspect.getmembers(vocabulary, inspect.isclass)
                if cls.__module__ == vocabulary.__name__ and dataclasses.is_dataclass(cls)

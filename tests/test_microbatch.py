@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from unicron_elastic.api import ConfigError
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal, redistribute
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan, deal, redistribute
 
 
 def test_every_sample_once_per_epoch_and_reproducible() -> None:

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.parallel import check_sizes
-from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.testing import run_workers
 
 WORKER = os.path.join(REPO, "tests", "workers", "parallel_state_worker.py")

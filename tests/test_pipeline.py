@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unicron_elastic.api import ConfigError
-from unicron_elastic.strategy.pipeline import Op, PipelineDeadlock, gpipe, one_f_one_b, simulate
+from unicron_elastic.strategy.engine.pipeline import Op, PipelineDeadlock, gpipe, one_f_one_b, simulate
 from unicron_elastic.testing import run_workers
 
 WORKER = str(Path(__file__).parent / "workers" / "pipeline_worker.py")

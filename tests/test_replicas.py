@@ -1,4 +1,4 @@
-"""Replicas of a tensor x pipeline parallel model (strategy/replicas.py): the layout, the pure decisions in
+"""Replicas of a tensor x pipeline parallel model (strategy/engine/replicas.py): the layout, the pure decisions in
 replica space, and :class:`ReplicaMembership` (the protocol's store side) over ``tests/fake_dp.py``'s store."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.membership import (
+from unicron_elastic.strategy.engine.membership import (
     CheckIn,
     MembershipError,
     MembershipRecord,
     decide_record,
     resize_record,
 )
-from unicron_elastic.strategy.replicas import (
+from unicron_elastic.strategy.engine.replicas import (
     ModelParallel,
     ReplicaMembership,
     combine_checkins,

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from unicron_elastic.api import StoreUnavailableError
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.effects import ReadRequests
+from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineOptions
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.effects import ReadRequests
 
 DATA = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
 
@@ -126,7 +126,7 @@ def test_a_read_still_pending_at_the_steps_end_is_not_waited_for_and_the_next_re
     import threading
     import time
 
-    from unicron_elastic.strategy.requests import STEP_END_WAIT_S
+    from unicron_elastic.strategy.engine.requests import STEP_END_WAIT_S
 
     e, seen = engine(lambda model, batch: model(batch).pow(2).mean())
     etcd_back = threading.Event()

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from unicron_elastic.api import StateDecodingError, StateEncodingError
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
-from unicron_elastic.strategy.effects import TransferState
+from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineOptions
+from unicron_elastic.strategy.engine.effects import TransferState
 from unicron_elastic.strategy.snapshots.safe_state import MAGIC, dumps, encode, loads, pack
 from unicron_elastic.store.keys import MeetingKeys
 from unicron_elastic.strategy.snapshots.wire import PIECE_BYTES, SNAPSHOT_KEY

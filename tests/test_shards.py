@@ -11,7 +11,7 @@ import torch.distributed as dist
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.snapshots.wire import newest_common_step
 from unicron_elastic.strategy.snapshots.tiers import DiskCheckpoints, MemorySnapshot
-from unicron_elastic.strategy.transport import GlooTransport, NcclTransport, is_peer_failure, transport_for
+from unicron_elastic.strategy.engine.transport import GlooTransport, NcclTransport, is_peer_failure, transport_for
 
 SHARDS = ["tp0-pp0", "tp1-pp0"]
 

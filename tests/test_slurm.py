@@ -45,7 +45,7 @@ from unicron_elastic.slurm.preemption import PreemptionCheckpoint
 from unicron_elastic.slurm.watch import NodeWatch
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
 from unicron_elastic.strategy.environment import UnicronEnvironment
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import toy_data
 
 JOB = SlurmJob(job_id="4242", node="n2", nodes=("n1", "n2", "n3"))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from test_safe_state import raw_bytes, same
 from unicron_elastic.api import StateDecodingError, StateEncodingError
 from unicron_elastic.strategy.snapshots.safe_state import decode, encode
-from unicron_elastic.strategy.state_transfer import FORMAT, MAX_ERROR_BYTES, broadcast_state
+from unicron_elastic.strategy.engine.state_transfer import FORMAT, MAX_ERROR_BYTES, broadcast_state
 
 
 class Recording:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, EngineOptions
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineOptions
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 
 DATA = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.pipeline import SCHEDULES, StageLinks, run_pipeline
+from unicron_elastic.strategy.engine.pipeline import SCHEDULES, StageLinks, run_pipeline
 
 MICRO_BATCHES = 4
 

@@ -11,7 +11,7 @@
 3. Inside the task, a launcher that arrives joins the running rendezvous round
    (:mod:`~unicron_elastic.rendezvous.handler`), and the workers admit or retire
    ranks at a step boundary with a resize record
-   (:mod:`~unicron_elastic.strategy.protocol`).
+   (:mod:`~unicron_elastic.strategy.engine.protocol`).
 
 Pure: no I/O; the daemon reads the plan and signals processes.
 """

@@ -16,7 +16,7 @@ decides:
 
 A rank blocked in a collective of its group, waiting on a peer, says so and
 repeats it while it waits (``waiting``, see
-:class:`~unicron_elastic.strategy.watch.GroupWatch`): it is alive and not the
+:class:`~unicron_elastic.strategy.engine.group_watch.GroupWatch`): it is alive and not the
 one to blame, so its deadline moves with every such report. The peer that
 stopped answering sends nothing (a stopped process cannot), so its silence
 makes it the hung one. :func:`hang_verdict` is the decision over the reports

@@ -238,7 +238,7 @@ class MeetingKeys:
 
     @staticmethod
     def checkin(generation: int, rank: int) -> str:
-        """A rank's check-in for ``generation`` (value: :class:`~unicron_elastic.strategy.membership.CheckIn` JSON)."""
+        """A rank's check-in for ``generation`` (value: :class:`~unicron_elastic.strategy.engine.membership.CheckIn` JSON)."""
         return f"unicron-dp/gen{int(generation)}/alive/{int(rank)}"
 
     @staticmethod

@@ -19,6 +19,12 @@ PREFIX = "unicron_elastic.strategy."
 #: Old leaf -> new path under ``strategy/``. ``lightning`` and ``snapshots`` are packages now, which
 #: export the public names of the old modules of those names.
 MOVED: dict[str, str] = {
+    "bootstrap": "engine.bootstrap", "effects": "engine.effects", "elastic_dp": "engine.elastic_dp",
+    "engine_options": "engine.engine_options", "exchange": "engine.exchange", "gradients": "engine.gradients",
+    "joining": "engine.joining", "membership": "engine.membership", "microbatch": "engine.microbatch",
+    "pipeline": "engine.pipeline", "protocol": "engine.protocol", "replicas": "engine.replicas",
+    "requests": "engine.requests", "stage_sums": "engine.stage_sums", "state_transfer": "engine.state_transfer",
+    "tied": "engine.tied", "transport": "engine.transport", "watch": "engine.group_watch",
     "safe_state": "snapshots.safe_state", "snapshot_places": "snapshots.places", "snapshot_wire": "snapshots.wire",
     "snapshot_writer": "snapshots.writer", "shard_checkpoints": "snapshots.shard_checkpoints",
 }

@@ -3,7 +3,7 @@
 The engine asks for micro-batch ``j`` of step ``s`` by its sample indices
 (:meth:`GlobalBatchPlan.indices`), in the order it computes them. Most of them
 are foreseeable: this rank's share of each step, dealt round-robin over the
-data-parallel members (:func:`~unicron_elastic.strategy.microbatch.deal`). A
+data-parallel members (:func:`~unicron_elastic.strategy.engine.microbatch.deal`). A
 :class:`MicroBatchFeed` runs a ``torch.utils.data.DataLoader`` with the user's
 ``num_workers``, ``collate_fn``, ``pin_memory``, ``prefetch_factor``,
 ``persistent_workers``, ``worker_init_fn``, ``multiprocessing_context``,
@@ -33,7 +33,7 @@ import structlog
 import torch
 from torch.utils.data import DataLoader
 
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan, deal
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan, deal
 
 log = structlog.get_logger(__name__)
 

@@ -2,7 +2,7 @@
 
 The strategy is a :class:`~lightning.pytorch.strategies.DDPStrategy` that does
 not wrap the model in DDP: one optimizer step is driven by
-:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` (paper
+:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` (paper
 section 6), with the LightningModule's ``training_step`` as the loss of one
 micro-batch:
 
@@ -63,26 +63,26 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from unicron_elastic.api import ConfigError
 from unicron_elastic.faults import maybe_fail
 from unicron_elastic.meeting import MEETING_ENV, connect_meeting_store
-from unicron_elastic.strategy.bootstrap import watch_members
-from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, StepReport
-from unicron_elastic.strategy.engine_options import EngineHooks, EngineOptions
+from unicron_elastic.strategy.engine.bootstrap import watch_members
+from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, Retired, StepReport
+from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOptions
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.feed import MicroBatchFeed
 from unicron_elastic.strategy.megatron_checks import check_configs, check_wrappers
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.model_groups import check_groups
 from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world, drop_world, rebuild_world
-from unicron_elastic.strategy.pipeline import SCHEDULES
+from unicron_elastic.strategy.engine.pipeline import SCHEDULES
 from unicron_elastic.strategy.precision import (check_module, check_precision, loss_scaler, overflowed, scaled,
                                                 start_scale)
-from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.strategy.rng import micro_batch_rng, micro_batch_seed
 from unicron_elastic.strategy.snapshots.shard_checkpoints import load_shard, save_shard
 from unicron_elastic.strategy.sigterm import SigtermTakeover
 from unicron_elastic.strategy.snapshots.places import PeerServers
 from unicron_elastic.strategy.snapshots.tiers import DiskCheckpoints, MemorySnapshot
 from unicron_elastic.strategy.stages import MegatronStage
-from unicron_elastic.strategy.transport import nccl_error_handling, transport_for
+from unicron_elastic.strategy.engine.transport import nccl_error_handling, transport_for
 from unicron_elastic.worker import get_worker
 
 log = structlog.get_logger(__name__)
@@ -246,7 +246,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         (Not Lightning's ``parallel_devices[local_rank]``: under ``unicron-run`` the
         launcher, not ``devices=``, decides how many ranks a node runs.) On CUDA
         the world and the engine's groups are NCCL's
-        (:class:`~unicron_elastic.strategy.transport.NcclTransport`); that path
+        (:class:`~unicron_elastic.strategy.engine.transport.NcclTransport`); that path
         is untested here (no GPU).
         """
         if isinstance(self.accelerator, CUDAAccelerator):
@@ -455,7 +455,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         declared, bounded pause for the hang detector (the engine's ``pause``),
         and once before the engine exists (the first world). The world
         bootstraps in a store that stops waiting for a member whose liveness
-        key is gone (:func:`~unicron_elastic.strategy.bootstrap.watch_members`).
+        key is gone (:func:`~unicron_elastic.strategy.engine.bootstrap.watch_members`).
 
         Raises:
             MemberGoneError: A member is gone while the world forms (a

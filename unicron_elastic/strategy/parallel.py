@@ -20,7 +20,7 @@ import torch.distributed as dist
 from unicron_elastic.api import ConfigError
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy.model_groups import check_groups, rebind_groups, release_groups
-from unicron_elastic.strategy.replicas import ModelParallel
+from unicron_elastic.strategy.engine.replicas import ModelParallel
 
 log = structlog.get_logger(__name__)
 LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"  # torch reads it when a gloo group is made
@@ -77,7 +77,7 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
     destroyed first (a dead peer does not block that: nothing is pending on
     them). Ranks are numbered replica-major (megatron-core's ``order="tp-pp-dp"``):
     ``rank = replica * TP * PP + stage * TP + tensor_rank``, the layout of
-    :class:`~unicron_elastic.strategy.replicas.ModelParallel`.
+    :class:`~unicron_elastic.strategy.engine.replicas.ModelParallel`.
 
     Raises:
         ConfigError: See :func:`check_sizes`.

@@ -31,7 +31,7 @@ being pickled. Tensors come back on the CPU, each with its own memory;
 tensors that shared storage no longer do. Pure: no I/O.
 
 The pieces serve other carriers of the same skeleton too
-(:mod:`~unicron_elastic.strategy.state_transfer` broadcasts the skeleton and
+(:mod:`~unicron_elastic.strategy.engine.state_transfer` broadcasts the skeleton and
 then each array on its own): :func:`encode` splits a state, :func:`dump_json` /
 :func:`load_json` write and read a skeleton as strictly as documents do,
 :func:`tensor_dtype` / :func:`array_dtype` check a dtype against the

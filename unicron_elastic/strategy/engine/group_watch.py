@@ -17,7 +17,7 @@ thread does two things while a wait lasts:
   whether a member is gone (its liveness key: deleted when its agent
   restarted it, expired with its node's lease when the node froze); once one
   is, it calls ``interrupt(reason)`` (once per wait), which makes the wait fail here as a
-  reset would (:meth:`~unicron_elastic.strategy.transport.CollectiveTransport.interrupt`),
+  reset would (:meth:`~unicron_elastic.strategy.engine.transport.CollectiveTransport.interrupt`),
   and the engine regroups without the member.
 
 The thread only reads a timestamp the main thread writes; entering and

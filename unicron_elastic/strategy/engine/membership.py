@@ -25,7 +25,7 @@ exists per generation and every survivor follows it:
   from the snapshot or checkpoint.
 
 With tensor/pipeline parallelism the "ranks" here are data-parallel
-*replicas* (:mod:`~unicron_elastic.strategy.replicas`): a replica checked in
+*replicas* (:mod:`~unicron_elastic.strategy.engine.replicas`): a replica checked in
 when every rank of it did, and a record keeps, per coordinate of the model
 (a tensor x pipeline shard), the buckets that shard's group reduced
 (:attr:`MembershipRecord.kept`).

@@ -1,6 +1,6 @@
 """What a step adds across the shards of a replica (TP x PP > 1): the tied weight's gradients, the gradient norm.
 
-* **Tied weights** (:mod:`~unicron_elastic.strategy.tied`): the first and the
+* **Tied weights** (:mod:`~unicron_elastic.strategy.engine.tied`): the first and the
   last pipeline stage each hold a copy of the word embedding. They start equal
   (:meth:`ReplicaSums.tie`: the first stage's values are sent to the last,
   where megatron-core's constructor on a CPU leaves zeros), and after each
@@ -12,7 +12,7 @@
 * **The replica's gradient norm**: each shard's sum of squares of its reduced
   gradient sum (each parameter counted once), which the step's commit adds up
   over the leading replica's shards; :attr:`ElasticDataParallel.grad_norm
-  <unicron_elastic.strategy.elastic_dp.ElasticDataParallel.grad_norm>` divides
+  <unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel.grad_norm>` divides
   its square root by B.
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from unicron_elastic.api import ConfigError
-from unicron_elastic.strategy.replicas import ModelParallel
-from unicron_elastic.strategy.tied import TiedWeight, find_tied, norm_ranges, squared_norm
+from unicron_elastic.strategy.engine.replicas import ModelParallel
+from unicron_elastic.strategy.engine.tied import TiedWeight, find_tied, norm_ranges, squared_norm
 
 TIED_TAG = 7  # point-to-point tag of the tied weight's exchange (the pipeline's activations use 0)
 
@@ -43,7 +43,7 @@ class ReplicaSums:
         rank: This launch rank.
 
     Raises:
-        ConfigError: A weight tied across stages that cannot be kept tied (:func:`~unicron_elastic.strategy.tied.find_tied`).
+        ConfigError: A weight tied across stages that cannot be kept tied (:func:`~unicron_elastic.strategy.engine.tied.find_tied`).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], layout: ModelParallel, rank: int) -> None:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from unicron_elastic.strategy.replicas import ModelParallel
-    from unicron_elastic.strategy.transport import CollectiveTransport
-    from unicron_elastic.strategy.watch import WatchTimes
+    from unicron_elastic.strategy.engine.replicas import ModelParallel
+    from unicron_elastic.strategy.engine.transport import CollectiveTransport
+    from unicron_elastic.strategy.engine.group_watch import WatchTimes
 
 #: ``hook(rank, step, micro_batch=j | bucket=k | at=...)``: a fault-injection point.
 Hook = Callable[..., None]
@@ -93,7 +93,7 @@ class EngineHooks:
         report_waiting: Called as ``report_waiting(True)`` (repeated) while this
             rank waits on its group for a peer, ``report_waiting(False)`` when
             the wait ends (e.g. ``Worker.waiting``: the hang detector spares
-            it and blames the peer that went silent); see :mod:`~unicron_elastic.strategy.watch`.
+            it and blames the peer that went silent); see :mod:`~unicron_elastic.strategy.engine.group_watch`.
         overflow: With a loss scaler: ``overflow(reduced_sum, B)``, whether this shard's
             reduced sum is not finite once unscaled (see :mod:`~unicron_elastic.strategy.precision`).
     """

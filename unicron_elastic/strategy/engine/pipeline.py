@@ -11,7 +11,7 @@ gradients backward as tensors, each preceded by a small header (shape, dtype),
 sends are asynchronous and receives blocking.
 
 The elastic engine runs it for a pipeline-parallel model on CPU
-(:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` with
+(:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` with
 ``pipeline > 1``): each micro-batch's gradients are added up after its
 backward (``on_backward``), and when a failure's recomputation needs only
 later stages' gradients, the earlier stages run :func:`forward_only`.
@@ -149,7 +149,7 @@ class StageLinks:
         send_gradients: Send the gradient of this stage's input to the previous
             stage (False when the previous stage runs forward only).
         waiting: ``waiting(what)``, a context manager around each wait on a
-            neighbour (the engine's :meth:`~unicron_elastic.strategy.watch.GroupWatch.waiting`);
+            neighbour (the engine's :meth:`~unicron_elastic.strategy.engine.group_watch.GroupWatch.waiting`);
             None: none.
     """
 

@@ -4,7 +4,7 @@ Gradients are summed over micro-batches (in ``grad_dtype``) and divided by B
 once reduced, so the result does not depend on which rank computed which
 micro-batch. The local sum stays whole while its buckets are reduced in a
 copy: after a failure the survivors add the lost rank's micro-batches to it
-and reduce again (:mod:`~unicron_elastic.strategy.elastic_dp`).
+and reduce again (:mod:`~unicron_elastic.strategy.engine.elastic_dp`).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class GradientBuffer:
         faults per step), and bucket *k* is always reduced into slice *k*, so
         the buckets a failed attempt kept are not overwritten when the others
         are reduced again. ``slots`` elements follow the last bucket: the
-        exchange's (:class:`~unicron_elastic.strategy.exchange.ExchangeSlots`).
+        exchange's (:class:`~unicron_elastic.strategy.engine.exchange.ExchangeSlots`).
         """
         size = local.numel() + slots
         buf = self.reduced

@@ -1,6 +1,6 @@
 """How the elastic engine makes and drops its process groups: gloo on CPU, NCCL on GPU.
 
-The engine (:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`)
+The engine (:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel`)
 builds a fresh group for every generation (the data-parallel group of its
 shard, and with tensor/pipeline parallelism one over the whole world for the
 step's commit and the pipeline's point-to-point), and drops a broken one at
@@ -18,7 +18,7 @@ once so that peers blocked on it fail within milliseconds. A
   aborted (``abort()``) when dropped, which fails this rank's pending
   operations. NCCL has no connection reset: a peer waiting on a dead, dropped
   or frozen rank fails when its engine's watch sees that member's liveness
-  key gone (:mod:`~unicron_elastic.strategy.watch`: the agent deleted it, or
+  key gone (:mod:`~unicron_elastic.strategy.engine.group_watch`: the agent deleted it, or
   the node's lease expired) and aborts its communicators (:meth:`interrupt`),
   else at its collective ``timeout``; as an error rather than a killed
   process (:func:`nccl_error_handling`: blocking wait, no asynchronous error

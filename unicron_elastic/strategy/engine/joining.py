@@ -1,9 +1,9 @@
 """A joiner's way into the data-parallel group, and the state a member hands out.
 
 :class:`JoiningPath` is the part of
-:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` a rank
+:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` a rank
 runs to become a member: it asks to join, waits to be admitted at a step
-boundary (the protocol's :meth:`~unicron_elastic.strategy.protocol.Protocol.join`),
+boundary (the protocol's :meth:`~unicron_elastic.strategy.engine.protocol.Protocol.join`),
 and receives the state from a replica, tensor by tensor; when no replica is
 left, the lowest joiner resumes from the fallback (in-memory snapshot, then
 checkpoint, else step 0) and hands that state to the others.
@@ -18,8 +18,8 @@ import structlog
 import torch
 
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy import effects as E
-from unicron_elastic.strategy.state_transfer import broadcast_state
+from unicron_elastic.strategy.engine import effects as E
+from unicron_elastic.strategy.engine.state_transfer import broadcast_state
 
 log = structlog.get_logger(__name__)
 
@@ -30,7 +30,7 @@ STEP0 = object()
 
 
 class JoiningPath:
-    """The joiner's methods of :class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` (a mixin of it)."""
+    """The joiner's methods of :class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` (a mixin of it)."""
 
     def start_join(self, timeout: float = 120.0) -> bool:
         """Wait until the group admits this rank and its groups are built (``on_group`` ran), without a model.
@@ -168,7 +168,7 @@ class JoiningPath:
         """The state (:meth:`state`) from the replica at ``root`` to every other member, tensor by tensor.
 
         A JSON skeleton first, then each tensor in its own broadcast, received
-        into a preallocated tensor (:mod:`~unicron_elastic.strategy.state_transfer`):
+        into a preallocated tensor (:mod:`~unicron_elastic.strategy.engine.state_transfer`):
         no blob, and receiving never unpickles anything.
 
         Returns:

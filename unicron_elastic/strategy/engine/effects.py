@@ -1,8 +1,8 @@
 """The vocabulary of the recovery protocol: the effects it yields, the outcomes it returns, the signals it raises.
 
-:class:`~unicron_elastic.strategy.protocol.Protocol` yields these frozen
+:class:`~unicron_elastic.strategy.engine.protocol.Protocol` yields these frozen
 dataclasses; a transport executes each and sends back its result
-(:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel` with gloo
+(:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` with gloo
 groups and the c10d store; ``tests/fake_dp.py`` in one process).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from unicron_elastic.strategy.membership import CheckIn, MembershipRecord
+from unicron_elastic.strategy.engine.membership import CheckIn, MembershipRecord
 
 
 # -- what the protocol asks of a transport ------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 :class:`Protocol` holds one rank's view of the data-parallel group (members,
 generation, the step's deal) and runs the protocol of
-:mod:`~unicron_elastic.strategy.elastic_dp` - one step's reduction, the regroup
+:mod:`~unicron_elastic.strategy.engine.elastic_dp` - one step's reduction, the regroup
 after a failure, a resize between steps, a join - as generators that *yield
-effects* (the frozen dataclasses of :mod:`~unicron_elastic.strategy.effects`) and receive their results. They do no
+effects* (the frozen dataclasses of :mod:`~unicron_elastic.strategy.engine.effects`) and receive their results. They do no
 I/O and never read a clock: a *transport* executes each effect - the real one
-with gloo groups and the c10d store (:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`),
+with gloo groups and the c10d store (:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel`),
 the tests' fake with in-process groups and a dict store (``tests/fake_dp.py``),
 so hundreds of failure combinations run through this very code in seconds.
 
@@ -16,9 +16,9 @@ A transport runs a generator by sending each effect's result back
 which the protocol handles; anything else ends the generator.
 
 The decisions themselves are the pure functions of
-:mod:`~unicron_elastic.strategy.membership` (who is in the next generation, who
+:mod:`~unicron_elastic.strategy.engine.membership` (who is in the next generation, who
 is left out, whether a group can form) and
-:mod:`~unicron_elastic.strategy.microbatch` (who computes which micro-batch).
+:mod:`~unicron_elastic.strategy.engine.microbatch` (who computes which micro-batch).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from unicron_elastic.strategy.membership import (
+from unicron_elastic.strategy.engine.membership import (
     CheckIn,
     MembershipError,
     MembershipRecord,
@@ -38,7 +38,7 @@ from unicron_elastic.strategy.membership import (
     resize_record,
     role,
 )
-from unicron_elastic.strategy.effects import (
+from unicron_elastic.strategy.engine.effects import (
     Abandon,
     Add,
     Admitted,
@@ -80,7 +80,7 @@ from unicron_elastic.strategy.effects import (
     TransferState,
     WriteRecord,
 )
-from unicron_elastic.strategy.microbatch import deal, redistribute
+from unicron_elastic.strategy.engine.microbatch import deal, redistribute
 
 log = structlog.get_logger(__name__)
 
@@ -294,7 +294,7 @@ class Protocol:
         """Check in for ``generation`` and return its record, written once by whichever rank decides first.
 
         The wait ends when every previous member checked in or is known dead
-        (:func:`~unicron_elastic.strategy.membership.decide_record`), at the
+        (:func:`~unicron_elastic.strategy.engine.membership.decide_record`), at the
         latest ``checkin_timeout`` after this rank checked in, or when the
         leader's resize record is there.
         """
@@ -323,7 +323,7 @@ class Protocol:
     def _form(self, record: MembershipRecord, step: int) -> Effects:
         """Build the group of ``record`` once every member checked in; False when it will not form (regroup).
 
-        See :func:`~unicron_elastic.strategy.membership.formation`.
+        See :func:`~unicron_elastic.strategy.engine.membership.formation`.
         """
         start = yield Now()
         while True:

@@ -12,7 +12,7 @@ When a peer dies (gloo raises on the broken connection):
   survivors blocked on *them* fail too), check in under a new *generation*
   with their step and the number of its buckets they completed, and follow
   that generation's membership record, written once by whichever survivor
-  decides it first (:mod:`~unicron_elastic.strategy.membership`): a rank is
+  decides it first (:mod:`~unicron_elastic.strategy.engine.membership`): a rank is
   left out when it is known dead (its liveness key is gone), when it is
   behind (the last bucket completed on others, who already stepped), or, if
   alive but stuck, when it missed the check-in deadline - it then rejoins
@@ -48,7 +48,7 @@ regroup again under the next generation.
 With tensor/pipeline parallelism (``model_parallel``, TP x PP = C > 1) each
 rank runs the engine for its *shard* (coordinate): the protocol runs in
 replica space with one membership authority for every shard
-(:mod:`~unicron_elastic.strategy.replicas`), each shard's data-parallel group
+(:mod:`~unicron_elastic.strategy.engine.replicas`), each shard's data-parallel group
 reduces that shard's buckets as soon as its part of the step is computed
 (with PP, when the stage's backward is done), and a last, small all-reduce
 over the whole world *commits* the step and carries the next step's members:
@@ -63,7 +63,7 @@ stages need: stages below every unreduced stage run forward only.
 With pipeline parallelism a weight tied across the first and the last stage
 (megatron-core's shared word embedding) has its reduced gradient sums added
 over both stages before the commit, and the commit also carries the leading
-replica's squared gradient norm (:mod:`~unicron_elastic.strategy.stage_sums`,
+replica's squared gradient norm (:mod:`~unicron_elastic.strategy.engine.stage_sums`,
 :attr:`ElasticDataParallel.grad_norm`).
 
 With a loss scaler (``overflow``, see :mod:`~unicron_elastic.strategy.precision`)
@@ -79,7 +79,7 @@ collective runs per step. A rank that saw it sends it on; one that stops
 records it (:meth:`~ElasticDataParallel.stopping`), so ranks that regroup
 because that exchange failed on them learn it when their group forms.
 
-The sequencing is :class:`~unicron_elastic.strategy.protocol.Protocol`'s, a
+The sequencing is :class:`~unicron_elastic.strategy.engine.protocol.Protocol`'s, a
 state machine that yields effects; this class is its real *transport*: it
 executes them with gloo groups, the store and the clock (``tests/fake_dp.py``
 is the in-process one the property tests use).
@@ -101,22 +101,22 @@ import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, StoreUnavailableError
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy import effects as E
-from unicron_elastic.strategy.bootstrap import watch_members
-from unicron_elastic.strategy.effects import Excluded, ReplicaBroken, Retired, StepReport
-from unicron_elastic.strategy.engine_options import EngineHooks, EngineOptions
-from unicron_elastic.strategy.exchange import Exchanged, ExchangeSlots
-from unicron_elastic.strategy.gradients import GradientBuffer
-from unicron_elastic.strategy.joining import PAUSED, JoiningPath
-from unicron_elastic.strategy.membership import MembershipError
-from unicron_elastic.strategy.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.pipeline import StageLinks, forward_only, run_pipeline, schedule_for
-from unicron_elastic.strategy.protocol import Protocol
-from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
-from unicron_elastic.strategy.requests import RequestReader
-from unicron_elastic.strategy.stage_sums import ReplicaSums
-from unicron_elastic.strategy.transport import GlooTransport, is_peer_failure
-from unicron_elastic.strategy.watch import GroupWatch
+from unicron_elastic.strategy.engine import effects as E
+from unicron_elastic.strategy.engine.bootstrap import watch_members
+from unicron_elastic.strategy.engine.effects import Excluded, ReplicaBroken, Retired, StepReport
+from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOptions
+from unicron_elastic.strategy.engine.exchange import Exchanged, ExchangeSlots
+from unicron_elastic.strategy.engine.gradients import GradientBuffer
+from unicron_elastic.strategy.engine.joining import PAUSED, JoiningPath
+from unicron_elastic.strategy.engine.membership import MembershipError
+from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.pipeline import StageLinks, forward_only, run_pipeline, schedule_for
+from unicron_elastic.strategy.engine.protocol import Protocol
+from unicron_elastic.strategy.engine.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
+from unicron_elastic.strategy.engine.requests import RequestReader
+from unicron_elastic.strategy.engine.stage_sums import ReplicaSums
+from unicron_elastic.strategy.engine.transport import GlooTransport, is_peer_failure
+from unicron_elastic.strategy.engine.group_watch import GroupWatch
 
 __all__ = ["ElasticDataParallel", "EngineHooks", "EngineOptions", "Excluded", "ReplicaBroken", "Retired", "StepReport"]
 
@@ -152,11 +152,11 @@ class ElasticDataParallel(JoiningPath):
         joining: This rank is not a member yet: :meth:`join` waits to be added.
         schedule: ``step -> members`` from that step on (the leader applies it).
         options: Buckets, timeouts, the gradient dtype, the most ranks, the
-            model's layout, the transport (:class:`~unicron_elastic.strategy.engine_options.EngineOptions`).
+            model's layout, the transport (:class:`~unicron_elastic.strategy.engine.engine_options.EngineOptions`).
         hooks: What the engine calls back: fault injection, a pipeline stage's
             forward, the state a joiner gets, group changes, the fallback state,
             pauses and waits for the hang detector, the loss scaler's verdict
-            (:class:`~unicron_elastic.strategy.engine_options.EngineHooks`).
+            (:class:`~unicron_elastic.strategy.engine.engine_options.EngineHooks`).
 
     Raises:
         ValueError: ``max_world`` is smaller than ``world_size``.
@@ -385,10 +385,10 @@ class ElasticDataParallel(JoiningPath):
         """Build this generation's groups: the shard's data-parallel group and, with TP/PP, the world's.
 
         They bootstrap in a store that stops waiting for a member whose
-        liveness key is gone (:func:`~unicron_elastic.strategy.bootstrap.watch_members`).
+        liveness key is gone (:func:`~unicron_elastic.strategy.engine.bootstrap.watch_members`).
 
         Raises:
-            RuntimeError: A member is gone while they form (:class:`~unicron_elastic.strategy.bootstrap.MemberGoneError`
+            RuntimeError: A member is gone while they form (:class:`~unicron_elastic.strategy.engine.bootstrap.MemberGoneError`
                 as soon as its liveness key is gone, else a gloo error or the timeout).
             LookupError: Its bootstrap keys are gone (a store outage).
         """
@@ -435,7 +435,7 @@ class ElasticDataParallel(JoiningPath):
     def _drop_group(self) -> None:
         """Destroy the broken groups now, closing their connections.
 
-        Dropping them at once (:class:`~unicron_elastic.strategy.transport.CollectiveTransport`)
+        Dropping them at once (:class:`~unicron_elastic.strategy.engine.transport.CollectiveTransport`)
         makes every survivor blocked on this rank see the failure within
         milliseconds instead of after a timeout.
         """
@@ -511,7 +511,7 @@ class ElasticDataParallel(JoiningPath):
         The leader reads this every step, for the next step's members; the
         read began when this step began computing (:meth:`_prefetch_requests`).
         With etcd unreachable (an outage) it gives up after
-        :data:`~unicron_elastic.strategy.requests.REQUESTS_PATIENCE_S` and
+        :data:`~unicron_elastic.strategy.engine.requests.REQUESTS_PATIENCE_S` and
         reports none, so training goes on and the requests are seen at a later step. With TP/PP only the
         first shard of the leading replica reads them (its offer is the one the
         commit carries); the others report none.
@@ -555,7 +555,7 @@ class ElasticDataParallel(JoiningPath):
 
     def _encode(self, members: list[int] | tuple[int, ...] | None, dtype: torch.dtype,
                 overflow: bool = False) -> torch.Tensor:
-        """This rank's slots of an exchange (:class:`~unicron_elastic.strategy.exchange.ExchangeSlots`)."""
+        """This rank's slots of an exchange (:class:`~unicron_elastic.strategy.engine.exchange.ExchangeSlots`)."""
         return self.slots.encode(members, dtype, overflow, self.stop_requested)
 
     def _decode(self, slots: torch.Tensor) -> list[int]:
@@ -671,7 +671,7 @@ class ElasticDataParallel(JoiningPath):
         stage that still needs gradients run forward only, and nothing runs
         when every stage kept its reduced buckets. ``bound``: autograd sums
         into ``views`` itself (:meth:`GradientBuffer.bind
-        <unicron_elastic.strategy.gradients.GradientBuffer.bind>`).
+        <unicron_elastic.strategy.engine.gradients.GradientBuffer.bind>`).
         """
         layout = self.layout
         stage, stages = layout.stage(self.rank), layout.pipeline

@@ -6,7 +6,7 @@ model is ``C = TP x PP`` ranks; the data-parallel (DP) group of each
 (paper section 6: "one DP engine per coordinate"). A lost rank loses its
 whole replica (its peers cannot compute without it), so membership is decided
 per replica, once, for every coordinate: the recovery protocol
-(:class:`~unicron_elastic.strategy.protocol.Protocol`) runs in *replica space*
+(:class:`~unicron_elastic.strategy.engine.protocol.Protocol`) runs in *replica space*
 (its "ranks" are replica indices) and :class:`ReplicaMembership` maps what it
 reads and writes onto the ranks' keys in the meeting store:
 
@@ -40,7 +40,7 @@ from typing import Any
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.membership import CheckIn, MembershipError, MembershipRecord
+from unicron_elastic.strategy.engine.membership import CheckIn, MembershipError, MembershipRecord
 
 #: compare_set(key, _ABSENT, _ABSENT) returns the value, or _ABSENT when the key does not exist: a get that never waits.
 _ABSENT = "\x00unicron-absent"

@@ -9,7 +9,7 @@ weight, marked ``shared`` and ``shared_embedding`` (megatron-core's
 loop keeps the copies equal by summing their gradients over the embedding group
 after the data-parallel reduce (``finalize_model_grads``); the engine does the
 same, exchanging the two stages' reduced sums before the step's commit
-(:class:`~unicron_elastic.strategy.elastic_dp.ElasticDataParallel`).
+(:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel`).
 
 The gradient norm of a replica counts every parameter once, as megatron-core's
 ``get_grad_norm_fp32`` does with ``param_is_not_shared`` and
