@@ -37,7 +37,7 @@ def with_part(step: int) -> bool:
 def _sigterm() -> None:
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-    from unicron_elastic.strategy.sigterm import SigtermTakeover
+    from unicron_elastic.strategy.lightning.sigterm import SigtermTakeover
 
     lightning_broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
     take_over = SigtermTakeover.take_over

@@ -51,7 +51,7 @@ def _instrument_strategy() -> None:
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
-    from unicron_elastic.strategy.lightning import UnicronMegatronStrategy
+    from unicron_elastic.strategy.lightning.megatron_strategy import UnicronMegatronStrategy
 
     _timed(UnicronMegatronStrategy, "_micro_batch_loss", "forward")
     _timed(ElasticDataParallel, "_reduce", lambda engine, effect: "commit" if effect.bucket == len(engine.bounds)

@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.parallel import destroy_world, drop_world, rebuild_world
+from unicron_elastic.strategy.lightning.parallel import destroy_world, drop_world, rebuild_world
 from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.testing import maybe_fail, toy_data
 

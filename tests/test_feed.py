@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from unicron_elastic.strategy.feed import MicroBatchFeed
+from unicron_elastic.strategy.lightning.feed import MicroBatchFeed
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan, deal
 
 

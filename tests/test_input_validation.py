@@ -281,7 +281,7 @@ def test_bad_unicron_faults_names_the_variable(monkeypatch, raw: str) -> None:
 @pytest.mark.parametrize(("raw", "match"), [("many", "UNICRON_MAX_WORLD='many' is not an integer"),
                                             ("3", "UNICRON_MAX_WORLD=3 is below WORLD_SIZE=4")])
 def test_bad_unicron_max_world_names_the_variable(monkeypatch, raw: str, match: str) -> None:
-    from unicron_elastic.strategy.environment import UnicronEnvironment
+    from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -274,7 +274,7 @@ def test_a_loss_scaler_of_another_strategy_is_refused_at_trainer_construction(tm
 def test_autocast_on_the_cpu_around_megatron_cores_layers_is_refused_before_it_fails_in_their_backward() -> None:
     from lightning.pytorch.plugins import MixedPrecision
 
-    from unicron_elastic.strategy.precision import check_module
+    from unicron_elastic.strategy.lightning.precision import check_module
 
     megatron_layer = type("ColumnParallelLinear", (torch.nn.Linear,), {"__module__": "megatron.core.tensor_parallel.layers"})
     module = torch.nn.Sequential(megatron_layer(2, 2))

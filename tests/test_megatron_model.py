@@ -26,13 +26,13 @@ from torch import nn
 
 from conftest import EXAMPLES
 from unicron_elastic.api import ConfigError
-from unicron_elastic.strategy.megatron_checks import check_configs, check_wrappers
-from unicron_elastic.strategy.model_groups import (ReleasedGroup, check_groups, current_groups, rebind_groups,
+from unicron_elastic.strategy.lightning.megatron_checks import check_configs, check_wrappers
+from unicron_elastic.strategy.lightning.model_groups import (ReleasedGroup, check_groups, current_groups, rebind_groups,
                                                    release_groups)
-from unicron_elastic.strategy.parallel import destroy_world, rebuild_world
+from unicron_elastic.strategy.lightning.parallel import destroy_world, rebuild_world
 from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.strategy.engine.stage_sums import ReplicaSums
-from unicron_elastic.strategy.stages import MegatronStage, loss_of, run_forward_step, stage_model
+from unicron_elastic.strategy.lightning.stages import MegatronStage, loss_of, run_forward_step, stage_model
 from unicron_elastic.strategy.engine.tied import counted_in_norm, find_tied, norm_ranges, squared_norm
 
 

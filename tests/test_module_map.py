@@ -105,9 +105,10 @@ def test_the_module_map_names_every_module_once_with_one_job() -> None:
     assert [path for path, mark in listed if mark] == []  # no "(several jobs)"
 
 
-@pytest.mark.parametrize("first", ["unicron_elastic.strategy.environment",  # (the order that once failed)
+@pytest.mark.parametrize("first", ["unicron_elastic.strategy.lightning.environment",  # (the order that once failed)
                                    *(pytest.param(order, marks=pytest.mark.e2e) for order in (
-                                       "unicron_elastic.strategy.lightning", "lightning.pytorch, unicron_elastic",
+                                       "unicron_elastic.strategy.lightning",
+                                       "unicron_elastic.strategy.lightning.megatron_strategy", "lightning.pytorch, unicron_elastic",
                                        "unicron_elastic, lightning.pytorch"))])
 def test_the_strategy_registers_whichever_module_is_imported_first(first: str) -> None:
     code = (f"import {first}\n"

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 from unicron_elastic.api import ConfigError
-from unicron_elastic.strategy.parallel import check_sizes
+from unicron_elastic.strategy.lightning.parallel import check_sizes
 from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.testing import run_workers
 

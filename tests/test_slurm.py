@@ -44,7 +44,7 @@ from unicron_elastic.slurm.job import current_job
 from unicron_elastic.slurm.preemption import PreemptionCheckpoint
 from unicron_elastic.slurm.watch import NodeWatch
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
-from unicron_elastic.strategy.environment import UnicronEnvironment
+from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import toy_data
 

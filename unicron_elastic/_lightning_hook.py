@@ -26,7 +26,7 @@ from types import ModuleType
 #: The package after whose import the strategy registers.
 TARGET = "lightning.pytorch"
 #: The module whose import registers the strategy.
-STRATEGY_MODULE = "unicron_elastic.strategy.lightning"
+STRATEGY_MODULE = "unicron_elastic.strategy.lightning.megatron_strategy"
 
 
 def _register() -> None:
@@ -48,7 +48,7 @@ def _importing_ours() -> bool:
     """Whether a module of this package is being imported right now (its body has not finished).
 
     Importing one of the strategy's modules that imports Lightning at its top
-    (``strategy/environment.py``) imports Lightning from inside it; the strategy
+    (``strategy/lightning/environment.py``) imports Lightning from inside it; the strategy
     module, which needs that module's names, cannot be imported until its body
     ends. That module calls :func:`install` as its last statement.
     """

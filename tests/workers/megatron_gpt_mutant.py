@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import megatron_gpt  # noqa: E402
 
 from unicron_elastic.strategy.engine import stage_sums  # noqa: E402
-from unicron_elastic.strategy.lightning import UnicronMegatronStrategy  # noqa: E402
+from unicron_elastic.strategy.lightning.megatron_strategy import UnicronMegatronStrategy  # noqa: E402
 
 
 def main() -> None:

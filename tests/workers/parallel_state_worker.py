@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from unicron_elastic.strategy.parallel import build_world, destroy_world
+from unicron_elastic.strategy.lightning.parallel import build_world, destroy_world
 
 
 def describe() -> dict[str, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from unicron_elastic.strategy import _old_paths
-from unicron_elastic.strategy.stages import run_forward_step
+from unicron_elastic.strategy.lightning.stages import run_forward_step
 
 __all__ = ["STRATEGY_NAME", "UnicronMegatronStrategy", "run_forward_step"]
 
@@ -32,9 +32,9 @@ def __getattr__(name: str) -> Any:
         AttributeError: Another name.
     """
     if name in ("STRATEGY_NAME", "UnicronMegatronStrategy"):
-        from unicron_elastic.strategy import lightning
+        from unicron_elastic.strategy.lightning import megatron_strategy
 
-        return getattr(lightning, name)
+        return getattr(megatron_strategy, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -27,6 +27,10 @@ MOVED: dict[str, str] = {
     "tied": "engine.tied", "transport": "engine.transport", "watch": "engine.group_watch",
     "safe_state": "snapshots.safe_state", "snapshot_places": "snapshots.places", "snapshot_wire": "snapshots.wire",
     "snapshot_writer": "snapshots.writer", "shard_checkpoints": "snapshots.shard_checkpoints",
+    "environment": "lightning.environment", "feed": "lightning.feed", "precision": "lightning.precision",
+    "sigterm": "lightning.sigterm", "rng": "lightning.rng", "parallel": "lightning.parallel",
+    "model_groups": "lightning.model_groups", "megatron_checks": "lightning.megatron_checks",
+    "stages": "lightning.stages",
 }
 
 

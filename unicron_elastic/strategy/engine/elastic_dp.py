@@ -66,7 +66,7 @@ over both stages before the commit, and the commit also carries the leading
 replica's squared gradient norm (:mod:`~unicron_elastic.strategy.engine.stage_sums`,
 :attr:`ElasticDataParallel.grad_norm`).
 
-With a loss scaler (``overflow``, see :mod:`~unicron_elastic.strategy.precision`)
+With a loss scaler (``overflow``, see :mod:`~unicron_elastic.strategy.lightning.precision`)
 the commit also carries each shard's verdict on its reduced gradients, so
 every rank of every shard skips the same steps.
 

@@ -74,7 +74,7 @@ class EngineHooks:
         on_group: Called as ``on_group(members, generation)`` when every new
             group (failure, resize, join) is built, before any state moves
             (with TP/PP it must rebuild the world the model's collectives use:
-            :func:`~unicron_elastic.strategy.parallel.rebuild_world`); a
+            :func:`~unicron_elastic.strategy.lightning.parallel.rebuild_world`); a
             ``RuntimeError`` there (a member gone) gives up that group.
         on_drop: Called when this rank drops its group (a failure, or
             ``close()``): drop every other group of the same members too,
@@ -95,7 +95,7 @@ class EngineHooks:
             the wait ends (e.g. ``Worker.waiting``: the hang detector spares
             it and blames the peer that went silent); see :mod:`~unicron_elastic.strategy.engine.group_watch`.
         overflow: With a loss scaler: ``overflow(reduced_sum, B)``, whether this shard's
-            reduced sum is not finite once unscaled (see :mod:`~unicron_elastic.strategy.precision`).
+            reduced sum is not finite once unscaled (see :mod:`~unicron_elastic.strategy.lightning.precision`).
     """
 
     hook: Hook | None = None

@@ -12,7 +12,7 @@ micro-batch:
   moves when a rank dies). This rank's own micro-batches are loaded ahead by a
   ``DataLoader`` with the user's ``num_workers``, ``pin_memory``,
   ``persistent_workers``, ``prefetch_factor``...; moved ones are materialised on
-  demand (:mod:`~unicron_elastic.strategy.feed`);
+  demand (:mod:`~unicron_elastic.strategy.lightning.feed`);
 * ``training_step`` (Lightning's closure) computes this rank's micro-batches;
   ``backward`` is the resilient bucketed all-reduce (scenario 1 and 2
   recovery happen there); Lightning then clips, calls its hooks and steps;
@@ -66,22 +66,22 @@ from unicron_elastic.meeting import MEETING_ENV, connect_meeting_store
 from unicron_elastic.strategy.engine.bootstrap import watch_members
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, Retired, StepReport
 from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOptions
-from unicron_elastic.strategy.environment import UnicronEnvironment
-from unicron_elastic.strategy.feed import MicroBatchFeed
-from unicron_elastic.strategy.megatron_checks import check_configs, check_wrappers
+from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
+from unicron_elastic.strategy.lightning.feed import MicroBatchFeed
+from unicron_elastic.strategy.lightning.megatron_checks import check_configs, check_wrappers
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
-from unicron_elastic.strategy.model_groups import check_groups
-from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world, drop_world, rebuild_world
+from unicron_elastic.strategy.lightning.model_groups import check_groups
+from unicron_elastic.strategy.lightning.parallel import build_world, check_sizes, destroy_world, drop_world, rebuild_world
 from unicron_elastic.strategy.engine.pipeline import SCHEDULES
-from unicron_elastic.strategy.precision import (check_module, check_precision, loss_scaler, overflowed, scaled,
+from unicron_elastic.strategy.lightning.precision import (check_module, check_precision, loss_scaler, overflowed, scaled,
                                                 start_scale)
 from unicron_elastic.strategy.engine.replicas import ModelParallel
-from unicron_elastic.strategy.rng import micro_batch_rng, micro_batch_seed
+from unicron_elastic.strategy.lightning.rng import micro_batch_rng, micro_batch_seed
 from unicron_elastic.strategy.snapshots.shard_checkpoints import load_shard, save_shard
-from unicron_elastic.strategy.sigterm import SigtermTakeover
+from unicron_elastic.strategy.lightning.sigterm import SigtermTakeover
 from unicron_elastic.strategy.snapshots.places import PeerServers
 from unicron_elastic.strategy.snapshots.tiers import DiskCheckpoints, MemorySnapshot
-from unicron_elastic.strategy.stages import MegatronStage
+from unicron_elastic.strategy.lightning.stages import MegatronStage
 from unicron_elastic.strategy.engine.transport import nccl_error_handling, transport_for
 from unicron_elastic.worker import get_worker
 
@@ -575,7 +575,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         Raises:
             ConfigError: See :meth:`setup`; and megatron-core's DDP wrappers or optimizers, configs the
                 strategy would train wrongly, groups it cannot rebuild
-                (:mod:`~unicron_elastic.strategy.megatron_checks`, :mod:`~unicron_elastic.strategy.model_groups`).
+                (:mod:`~unicron_elastic.strategy.lightning.megatron_checks`, :mod:`~unicron_elastic.strategy.lightning.model_groups`).
         """
         if not module.automatic_optimization:
             raise ConfigError("unicron_megatron needs automatic optimization")
@@ -672,7 +672,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         maybe_fail(rank, step, micro_batch=micro_batch, bucket=bucket, at=at)
 
     def _micro_batch_rng(self, stage: int = 0) -> AbstractContextManager[None]:
-        """The random streams of the micro-batch being computed (:mod:`~unicron_elastic.strategy.rng`)."""
+        """The random streams of the micro-batch being computed (:mod:`~unicron_elastic.strategy.lightning.rng`)."""
         step, j = self.engine.current_micro_batch
         return micro_batch_rng(micro_batch_seed(self.seed, step, j, stage if self.pp > 1 else None), self.root_device)
 
@@ -685,7 +685,7 @@ class UnicronMegatronStrategy(DDPStrategy):
     def _stage_forward(self, module: Any, batch: Any, input_tensor: torch.Tensor | None) -> torch.Tensor:
         """One micro-batch through this rank's pipeline stage; the loss on the last.
 
-        The module's ``forward_step`` in Megatron-LM's shape (:class:`~unicron_elastic.strategy.stages.MegatronStage`),
+        The module's ``forward_step`` in Megatron-LM's shape (:class:`~unicron_elastic.strategy.lightning.stages.MegatronStage`),
         or its ``pipeline_forward(batch, input_tensor)``.
 
         Raises:

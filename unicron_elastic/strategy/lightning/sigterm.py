@@ -22,7 +22,7 @@ log = structlog.get_logger(__name__)
 
 
 class Stoppable(Protocol):
-    """What the takeover uses of the strategy (:class:`~unicron_elastic.strategy.lightning.UnicronMegatronStrategy`)."""
+    """What the takeover uses of the strategy (:class:`~unicron_elastic.strategy.lightning.megatron_strategy.UnicronMegatronStrategy`)."""
 
     engine: Any  # the elastic engine (None before setup_distributed)
     env: Any  # its cluster environment (``launch_rank``)

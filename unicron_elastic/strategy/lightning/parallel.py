@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.store.keys import MeetingKeys as K
-from unicron_elastic.strategy.model_groups import check_groups, rebind_groups, release_groups
+from unicron_elastic.strategy.lightning.model_groups import check_groups, rebind_groups, release_groups
 from unicron_elastic.strategy.engine.replicas import ModelParallel
 
 log = structlog.get_logger(__name__)
@@ -113,7 +113,7 @@ def rebuild_world(store: dist.Store, generation: int, layout: ModelParallel, mem
         timeout: The world's collective timeout.
         backend: ``gloo`` or ``nccl``.
         module: The model, if built: every group its megatron-core modules hold becomes the new world's
-            group of the same role (:mod:`~unicron_elastic.strategy.model_groups`).
+            group of the same role (:mod:`~unicron_elastic.strategy.lightning.model_groups`).
 
     Returns:
         This rank's rank and the size of the new world.
@@ -136,7 +136,7 @@ def drop_world(module: torch.nn.Module | None = None) -> None:
     """Destroy the world now so that peers blocked in it with this rank fail at once.
 
     The model's references to the world's groups are dropped first
-    (:func:`~unicron_elastic.strategy.model_groups.release_groups`: a group's
+    (:func:`~unicron_elastic.strategy.lightning.model_groups.release_groups`: a group's
     connections close only when the object goes) and a collection frees what a
     traceback may still hold.
     """
