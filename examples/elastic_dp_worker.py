@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from unicron_elastic.meeting import MAX_WORLD_ENV, connect_meeting_store
+from unicron_elastic.env import max_world
+from unicron_elastic.meeting import connect_meeting_store
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded, Retired
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import maybe_fail, toy_problem
@@ -88,7 +89,7 @@ def main() -> None:
         schedule={int(k): v for k, v in json.loads(args.schedule).items()},
         options=EngineOptions(
             bucket_numel=args.bucket_numel, timeout=timedelta(seconds=20), grad_dtype=getattr(torch, args.grad_dtype),
-            max_world=int(os.environ.get(MAX_WORLD_ENV, world)),  # a node that grows the run joins past WORLD_SIZE
+            max_world=max_world(world),  # a node that grows the run joins past WORLD_SIZE
         ),
         hooks=EngineHooks(hook=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
     )

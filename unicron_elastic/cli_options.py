@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from unicron_elastic.api import MAX_TIMEOUT_S, ConfigError, EtcdConfig, finite_positive
-from unicron_elastic.rendezvous.options import etcd_password, parse_endpoints
+from unicron_elastic.env import ETCD_PASSWORD
+from unicron_elastic.store.endpoints import etcd_password, parse_endpoints
 
 _PASSWORD_FLAGS = {
     "user": "--user",
@@ -28,7 +29,7 @@ def add_etcd_options(parser: argparse.ArgumentParser, timeout: float = 5.0) -> N
     parser.add_argument("--cert", default=None, help="client certificate file for mutual TLS (with --key)")
     parser.add_argument("--key", default=None, help="client key file for mutual TLS (with --cert)")
     parser.add_argument("--user", default=None,
-                        help="etcd user; the password comes from --password-file or $UNICRON_ETCD_PASSWORD")
+                        help=f"etcd user; the password comes from --password-file or ${ETCD_PASSWORD.name}")
     parser.add_argument("--password-file", default=None, help="file holding the etcd password of --user")
     parser.add_argument("--timeout", type=bounded(MAX_TIMEOUT_S), default=timeout,
                         help=f"seconds to keep retrying while etcd is unreachable (> 0, at most one year; "

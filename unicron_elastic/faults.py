@@ -26,8 +26,10 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-FAULTS_ENV = "UNICRON_FAULTS"
-FAULT_LOG_ENV = "UNICRON_FAULT_LOG"
+from unicron_elastic.env import FAULT_LOG, FAULTS, fault_log_path, faults_text, first_process
+
+FAULTS_ENV = FAULTS.name  # (the variables are env.FAULTS and env.FAULT_LOG)
+FAULT_LOG_ENV = FAULT_LOG.name
 FAULT_KINDS = ("kill", "exit", "raise", "hang", "stop", "stop_node")
 FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step", "before_first_group")
 #: Appended to ``$UNICRON_FAULT_LOG``'s path: where the faults that did not fire are reported (JSON lines).
@@ -128,10 +130,6 @@ def planned_faults(raw: str) -> list[tuple[dict, Fault]]:
         raise ValueError(f"{FAULTS_ENV}: {exc}") from None
 
 
-def _first_incarnation() -> bool:
-    return os.environ.get("UNICRON_WORKER_RESTARTS", "0") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-
-
 _FIRED: dict[int, int] = {}
 _RANKS: set[int] = set()  # the ranks this process reached fault points as
 
@@ -147,7 +145,7 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
     Raises:
         ValueError: ``$UNICRON_FAULTS`` is malformed (the message names it).
     """
-    raw = os.environ.get(FAULTS_ENV)
+    raw = faults_text()
     if not raw:
         return
     if rank not in _RANKS:
@@ -157,10 +155,10 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
     for index, (spec, fault) in enumerate(planned_faults(raw)):
         if (fault.rank, fault.step, fault.micro_batch, fault.bucket, fault.at) != (rank, step, micro_batch, bucket, at):
             continue
-        if fault.times is not None and (not _first_incarnation() or _FIRED.get(index, 0) >= fault.times):
+        if fault.times is not None and (not first_process() or _FIRED.get(index, 0) >= fault.times):
             continue
         _FIRED[index] = _FIRED.get(index, 0) + 1
-        log_path = os.environ.get(FAULT_LOG_ENV)
+        log_path = fault_log_path()
         if log_path:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "a") as f:
@@ -187,8 +185,8 @@ def unfired() -> list[dict]:
     Only in a rank's first incarnation: a fault of a restarted worker's rank
     fired, or not, in the one before it.
     """
-    raw = os.environ.get(FAULTS_ENV)
-    if not raw or not _RANKS or not _first_incarnation():
+    raw = faults_text()
+    if not raw or not _RANKS or not first_process():
         return []
     return [spec for index, (spec, fault) in enumerate(planned_faults(raw))
             if fault.rank in _RANKS and not _FIRED.get(index)]
@@ -205,7 +203,7 @@ def report_unfired() -> list[dict]:
         specs = unfired()
     except ValueError:  # (a malformed plan was an error where it was read)
         return []
-    log_path = os.environ.get(FAULT_LOG_ENV)
+    log_path = fault_log_path()
     for spec in specs:
         sys.stderr.write(f"unicron_faults: fault_not_fired {json.dumps(spec)} pid={os.getpid()}: the rank never "
                          f"reached that point (it did not compute that micro-batch or bucket at that step, or the "
@@ -219,7 +217,7 @@ def report_unfired() -> list[dict]:
 
 def _stop_node() -> None:
     """SIGSTOP this worker's launcher (its parent) and every process below it, this one last."""
-    from unicron_elastic.node.processes import process_tree
+    from unicron_elastic.processes import process_tree
 
     me = os.getpid()
     for pid in process_tree(os.getppid()):

@@ -10,11 +10,12 @@ traceback is the ``exception`` field of its line.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
 from structlog.typing import Processor
+
+from unicron_elastic.env import log_level
 
 _CONFIGURED = False
 
@@ -32,7 +33,7 @@ def configure_logging(fmt: str = "auto", level: str | int | None = None) -> None
     global _CONFIGURED
     if fmt not in ("auto", "json", "console"):
         raise ValueError(f"log format {fmt!r} must be auto, json or console")
-    level = level or os.environ.get("UNICRON_LOG_LEVEL", "INFO")
+    level = level or log_level()
     as_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     shared = [
         structlog.contextvars.merge_contextvars,

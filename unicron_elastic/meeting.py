@@ -4,7 +4,7 @@ Survivors of a failure, joiners and each generation's gloo bootstrap meet in
 a c10d store (:class:`~unicron_elastic.store.keys.MeetingKeys`). Under
 ``unicron-run`` with the ``unicron`` rendezvous the agent puts that store in
 etcd (under :meth:`~unicron_elastic.store.keys.Keys.meeting`) and tells its
-workers how to reach it in :data:`MEETING_ENV`; it also keeps each worker's
+workers how to reach it in ``$UNICRON_MEETING`` (:data:`~unicron_elastic.env.MEETING`); it also keeps each worker's
 liveness key there, attached to the node's lease. Without it (plain
 ``torchrun``), workers meet in the launcher's TCPStore, hosted by the agent of
 the rank-0 node: losing that node is then not survived (docs/strategy.md).
@@ -14,30 +14,43 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, EtcdConfig
+from unicron_elastic.env import ETCD_PASSWORD, MAX_WORLD, MEETING, etcd_password, meeting_text
 
-#: JSON ``{"etcd": EtcdConfig fields without the password, "prefix": ...}`` set by the agent.
-MEETING_ENV = "UNICRON_MEETING"
-#: The etcd password, when there is one, travels in this variable (never in :data:`MEETING_ENV`).
-PASSWORD_ENV = "UNICRON_ETCD_PASSWORD"
-#: The highest rank + 1 a worker of this run may have: ``WORLD_SIZE`` plus the workers of the nodes
-#: that may still grow the run (``--nnodes``' max); set by ``unicron-run``'s agent.
-MAX_WORLD_ENV = "UNICRON_MAX_WORLD"
+#: The old names of variables now in :mod:`unicron_elastic.env` (served with a deprecation warning).
+_MOVED_TO_ENV = {"MEETING_ENV": ("MEETING", MEETING), "PASSWORD_ENV": ("ETCD_PASSWORD", ETCD_PASSWORD),
+                 "MAX_WORLD_ENV": ("MAX_WORLD", MAX_WORLD)}
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated ``MEETING_ENV``, ``PASSWORD_ENV`` and ``MAX_WORLD_ENV`` (their variables' names).
+
+    Raises:
+        AttributeError: Another name.
+    """
+    if name in _MOVED_TO_ENV:
+        new, variable = _MOVED_TO_ENV[name]
+        warnings.warn(f"unicron_elastic.meeting.{name} is deprecated: use unicron_elastic.env.{new}.name; "
+                      "removed in 0.3", DeprecationWarning, stacklevel=2)
+        return variable.name
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def encode_meeting(config: EtcdConfig, prefix: str) -> str:
-    """The value of :data:`MEETING_ENV` for ``config`` and the store's key ``prefix`` (no password)."""
+    """The value of :data:`~unicron_elastic.env.MEETING` for ``config`` and the store's key ``prefix`` (no password)."""
     fields = {k: v for k, v in asdict(config).items() if k != "password"}
     return json.dumps({"etcd": fields, "prefix": prefix})
 
 
 def decode_meeting(text: str) -> tuple[EtcdConfig, str]:
-    """Parse :data:`MEETING_ENV`.
+    """Parse :data:`~unicron_elastic.env.MEETING`.
 
     Raises:
         ConfigError: The value is malformed (the message names the variable).
@@ -46,7 +59,9 @@ def decode_meeting(text: str) -> tuple[EtcdConfig, str]:
         raw = json.loads(text)
         fields = dict(raw["etcd"])
         if fields.get("user") is not None:
-            fields["password"] = os.environ[PASSWORD_ENV]
+            if (password := etcd_password()) is None:
+                raise KeyError(ETCD_PASSWORD.name)
+            fields["password"] = password
         prefix = raw["prefix"]
         if not isinstance(prefix, str) or not prefix.endswith("/"):
             raise ValueError(f"prefix {prefix!r} must be a string ending in '/'")
@@ -54,17 +69,17 @@ def decode_meeting(text: str) -> tuple[EtcdConfig, str]:
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"{MEETING_ENV} is malformed: {exc}") from None
+        raise ConfigError(f"{MEETING.name} is malformed: {exc}") from None
 
 
 def connect_meeting_store(timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
     """The workers' meeting store: etcd when the agent says so, else the launcher's TCPStore.
 
     Raises:
-        ConfigError: :data:`MEETING_ENV` is malformed, or neither it nor
+        ConfigError: :data:`~unicron_elastic.env.MEETING` is malformed, or neither it nor
             ``MASTER_ADDR``/``MASTER_PORT`` is set.
     """
-    text = os.environ.get(MEETING_ENV)
+    text = meeting_text()
     if text:
         from unicron_elastic.store.c10d import EtcdC10dStore
         from unicron_elastic.store.client import StatusStore
@@ -72,5 +87,5 @@ def connect_meeting_store(timeout: timedelta = timedelta(seconds=60)) -> dist.St
         config, prefix = decode_meeting(text)
         return EtcdC10dStore(StatusStore(config), prefix, timeout=timeout)
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise ConfigError(f"no meeting store: set by unicron-run ({MEETING_ENV}) or torchrun (MASTER_ADDR/MASTER_PORT)")
+        raise ConfigError(f"no meeting store: set by unicron-run ({MEETING.name}) or torchrun (MASTER_ADDR/MASTER_PORT)")
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)

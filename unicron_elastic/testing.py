@@ -25,7 +25,7 @@ from unicron_elastic.faults import (  # noqa: F401 - re-exported: tests and demo
     maybe_fail,
     planned_faults,
 )
-from unicron_elastic.node.processes import child_pids, process_tree, signal_tree  # noqa: F401 - re-exported for tests
+from unicron_elastic.processes import child_pids, process_tree, signal_tree  # noqa: F401 - re-exported for tests
 from unicron_elastic.store.keys import MeetingKeys
 
 

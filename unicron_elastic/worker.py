@@ -32,7 +32,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
-SOCKET_ENV = "UNICRON_AGENT_SOCKET"
+from unicron_elastic.env import AGENT_SOCKET, agent_socket
+
+SOCKET_ENV = AGENT_SOCKET.name  # (the variable is env.AGENT_SOCKET)
 T = TypeVar("T")
 _MAX_TRACEBACK = 8000
 #: Longest reason a rejoin request carries (the agent refuses longer ones).
@@ -53,7 +55,7 @@ class WorkerChannel:
     """
 
     def __init__(self, agent_path: str | None = None, rank: int | None = None) -> None:
-        self.agent_path = agent_path if agent_path is not None else os.environ.get(SOCKET_ENV, "")
+        self.agent_path = agent_path if agent_path is not None else agent_socket()
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.dropped = 0
         self.active = bool(self.agent_path)

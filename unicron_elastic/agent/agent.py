@@ -38,7 +38,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, Worker, Worker
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from unicron_elastic.agent import _torch_compat
+from unicron_elastic.agent import _torch_compat, detectors
 from unicron_elastic.agent.api import AgentConfig, Detector, NodeGaveUp
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.ladder import LEFT_OUT, Action, RankHistory, Rung, climb
@@ -59,11 +59,17 @@ from unicron_elastic.agent.signals import (
 from unicron_elastic.api import ConfigError, StoreError
 from unicron_elastic.detection.hang import Finding
 from unicron_elastic.events import Classification, ErrorEvent, Severity
-from unicron_elastic.meeting import MAX_WORLD_ENV
-from unicron_elastic.node import NODE_DAEMON_ENV
+from unicron_elastic.env import (
+    node_daemon,
+    respawn_env,
+    set_agent_socket,
+    set_generation,
+    set_joiner,
+    set_max_world,
+    set_round,
+)
 from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
 from unicron_elastic.store.client import StatusStore
-from unicron_elastic.worker import SOCKET_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -71,11 +77,6 @@ EVENTS = Counter("unicron_events_total", "Error events detected by this agent", 
 ACTIONS = Counter("unicron_actions_total", "Actions taken by this agent", ["action"])
 DETECTION = Histogram("unicron_detection_latency_seconds", "From failure to detection", ["detector"],
                       buckets=(0.01, 0.05, 0.1, 0.3, 1, 3, 10, 60))
-
-GENERATION_ENV = "UNICRON_GENERATION"
-#: The rendezvous round the workers were started in (set by the unicron rendezvous; 0: the run's first).
-ROUND_ENV = "UNICRON_ROUND"
-
 
 def make_detectors(config: AgentConfig, pm: Any = None) -> list[Detector]:
     """The detectors ``config.detectors`` names, from the ``unicron_detectors`` hook.
@@ -91,7 +92,7 @@ def make_detectors(config: AgentConfig, pm: Any = None) -> list[Detector]:
         ConfigError: A name is provided by no plugin; the message lists the known ones.
     """
     provided: dict[str, Detector] = {}
-    for batch in call_isolated(pm or plugin_manager(), "unicron_detectors", config=config):
+    for batch in call_isolated(pm or plugin_manager(builtins=(detectors,)), "unicron_detectors", config=config):
         for detector in batch:
             provided.setdefault(detector.name, detector)
     unknown = [name for name in config.detectors if name not in provided]
@@ -124,7 +125,7 @@ class UnicronAgent(LocalElasticAgent):
         self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
         self.left = False  # asked to leave: the workers leave the data-parallel group at a step boundary
         self.finished = False  # every worker of this node succeeded (torch's exit barrier comes only then)
-        self._pm = plugin_manager()
+        self._pm = plugin_manager(builtins=(detectors,))
         self._detectors = make_detectors(self.config, self._pm)
         self._started = False
         tmp = tempfile.mkdtemp(prefix="unicron-")
@@ -134,7 +135,7 @@ class UnicronAgent(LocalElasticAgent):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._dir: str | None = tmp
-        os.environ[SOCKET_ENV] = self._channel.path
+        set_agent_socket(self._channel.path)
         self._meeting: MeetingPoint | None = None
         handler = self._worker_group.spec.rdzv_handler
         if hasattr(handler, "rejoin"):  # the unicron rendezvous: a returning node takes its place, no restart-all
@@ -164,13 +165,13 @@ class UnicronAgent(LocalElasticAgent):
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
         log.info("agent_rendezvous_complete", world_size=world_size)
         if getattr(worker_group.spec.rdzv_handler, "rejoined", False):
-            os.environ["UNICRON_WORKER_RESTARTS"] = "1"  # its workers join the running task from a replica
+            set_joiner()  # its workers join the running task from a replica
         current_round = getattr(worker_group.spec.rdzv_handler, "current_round", None)
         if current_round is not None:  # > 0: this run's workers were restarted all together (torch's restart-all)
-            os.environ[ROUND_ENV] = str(current_round())
+            set_round(current_round())
         self._open_meeting(worker_group)
         if self._meeting is not None and self._meeting.start is not None:  # the same for every worker of the run
-            os.environ[MAX_WORLD_ENV] = str(self._meeting.start.max_world)
+            set_max_world(self._meeting.start.max_world)
         if not self._started:
             self._started = True
             for detector in self._detectors:
@@ -220,7 +221,7 @@ class UnicronAgent(LocalElasticAgent):
         if self._meeting is not None:
             self._meeting.close()
         watching = any(hasattr(d, "peer_lost") for d in self._detectors)
-        under_daemon = bool(os.environ.get(NODE_DAEMON_ENV))
+        under_daemon = node_daemon() is not None
         self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
                                      worker_group.group_rank, worker_group.group_world_size,
                                      host=worker_group.spec.local_addr or socket.getfqdn(),
@@ -296,7 +297,7 @@ class UnicronAgent(LocalElasticAgent):
             leave_possible(False)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        os.environ[GENERATION_ENV] = str(self.generation)
+        set_generation(self.generation)
         with stop_signals_deferred():  # a signal now: after torch recorded every worker, so it stops them all
             ids = super()._start_workers(worker_group)
             install_stop_signals()  # in case torch registered its own handler after all
@@ -555,14 +556,14 @@ class UnicronAgent(LocalElasticAgent):
         state.rejoining = None
         if self._meeting is not None:
             self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.{restarts}", self.left)
-        env = {GENERATION_ENV: f"{self.generation}.{restarts}", "UNICRON_WORKER_RESTARTS": str(restarts)}
+        env = respawn_env(self.generation, restarts)
         started = time.monotonic()
         pid = _torch_compat.respawn(self._pcontext, local_rank, env)  # type: ignore[arg-type]
         worker.id = pid
         state.reply = ""
         log.info("worker_restarted", rank=worker.global_rank, local_rank=local_rank, pid=pid,
                  seconds=round(time.monotonic() - started, 4))
-        self._notify_started([local_rank], env[GENERATION_ENV])
+        self._notify_started([local_rank], f"{self.generation}.{restarts}")
 
     # -- messages and monitoring -------------------------------------------------
     def _on_message(self, msg: dict[str, Any], received: float) -> None:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from subprocess import Popen
 from typing import TYPE_CHECKING, Any, Protocol
 
-from unicron_elastic.agent.ladder import EXIT_GIVE_UP, LadderPolicy
 from unicron_elastic.api import ConfigError, UnicronError
 from unicron_elastic.detection.hang import Finding, HangThresholds
 from unicron_elastic.events import Classification, ErrorEvent
@@ -21,8 +20,33 @@ from unicron_elastic.events import Classification, ErrorEvent
 if TYPE_CHECKING:
     from unicron_elastic.store.client import StatusStore
 
+#: Exit code of an agent that gave up its node (SEV1): EX_TEMPFAIL.
+EXIT_GIVE_UP = 75
 #: The built-in detectors, in ``--detectors``' default order.
 ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
+
+
+@dataclass(frozen=True)
+class LadderPolicy:
+    """Bounds of the ladder.
+
+    Attributes:
+        max_reattempts: SEV3 reattempts per step.
+        max_worker_restarts: SEV2 restarts per rank.
+        max_rejoins: Restarts as a joiner per rank after a ``left_out`` exit
+            (not counted as restarts); past it such an exit is a SEV2.
+
+    Raises:
+        ConfigError: A bound is negative.
+    """
+
+    max_reattempts: int = 3
+    max_worker_restarts: int = 3
+    max_rejoins: int = 10
+
+    def __post_init__(self) -> None:
+        if self.max_reattempts < 0 or self.max_worker_restarts < 0 or self.max_rejoins < 0:
+            raise ConfigError("max_reattempts, max_worker_restarts and max_rejoins must be >= 0")
 
 
 class DetectorContext(Protocol):

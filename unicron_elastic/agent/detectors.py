@@ -17,11 +17,12 @@ from typing import Any
 
 import structlog
 
-from unicron_elastic.agent.api import Detector, DetectorContext
+from unicron_elastic.agent.api import AgentConfig, Detector, DetectorContext
 from unicron_elastic.api import StoreError
 from unicron_elastic.detection.hang import HangThresholds, IterationMonitor, hang_verdict
 from unicron_elastic.events import ErrorEvent, Severity
-from unicron_elastic.node import NODE_DAEMON_ENV
+from unicron_elastic.plugins import hookimpl
+from unicron_elastic.env import node_daemon
 from unicron_elastic.store.lease import KeptLease
 
 log = structlog.get_logger(__name__)
@@ -260,7 +261,7 @@ class NodeHealthDetector(Detector):
         if store is None:
             log.info("detector_disabled", detector=self.name, reason="no etcd status store (not the unicron backend)")
             return
-        if os.environ.get(NODE_DAEMON_ENV):
+        if node_daemon() is not None:
             return  # the daemon's record is this node's; the meeting point's lease is the agent's
         self.lease = KeptLease(store, self.ttl, on_lost=ctx.lost_own_lease, on_renewed=self._register)
         self._register(self.lease.id)
@@ -271,7 +272,7 @@ class NodeHealthDetector(Detector):
         Raises:
             StoreError: etcd refused or could not be reached.
         """
-        if os.environ.get(NODE_DAEMON_ENV) or self._stopping:
+        if node_daemon() is not None or self._stopping:
             return  # the node daemon holds this node's record (with its slots) on its own lease; or leaving
         store = self.ctx.store
         assert store is not None
@@ -298,7 +299,7 @@ class NodeHealthDetector(Detector):
         store = self.ctx.store if hasattr(self, "ctx") else None
         self._stopping = True
         if self.lease is not None and store is not None:
-            if not os.environ.get(NODE_DAEMON_ENV):
+            if node_daemon() is None:
                 try:
                     store.put_json(store.keys.node(self.ctx.node), {"state": "leaving"}, lease=self.lease.id)
                 except StoreError:
@@ -363,3 +364,15 @@ class NvmlDetector(Detector):
 
     def stop(self) -> None:
         self._stop.set()
+
+
+@hookimpl
+def unicron_detectors(config: AgentConfig) -> list[Detector]:
+    """The built-in detectors of paper Table 1 plus NVML (this module is the agent's built-in plugin)."""
+    return [
+        NodeHealthDetector(ttl=config.node_ttl),
+        ProcessDetector(),
+        ExceptionDetector(),
+        HangDetector(config.hang),
+        NvmlDetector(),
+    ]

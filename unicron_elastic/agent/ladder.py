@@ -22,11 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from unicron_elastic.api import ConfigError
+from unicron_elastic.agent.api import EXIT_GIVE_UP, LadderPolicy  # noqa: F401 - named here too (its home is the contract)
 from unicron_elastic.events import ErrorEvent, Severity
 
-#: Exit code of an agent that gave up its node (SEV1): EX_TEMPFAIL.
-EXIT_GIVE_UP = 75
 #: Event kind of a worker that exited after asking to rejoin (alive, but left out of its group).
 LEFT_OUT = "left_out"
 
@@ -39,29 +37,6 @@ class Action(str, Enum):
     RESTART_ALL = "restart_all"
     GIVE_UP = "give_up"
     OBSERVE = "observe"
-
-
-@dataclass(frozen=True)
-class LadderPolicy:
-    """Bounds of the ladder.
-
-    Attributes:
-        max_reattempts: SEV3 reattempts per step.
-        max_worker_restarts: SEV2 restarts per rank.
-        max_rejoins: Restarts as a joiner per rank after a ``left_out`` exit
-            (not counted as restarts); past it such an exit is a SEV2.
-
-    Raises:
-        ConfigError: A bound is negative.
-    """
-
-    max_reattempts: int = 3
-    max_worker_restarts: int = 3
-    max_rejoins: int = 10
-
-    def __post_init__(self) -> None:
-        if self.max_reattempts < 0 or self.max_worker_restarts < 0 or self.max_rejoins < 0:
-            raise ConfigError("max_reattempts, max_worker_restarts and max_rejoins must be >= 0")
 
 
 @dataclass(frozen=True)

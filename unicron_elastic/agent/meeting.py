@@ -26,7 +26,8 @@ import structlog
 import torch.distributed as dist
 
 from unicron_elastic.api import PlaceTakenError, StoreError
-from unicron_elastic.meeting import MEETING_ENV, PASSWORD_ENV, encode_meeting
+from unicron_elastic.env import clear_meeting, set_meeting
+from unicron_elastic.meeting import encode_meeting
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.keys import MeetingKeys
@@ -248,10 +249,8 @@ class MeetingPoint:
         return server
 
     def export(self) -> None:
-        """Set :data:`~unicron_elastic.meeting.MEETING_ENV` (and the password variable) for the workers started next."""
-        os.environ[MEETING_ENV] = encode_meeting(self.store.config, self.prefix)
-        if self.store.config.password is not None:
-            os.environ.setdefault(PASSWORD_ENV, self.store.config.password)
+        """Set :data:`~unicron_elastic.env.MEETING` (and the password variable) for the workers started next."""
+        set_meeting(encode_meeting(self.store.config, self.prefix), self.store.config.password)
 
     def worker_started(self, rank: int, incarnation: str, leaving: bool = False) -> None:
         """Worker ``rank`` runs as ``incarnation`` (its liveness key lives with this node's lease).
@@ -351,7 +350,7 @@ class MeetingPoint:
 
         The server (and the snapshot in it) is dropped even when revoking fails.
         """
-        os.environ.pop(MEETING_ENV, None)
+        clear_meeting()
         if self._places is not None:
             self._places.cancel()
         try:

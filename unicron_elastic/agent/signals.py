@@ -22,6 +22,7 @@ import structlog
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from unicron_elastic.agent import _torch_compat
+from unicron_elastic.env import daemon_pid
 
 log = structlog.get_logger(__name__)
 
@@ -172,11 +173,9 @@ def raise_if_orphaned() -> None:
     Raises:
         SignalException: ``$UNICRON_NODE_DAEMON_PID`` is set and is no longer the parent.
     """
-    from unicron_elastic.node import DAEMON_PID_ENV
-
-    expected = os.environ.get(DAEMON_PID_ENV)
-    if expected and expected.isdigit() and os.getppid() != int(expected) and not _shutting_down.is_set():
-        log.warning("node_daemon_gone", daemon_pid=int(expected))
+    expected = daemon_pid()
+    if expected is not None and os.getppid() != expected and not _shutting_down.is_set():
+        log.warning("node_daemon_gone", daemon_pid=expected)
         raise SignalException(f"Process {os.getpid()}: node daemon {expected} is gone", sigval=signal.SIGTERM)
 
 

@@ -25,10 +25,11 @@ from collections.abc import Callable
 import structlog
 
 from unicron_elastic.api import MalformedValueError, NotLeaderError, StoreError
-from unicron_elastic.coordinator.api import ClusterPlan, NodeRecord, SpecError, TaskSpec
+from unicron_elastic.coordinator.api import ClusterPlan, NodeRecord
 from unicron_elastic.coordinator.metrics import CoordinatorMetrics
 from unicron_elastic.coordinator.observe import Observed, changes
 from unicron_elastic.coordinator.policy import fold
+from unicron_elastic.coordinator.records import read_plan, read_specs
 from unicron_elastic.coordinator.sizing import DeferredTable
 from unicron_elastic.coordinator.standby import state_from_json, state_from_plan, state_to_json
 from unicron_elastic.coordinator.vocabulary import (
@@ -51,37 +52,6 @@ log = structlog.get_logger(__name__)
 
 #: Most operations the coordinator puts in one etcd transaction (etcd's default limit is 128).
 MAX_TXN_OPS = 120
-
-_reported: set[tuple[str, int]] = set()  # malformed specs already logged (key, revision)
-
-
-def read_specs(store: StatusStore) -> dict[str, TaskSpec]:
-    """Every stored task spec by name, oldest first; malformed ones are skipped (and logged once)."""
-    out = {}
-    kvs = [kv for kv in store.get_prefix(store.keys.tasks()) if kv.key.endswith("/spec")]
-    for kv in sorted(kvs, key=lambda kv: kv.create_revision):
-        try:
-            spec = TaskSpec.from_dict(json.loads(kv.value), check_command=False)
-        except (ValueError, SpecError, RecursionError, UnicodeDecodeError) as exc:
-            if (kv.key, kv.mod_revision) not in _reported:
-                _reported.add((kv.key, kv.mod_revision))
-                log.warning("malformed_task_spec_skipped", key=kv.key, error=str(exc))
-            continue
-        out[spec.name] = spec
-    return out
-
-
-def read_plan(store: StatusStore) -> ClusterPlan | None:
-    """The stored plan, or None if there is none (a malformed one is logged and read as none)."""
-    kv = store.get(store.keys.plan())
-    if kv is None:
-        return None
-    try:
-        return ClusterPlan.from_json(kv.value)
-    except MalformedValueError as exc:
-        log.error("malformed_plan_ignored", error=str(exc))
-        return None
-
 
 def _event_ok(e: ErrorEvent) -> bool:
     """The fields the policy reads have the right types (``from_json`` checks only the shape)."""

@@ -38,8 +38,9 @@ import structlog
 from unicron_elastic.api import MalformedValueError, StoreError
 from unicron_elastic.coordinator.api import ClusterPlan, Command, NodeRecord, TaskSpec
 from unicron_elastic.coordinator.transition import keeps_running, leaves_first
+from unicron_elastic.env import launcher_environment
 from unicron_elastic.events import ErrorEvent, Severity
-from unicron_elastic.node.processes import signal_tree
+from unicron_elastic.processes import signal_tree
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.lease import KeptLease
 from unicron_elastic.store.watch import PrefixWatch
@@ -158,7 +159,7 @@ class NodeDaemon:
 
     def _drain(self) -> None:
         """Mark the record ``leaving``; once the plan drops this node, leave a task that goes on elsewhere."""
-        from unicron_elastic.coordinator.service import read_plan
+        from unicron_elastic.coordinator.records import read_plan
 
         assert self.lease is not None
         self._leaving = True
@@ -299,20 +300,14 @@ class NodeDaemon:
         ]
 
     def _start(self, task: str) -> None:
-        from unicron_elastic.meeting import PASSWORD_ENV
-        from unicron_elastic.node import DAEMON_PID_ENV, NODE_DAEMON_ENV
-        from unicron_elastic.coordinator.service import read_specs
+        from unicron_elastic.coordinator.records import read_specs
 
         spec = read_specs(self.store).get(task)
         if spec is None:
             log.error("task_spec_missing", node=self.name, task=task)
             self._next_start = time.monotonic() + RESTART_BACKOFF_S
             return
-        env = dict(os.environ)
-        env[NODE_DAEMON_ENV] = self.name
-        env[DAEMON_PID_ENV] = str(os.getpid())
-        if self.store.config.password:
-            env[PASSWORD_ENV] = self.store.config.password
+        env = launcher_environment(self.name, os.getpid(), self.store.config.password or None)
         command = self.applied
         per_node = command.workers // command.nodes if command is not None and command.nodes else None
         argv = self.launcher_argv(spec, per_node)
@@ -321,7 +316,7 @@ class NodeDaemon:
 
     def _stored_plan(self) -> ClusterPlan | None:
         """The plan in the store (None: none yet, or unreadable: then the launcher is stopped, not left)."""
-        from unicron_elastic.coordinator.service import read_plan
+        from unicron_elastic.coordinator.records import read_plan
 
         try:
             return read_plan(self.store)

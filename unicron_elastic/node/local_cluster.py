@@ -18,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-from unicron_elastic.node.processes import signal_tree
+from unicron_elastic.processes import signal_tree
 from unicron_elastic.store.embedded import EmbeddedEtcd, EmbeddedEtcdCluster
 
 log = structlog.get_logger(__name__)

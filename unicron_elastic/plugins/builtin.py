@@ -1,41 +1,20 @@
-"""The default plugin: built-in behaviour, registered like any other plugin."""
+"""The default plugin: built-in behaviour, registered like any other plugin.
+
+The agent's built-in detectors are a plugin of the agent's own (:mod:`unicron_elastic.agent.detectors`,
+registered by the agent through ``plugin_manager(builtins=...)``): plugins stay below the agent.
+"""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from unicron_elastic.detection.severity import classify
 from unicron_elastic.events import Classification
 from unicron_elastic.plugins import hookimpl
-
-if TYPE_CHECKING:
-    from unicron_elastic.agent.api import AgentConfig, Detector
 
 
 @hookimpl(trylast=True)
 def unicron_classify_exception(exc_type: str, message: str, traceback: str) -> Classification:
     """The severity table of paper Table 1 (see ``detection/severity.py``)."""
     return classify(exc_type, message)
-
-
-@hookimpl
-def unicron_detectors(config: AgentConfig) -> list[Detector]:
-    """The built-in detectors of paper Table 1 plus NVML."""
-    from unicron_elastic.agent.detectors import (
-        ExceptionDetector,
-        HangDetector,
-        NodeHealthDetector,
-        NvmlDetector,
-        ProcessDetector,
-    )
-
-    return [
-        NodeHealthDetector(ttl=config.node_ttl),
-        ProcessDetector(),
-        ExceptionDetector(),
-        HangDetector(config.hang),
-        NvmlDetector(),
-    ]
 
 
 @hookimpl

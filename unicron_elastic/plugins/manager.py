@@ -14,14 +14,19 @@ from unicron_elastic.plugins.hookspecs import PROJECT
 log = structlog.get_logger(__name__)
 
 
-def plugin_manager(load_entry_points: bool = True, extra: tuple[object, ...] = ()) -> pluggy.PluginManager:
-    """A manager with all hooks, the default plugin, entry-point plugins and ``extra``.
+def plugin_manager(load_entry_points: bool = True, extra: tuple[object, ...] = (),
+                   builtins: tuple[object, ...] = ()) -> pluggy.PluginManager:
+    """A manager with all hooks, the default plugin, ``builtins``, entry-point plugins and ``extra``.
 
+    ``builtins`` are the caller's own built-in plugins (the agent's detectors): registered right
+    after the default plugin and before entry points, so an installed plugin still overrides them.
     A plugin whose import fails is logged and skipped.
     """
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
     pm.register(builtin, name="unicron-builtin")
+    for plugin in builtins:
+        pm.register(plugin)
     if load_entry_points:
         try:
             pm.load_setuptools_entrypoints(PROJECT)

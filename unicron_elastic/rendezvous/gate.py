@@ -119,15 +119,15 @@ class PlanGate(JoinGate):
 
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        from unicron_elastic.node import DAEMON_PID_ENV
+        from unicron_elastic.env import daemon_pid
 
         waited_since = time.monotonic()
         while True:
             plan, share = self._share(request.task)
             if share is not None and self.node in share.nodes:
                 return
-            daemon = os.environ.get(DAEMON_PID_ENV, "")
-            if daemon.isdigit() and os.getppid() != int(daemon):
+            daemon = daemon_pid()
+            if daemon is not None and os.getppid() != daemon:
                 raise SignalException(f"node daemon {daemon} is gone", sigval=signal.SIGTERM)
             if time.monotonic() - waited_since > self.timeout:
                 log.warning("plan_gate_waiting", node=self.node, task=request.task,

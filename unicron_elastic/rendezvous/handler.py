@@ -305,11 +305,9 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
 
 def _default_gate(store: StatusStore, options: BackendOptions) -> JoinGate:
     """:class:`PlanGate` under a node daemon (``$UNICRON_NODE_DAEMON`` names the node), else :class:`OpenGate`."""
-    import os
+    from unicron_elastic.env import node_daemon
 
-    from unicron_elastic.node import NODE_DAEMON_ENV
-
-    node = os.environ.get(NODE_DAEMON_ENV)
+    node = node_daemon()
     if not node:
         return OpenGate()
     timeout = options.join_timeout.total_seconds() if options.join_timeout is not None else 600.0

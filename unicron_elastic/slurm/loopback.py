@@ -26,14 +26,15 @@ from pathlib import Path
 import structlog
 
 from unicron_elastic.api import UnicronError
-from unicron_elastic.node.processes import process_tree
+from unicron_elastic.env import LOOPBACK_SLURM_NODE
+from unicron_elastic.processes import process_tree
 from unicron_elastic.slurm.api import parse_node_line, state_flags
 from unicron_elastic.store.embedded import free_port
 
 log = structlog.get_logger(__name__)
 
 #: The environment variable that marks a loopback node's ``slurmd`` (and the ``slurmstepd`` it starts).
-NODE_MARK_ENV = "UNICRON_LOOPBACK_SLURM_NODE"
+NODE_MARK_ENV = LOOPBACK_SLURM_NODE.name
 #: Seconds a job credential lives, and so how long SLURM holds a requeued job back (its default is 120).
 CRED_EXPIRE_S = 10
 #: What a loopback cluster needs on PATH (Debian: ``apt-get install slurmd slurmctld munge``).

@@ -23,7 +23,6 @@ conflict for a write of its own, which CAS callers handle anyway (they re-read).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from unicron_elastic.api import (
     StoreUnavailableError,
     member_endpoint,
 )
+from unicron_elastic.env import event_retention
 from unicron_elastic.store import _etcd3_compat
 from unicron_elastic.store.keys import Keys
 
@@ -57,20 +57,10 @@ T = TypeVar("T")
 
 #: Events kept under ``events/`` by :meth:`StatusStore.append_event` (env ``UNICRON_EVENT_RETENTION``).
 DEFAULT_EVENT_RETENTION = 1000
-EVENT_RETENTION_ENV = "UNICRON_EVENT_RETENTION"
 
 
 def _event_retention_from_env() -> int:
-    raw = os.environ.get(EVENT_RETENTION_ENV, "").strip()
-    if not raw:
-        return DEFAULT_EVENT_RETENTION
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ConfigError(f"{EVENT_RETENTION_ENV}={raw!r} must be a whole number >= 1")
-    return value
+    return event_retention(DEFAULT_EVENT_RETENTION)
 
 
 _CONNECTION_ERRORS = (

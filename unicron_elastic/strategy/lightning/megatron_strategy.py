@@ -62,7 +62,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.faults import maybe_fail
-from unicron_elastic.meeting import MEETING_ENV, connect_meeting_store
+from unicron_elastic.env import meeting_text, round_, worker_restarts
+from unicron_elastic.meeting import connect_meeting_store
 from unicron_elastic.strategy.engine.bootstrap import watch_members
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, Retired, StepReport
 from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOptions
@@ -280,8 +281,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         one resumes from the in-memory snapshot or the disk checkpoint and the
         others take its state, instead of step 0.
         """
-        restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
-        restarted_all = int(os.environ.get("UNICRON_ROUND", "0") or 0) > 0
+        restarted = worker_restarts() > 0
+        restarted_all = round_() > 0
         return restarted or restarted_all or self.replica not in self._members()
 
     @property
@@ -316,7 +317,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         world = self.env.launch_world_size
         if world == 1 and "MASTER_PORT" not in os.environ:
             return dist.HashStore()
-        if os.environ.get(MEETING_ENV):
+        if meeting_text():
             return connect_meeting_store()
         return self._agent_store()
 
@@ -340,9 +341,9 @@ class UnicronMegatronStrategy(DDPStrategy):
         reading. Under plain ``torchrun``: torch's agent TCPStore on the
         rank-0 node (the workers' store).
         """
-        if isinstance(self._store, dist.HashStore) or not os.environ.get(MEETING_ENV):
+        if isinstance(self._store, dist.HashStore) or not (meeting := meeting_text()):
             return self._store
-        return PeerServers.from_meeting(os.environ[MEETING_ENV], self.env.node_rank())
+        return PeerServers.from_meeting(meeting, self.env.node_rank())
 
     def setup_distributed(self) -> None:
         """Connect to the launcher's store, build the first world and the elastic engine.
