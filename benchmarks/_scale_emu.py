@@ -394,7 +394,7 @@ class EmuAgent:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
         from unicron_elastic.agent.meeting import RoundStart
-        from unicron_elastic.agent.ranks import max_world, ranks_past_round
+        from unicron_elastic.rendezvous.api import max_world, ranks_past_round
         from unicron_elastic.agent.detectors import NodeHealthDetector
 
         s = self.settings

@@ -291,7 +291,7 @@ def test_bad_unicron_max_world_names_the_variable(monkeypatch, raw: str, match: 
 
 
 def test_ranks_past_a_round_follow_its_own_and_stay_below_max_world() -> None:
-    from unicron_elastic.agent.ranks import max_world, ranks_past_round
+    from unicron_elastic.rendezvous.api import max_world, ranks_past_round
 
     for nodes, world, most, nproc in [(1, 2, 2, 2), (2, 5, 4, 3), (3, 3, 3, 1)]:
         grown = [r for place in range(nodes, most) for r in ranks_past_round(nodes, world, place, nproc)]

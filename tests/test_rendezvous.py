@@ -255,7 +255,7 @@ def test_c10d_store_works_through_torch_apis(store: StatusStore) -> None:
 def _running(etcd_config: EtcdConfig, run_id: str, nproc: int = 2):
     """A one-node round of ``run_id`` formed through torch's rendezvous, its agent's meeting point open."""
     from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
-    from unicron_elastic.agent.ranks import max_world
+    from unicron_elastic.rendezvous.api import max_world
 
     handler = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout="20"))
     handler.rejoin, handler.local_world_size = True, nproc  # (what unicron-run's agent sets)
@@ -277,7 +277,7 @@ def _arriving(etcd_config: EtcdConfig, run_id: str, join_timeout: str = "20", np
 
 def test_a_node_arriving_at_a_growable_round_adds_a_place_up_to_the_max(etcd_config: EtcdConfig,
                                                                         store: StatusStore) -> None:
-    from unicron_elastic.agent.ranks import max_world, ranks_past_round
+    from unicron_elastic.rendezvous.api import max_world, ranks_past_round
 
     first, point = _running(etcd_config, "grow")
     try:

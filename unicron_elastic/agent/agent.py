@@ -42,9 +42,8 @@ from unicron_elastic.agent import _torch_compat, detectors
 from unicron_elastic.agent.api import AgentConfig, Detector, NodeGaveUp
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.ladder import LEFT_OUT, Action, RankHistory, Rung, climb
-from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+from unicron_elastic.agent.meeting import MeetingPoint
 from unicron_elastic.agent.rank_state import RankState
-from unicron_elastic.agent.ranks import max_world, ranks_past_round
 from unicron_elastic.agent.signals import (
     begin_shutdown,
     install_leave_signal,
@@ -69,6 +68,7 @@ from unicron_elastic.env import (
     set_round,
 )
 from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
+from unicron_elastic.rendezvous.api import RoundStart, max_world, ranks_past_round
 from unicron_elastic.store.client import StatusStore
 
 log = structlog.get_logger(__name__)

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
 import structlog
 import torch.distributed as dist
@@ -28,108 +28,14 @@ import torch.distributed as dist
 from unicron_elastic.api import PlaceTakenError, StoreError
 from unicron_elastic.env import clear_meeting, set_meeting
 from unicron_elastic.meeting import encode_meeting
+from unicron_elastic.rendezvous.api import PlaceHolder, RoundStart
+from unicron_elastic.rendezvous.rounds import initial_round, raise_places
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.keys import MeetingKeys
 from unicron_elastic.store.lease import KeptLease
 
 log = structlog.get_logger(__name__)
-
-
-def raise_places(store: StatusStore, prefix: str, places: int) -> None:
-    """Make the round at ``prefix`` have at least ``places`` places (:attr:`MeetingKeys.AGENTS_WORLD` never shrinks).
-
-    Raises:
-        StoreError: etcd refused or could not be reached.
-    """
-    key = prefix + MeetingKeys.AGENTS_WORLD
-    while True:
-        kv = store.get(key)
-        if kv is not None and int(kv.value) >= places:
-            return
-        if store.cas(key, str(int(places)).encode(), None if kv is None else kv.mod_revision).succeeded:
-            return
-
-
-@dataclass(frozen=True)
-class PlaceHolder:
-    """Who holds a place of a round: the value of its agent key, ``<node>@<host>:<pid>:<round>.<place>``.
-
-    A holder that leaves its place on purpose (its run ended, it left the task, it was stopped, its
-    round ended) marks it ``left`` before its lease goes (``...|left``): peers then see no lost node.
-
-    Attributes:
-        node: The node's name (``--node-name``).
-        host: Its host name.
-        pid: The agent's process.
-        round: The round.
-        place: The place (group rank).
-        left: Marked by its holder just before it let the place go.
-    """
-
-    node: str
-    host: str
-    pid: int
-    round: int
-    place: int
-    left: bool = False
-
-    def encode(self) -> str:
-        """The agent key's value."""
-        text = f"{self.node}@{self.host}:{self.pid}:{self.round}.{self.place}"
-        return text + LEFT_MARK if self.left else text
-
-    @staticmethod
-    def decode(value: bytes | str) -> PlaceHolder | None:
-        """The holder an agent key names; None for another value (a claim in progress)."""
-        try:
-            text = value.decode() if isinstance(value, bytes) else value
-            left = text.endswith(LEFT_MARK)
-            node, rest = text.removesuffix(LEFT_MARK).rsplit("@", 1)
-            host, pid, where = rest.rsplit(":", 2)
-            round_, place = where.split(".")
-            return PlaceHolder(node, host, int(pid), int(round_), int(place), left)
-        except (ValueError, UnicodeDecodeError):
-            return None
-
-
-#: What a holder appends to its agent key's value just before letting its place go on purpose.
-LEFT_MARK = "|left"
-
-
-@dataclass(frozen=True)
-class RoundStart:
-    """A round as torch formed it (recorded by its first agent in the meeting space).
-
-    Attributes:
-        nodes: Nodes (places) torch gave the round.
-        world: Workers in it (``WORLD_SIZE``).
-        nproc: Workers of each place a node adds (the first agent's
-            ``--nproc-per-node``; a node running another number cannot grow the run).
-        max_world: The highest rank + 1 the run may have when nodes grow it
-            (``$UNICRON_MAX_WORLD`` of every worker: their groups must agree on it).
-        started: When it was recorded (``time.time()`` of that agent's host).
-    """
-
-    nodes: int
-    world: int
-    nproc: int
-    max_world: int
-    started: float = field(default_factory=time.time)
-
-
-def initial_round(store: StatusStore, prefix: str) -> RoundStart | None:
-    """The round at ``prefix`` as torch formed it; None when no agent recorded it.
-
-    Raises:
-        StoreError: etcd refused or could not be reached.
-    """
-    kv = store.get(prefix + MeetingKeys.AGENTS_INITIAL)
-    if kv is None:
-        return None
-    value = json.loads(kv.value)
-    return RoundStart(int(value["nodes"]), int(value["world"]), int(value["nproc"]), int(value["max_world"]),
-                      float(value["started"]))
 
 
 class MeetingPoint:
@@ -199,7 +105,7 @@ class MeetingPoint:
 
         Peers regrouping while the keys were gone counted these workers dead
         and left them out; they come back as joiners (see
-        :func:`unicron_elastic.strategy.membership.role`). The place itself
+        :func:`unicron_elastic.strategy.engine.membership.role`). The place itself
         is put back create-only: a node that arrived meanwhile may have found
         it free and claimed it (its workers take these ranks), and then this
         node has lost it (the fencing of :meth:`UnicronRendezvousHandler._claim

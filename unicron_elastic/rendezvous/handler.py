@@ -20,12 +20,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from unicron_elastic.agent.meeting import initial_round, raise_places
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
 from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate, PlanGate
 from unicron_elastic.rendezvous import quiet
 from unicron_elastic.rendezvous.options import BackendOptions, parse_options
-from unicron_elastic.rendezvous.rounds import RunRounds
+from unicron_elastic.rendezvous.rounds import RunRounds, initial_round, raise_places
 from unicron_elastic.api import StoreError
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore

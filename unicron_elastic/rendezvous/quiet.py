@@ -48,7 +48,7 @@ def live_places(store: StatusStore, run_id: str, round_: int) -> dict[int, int]:
     Raises:
         StoreError: etcd refused or could not be reached.
     """
-    from unicron_elastic.agent.meeting import PlaceHolder
+    from unicron_elastic.rendezvous.api import PlaceHolder
 
     prefix = f"{store.keys.meeting(run_id)}{int(round_)}/{MeetingKeys.PLACES}"
     out = {}

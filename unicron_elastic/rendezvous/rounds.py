@@ -9,14 +9,14 @@ Only reads and one create-only claim; the joining itself is
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import structlog
 
-from unicron_elastic.agent.meeting import initial_round
-from unicron_elastic.agent.ranks import ranks_past_round
+from unicron_elastic.rendezvous.api import RoundStart, ranks_past_round
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.keys import MeetingKeys
 
@@ -27,6 +27,35 @@ CLAIM_TTL_S = 30
 #: ``hello``, once Lightning is imported). A node that would grow the run waits for that; after it, a plan
 #: grows the run by torch's restart-all and a node without a coordinator waits for a lost node's place.
 GROWABLE_WAIT_S = 30.0
+
+
+def raise_places(store: StatusStore, prefix: str, places: int) -> None:
+    """Make the round at ``prefix`` have at least ``places`` places (:attr:`MeetingKeys.AGENTS_WORLD` never shrinks).
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+    """
+    key = prefix + MeetingKeys.AGENTS_WORLD
+    while True:
+        kv = store.get(key)
+        if kv is not None and int(kv.value) >= places:
+            return
+        if store.cas(key, str(int(places)).encode(), None if kv is None else kv.mod_revision).succeeded:
+            return
+
+
+def initial_round(store: StatusStore, prefix: str) -> RoundStart | None:
+    """The round at ``prefix`` as torch formed it; None when no agent recorded it.
+
+    Raises:
+        StoreError: etcd refused or could not be reached.
+    """
+    kv = store.get(prefix + MeetingKeys.AGENTS_INITIAL)
+    if kv is None:
+        return None
+    value = json.loads(kv.value)
+    return RoundStart(int(value["nodes"]), int(value["world"]), int(value["nproc"]), int(value["max_world"]),
+                      float(value["started"]))
 
 
 @dataclass(frozen=True)
@@ -143,7 +172,7 @@ class RunRounds:
         within :data:`GROWABLE_WAIT_S` of the round's start (workers that never
         introduce themselves: any script that does not use our engine), or
         when the arriving node runs another number of workers (``nproc``) than
-        the round's places take (:class:`~unicron_elastic.agent.meeting.RoundStart`)
+        the round's places take (:class:`~unicron_elastic.rendezvous.api.RoundStart`)
         or its ranks would pass the run's highest rank.
 
         Raises:

@@ -1,0 +1,104 @@
+"""The rendezvous' contract with the agent: a round's records and the ranks of places past a round (no I/O).
+
+The ``unicron`` rendezvous (:mod:`~unicron_elastic.rendezvous.handler`, :mod:`~unicron_elastic.rendezvous.rounds`)
+and the agent (:mod:`~unicron_elastic.agent.meeting`) both read these records in a round's meeting space;
+the store side (reading and writing them) is :mod:`~unicron_elastic.rendezvous.rounds`. A leaf: it imports
+nothing of its own package.
+
+torch assigns ranks when a round forms. A node that adds a place to a running round
+(docs/rendezvous.md) takes the ranks after the round's, and every worker of the run agrees on the
+highest rank + 1 a run may reach (``$UNICRON_MAX_WORLD``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PlaceHolder:
+    """Who holds a place of a round: the value of its agent key, ``<node>@<host>:<pid>:<round>.<place>``.
+
+    A holder that leaves its place on purpose (its run ended, it left the task, it was stopped, its
+    round ended) marks it ``left`` before its lease goes (``...|left``): peers then see no lost node.
+
+    Attributes:
+        node: The node's name (``--node-name``).
+        host: Its host name.
+        pid: The agent's process.
+        round: The round.
+        place: The place (group rank).
+        left: Marked by its holder just before it let the place go.
+    """
+
+    node: str
+    host: str
+    pid: int
+    round: int
+    place: int
+    left: bool = False
+
+    def encode(self) -> str:
+        """The agent key's value."""
+        text = f"{self.node}@{self.host}:{self.pid}:{self.round}.{self.place}"
+        return text + LEFT_MARK if self.left else text
+
+    @staticmethod
+    def decode(value: bytes | str) -> PlaceHolder | None:
+        """The holder an agent key names; None for another value (a claim in progress)."""
+        try:
+            text = value.decode() if isinstance(value, bytes) else value
+            left = text.endswith(LEFT_MARK)
+            node, rest = text.removesuffix(LEFT_MARK).rsplit("@", 1)
+            host, pid, where = rest.rsplit(":", 2)
+            round_, place = where.split(".")
+            return PlaceHolder(node, host, int(pid), int(round_), int(place), left)
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+
+#: What a holder appends to its agent key's value just before letting its place go on purpose.
+LEFT_MARK = "|left"
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """A round as torch formed it (recorded by its first agent in the meeting space).
+
+    Attributes:
+        nodes: Nodes (places) torch gave the round.
+        world: Workers in it (``WORLD_SIZE``).
+        nproc: Workers of each place a node adds (the first agent's
+            ``--nproc-per-node``; a node running another number cannot grow the run).
+        max_world: The highest rank + 1 the run may have when nodes grow it
+            (``$UNICRON_MAX_WORLD`` of every worker: their groups must agree on it).
+        started: When it was recorded (``time.time()`` of that agent's host).
+    """
+
+    nodes: int
+    world: int
+    nproc: int
+    max_world: int
+    started: float = field(default_factory=time.time)
+
+
+def ranks_past_round(nodes: int, world: int, place: int, nproc: int) -> range:
+    """Ranks of the workers on ``place`` >= ``nodes`` of a round torch formed with ``nodes`` nodes and ``world`` workers.
+
+    They follow the round's ranks, ``nproc`` per place (the round's record:
+    a node that runs another number takes no such place), whatever the
+    round's own nodes ran; their ``WORLD_SIZE`` stays the round's.
+
+    Raises:
+        ValueError: ``place`` is one of the round's own.
+    """
+    if place < nodes:
+        raise ValueError(f"place {place} is one of the round's {nodes}: torch assigned its ranks")
+    base = world + (place - nodes) * nproc
+    return range(base, base + nproc)
+
+
+def max_world(nodes: int, world: int, max_nodes: int, nproc: int) -> int:
+    """The highest rank + 1 of a run that may grow from ``nodes`` to ``max_nodes`` nodes (``$UNICRON_MAX_WORLD``)."""
+    return world + max(0, max_nodes - nodes) * nproc
