@@ -1,7 +1,12 @@
-"""The package's layout: no import circles, docs/architecture.md maps every module, the strategy registers.
+"""The package's layout: declared layers, no import circles, docs/architecture.md maps every module, the strategy registers.
 
 Static (``ast``): lazy imports and ``TYPE_CHECKING`` imports count, since a
 circle through them is still two modules that need each other.
+
+The AST cannot see imports by name, which the layering therefore does not check:
+``_lightning_hook.STRATEGY_MODULE`` (the late registration of the Lightning strategy, on purpose),
+the lazy ``_EXPORTS`` tables of packages' ``__init__`` modules, ``strategy/_old_paths.MOVED`` and
+``rendezvous/__init__.py``'s table.
 """
 
 from __future__ import annotations
@@ -55,6 +60,55 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+#: The package's layers, bottom first (docs/architecture.md, "Layers"). A module's unit is the longest
+#: name below that is the module or a package above it, else its top-level module or folder
+#: (``(root)``: the package's ``__init__``). A unit may import units of lower layers only; inside one
+#: unit anything goes (the circle test still holds). A new top-level module or folder is placed here.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("base", {"api", "processes", "_lightning_hook"}),
+    ("vocabulary", {"env", "events", "planner", "(root)"}),
+    ("infrastructure", {"store", "detection", "coordinator.api", "worker", "logging", "faults"}),
+    ("contracts", {"agent.api", "rendezvous.api", "meeting", "cli_options", "slurm.api"}),
+    ("services", {"rendezvous", "plugins", "strategy.snapshots", "slurm"}),
+    ("engines", {"agent", "coordinator", "strategy.engine"}),
+    ("runners", {"node", "coordinator.service", "sim", "launcher", "strategy.lightning"}),
+    ("front", {"strategy", "testing"}),
+    ("commands", {"cluster_cli"}),
+    ("entry", {"cli"}),
+]
+LAYER = {unit: index for index, (_, units) in enumerate(LAYERS) for unit in units}
+
+
+def unit(module: str) -> str:
+    """The layering unit of ``module`` (a dotted name of the package)."""
+    name = module.removeprefix("unicron_elastic").removeprefix(".")
+    if not name:
+        return "(root)"
+    parts = name.split(".")
+    for length in range(len(parts), 0, -1):
+        if ".".join(parts[:length]) in LAYER:
+            return ".".join(parts[:length])
+    return parts[0]
+
+
+def back_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str, str, str]]:
+    """``(importer, imported, its unit, their unit)`` for each import of a unit of the same layer or above."""
+    found = []
+    for importer in sorted(graph):
+        for imported in sorted(graph[importer]):
+            mine, theirs = unit(importer), unit(imported)
+            if mine != theirs and LAYER.get(theirs, len(LAYERS)) >= LAYER.get(mine, -1):
+                found.append((importer, imported, mine, theirs))
+    return found
+
+
+def _describe(arrows: list[tuple[str, str, str, str]]) -> str:
+    names = {index: name for index, (name, _) in enumerate(LAYERS)}
+    return "imports against the declared layers (tests/test_module_map.py LAYERS):\n" + "\n".join(
+        f"  {importer} -> {imported}: {mine} ({names.get(LAYER.get(mine))}) may not import {theirs} "
+        f"({names.get(LAYER.get(theirs))})" for importer, imported, mine, theirs in arrows)
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The graph's import circles: its strongly connected components of more than one module."""
     index: dict[str, int] = {}
@@ -89,6 +143,22 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_of_the_package_imports_itself_through_others() -> None:
     assert cycles(import_graph()) == []
+
+
+def test_every_unit_has_a_layer() -> None:
+    assert sorted({unit(module) for module in import_graph()} - set(LAYER)) == []
+
+
+def test_no_unit_imports_its_own_layer_or_above() -> None:
+    arrows = back_arrows(import_graph())
+    assert arrows == [], _describe(arrows)
+
+
+def test_the_layering_finds_a_back_arrow() -> None:
+    graph = {"unicron_elastic.rendezvous.rounds": {"unicron_elastic.agent.meeting", "unicron_elastic.rendezvous.api"},
+             "unicron_elastic.rendezvous.api": set(), "unicron_elastic.agent.meeting": set()}
+    assert back_arrows(graph) == [("unicron_elastic.rendezvous.rounds", "unicron_elastic.agent.meeting",
+                                   "rendezvous", "agent")]
 
 
 def test_the_cycle_finder_finds_a_circle() -> None:
