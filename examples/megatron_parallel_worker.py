@@ -118,7 +118,7 @@ def main() -> None:
                 break
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{rank}.json").write_text(json.dumps({
-            "replica": layout.replica(rank), "coordinate": layout.coordinate(rank), "stage": stage,
+            "replica": layout.replica(rank), "shard": layout.shard(rank), "stage": stage,
             "members": engine.members, "reports": reports, "forward_only": engine.forward_only,
             "trained": code == 0}))
         if code == 0:  # a rank left out holds a stale state: not a result

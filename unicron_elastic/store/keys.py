@@ -212,9 +212,9 @@ class MeetingKeys:
         return f"unicron-dp/gen{int(generation)}/pg"
 
     @staticmethod
-    def shard_group(generation: int, coordinate: int) -> str:
+    def shard_group(generation: int, shard: int) -> str:
         """Prefix of the bootstrap of one generation's data-parallel group of one model shard (TP x PP > 1)."""
-        return f"unicron-dp/gen{int(generation)}/shard{int(coordinate)}"
+        return f"unicron-dp/gen{int(generation)}/shard{int(shard)}"
 
     @staticmethod
     def commit_group(generation: int) -> str:
@@ -227,9 +227,9 @@ class MeetingKeys:
         return f"unicron-dp/gen{int(generation)}/ready/{int(rank)}"
 
     @staticmethod
-    def buckets(coordinate: int) -> str:
+    def buckets(shard: int) -> str:
         """Gradient buckets of one model shard's group (its ranks write it; TP x PP > 1)."""
-        return f"unicron-dp/buckets/{int(coordinate)}"
+        return f"unicron-dp/buckets/{int(shard)}"
 
     @staticmethod
     def world(generation: int) -> str:

@@ -171,7 +171,7 @@ class ReadRequests:
 
     ``proposal``: read for the leader's proposal (with tensor/pipeline
     parallelism only one rank of the leading replica reads them; a rank asking
-    whether it is itself asked to leave reads them whatever its coordinate).
+    whether it is itself asked to leave reads them whatever its shard).
     ``step``: the step whose members are proposed; the executor may answer
     from a read begun when the step before it began computing (what was asked
     before then is seen), so the read costs the step's end no round trip.

@@ -46,7 +46,7 @@ recovery from another failure: the next collective fails and the survivors
 regroup again under the next generation.
 
 With tensor/pipeline parallelism (``model_parallel``, TP x PP = C > 1) each
-rank runs the engine for its *shard* (coordinate): the protocol runs in
+rank runs the engine for its *shard*: the protocol runs in
 replica space with one membership authority for every shard
 (:mod:`~unicron_elastic.strategy.engine.replicas`), each shard's data-parallel group
 reduces that shard's buckets as soon as its part of the step is computed
@@ -57,7 +57,7 @@ to recompute a lost replica's micro-batches through every stage). A rank
 whose model collectives fail (a TP/PP peer of its replica is lost) checks in
 broken; its replica is left out and rejoins with the state of the matching
 shard of another replica. A failure after some stages reduced keeps those
-stages' buckets (per coordinate) and recomputes only what the unreduced
+stages' buckets (per shard) and recomputes only what the unreduced
 stages need: stages below every unreduced stage run forward only.
 
 With pipeline parallelism a weight tied across the first and the last stage
@@ -191,7 +191,7 @@ class ElasticDataParallel(JoiningPath):
         self.model, self.optimizer, self._plan = model, optimizer, plan
         self.batch, self.loss_fn, self.stage_fn, self.store = batch, loss_fn, stage_fn, store
         self.rank, self.timeout, self.checkin_timeout = rank, timeout, checkin_timeout
-        self.replica, self.coordinate = self.layout.replica(rank), self.layout.coordinate(rank)
+        self.replica, self.shard = self.layout.replica(rank), self.layout.shard(rank)
         self.pipeline_schedule = options.pipeline_schedule
         self.hook = hooks.hook or (lambda *a, **k: None)
         self.world_size = world_size
@@ -229,7 +229,7 @@ class ElasticDataParallel(JoiningPath):
         self.protocol = Protocol(self.replica, list(members if members is not None else range(replicas)),
                                  plan.num_micro_batches if plan is not None else 0,  # (set with the plan)
                                  0, schedule, checkin_timeout, timeout.total_seconds(),  # (buckets: bind)
-                                 authority=self.coordinate == 0, compute_needs_group=self.committed)
+                                 authority=self.shard == 0, compute_needs_group=self.committed)
         self.pg: dist.ProcessGroup | None = None  # this shard's data-parallel group
         self.world_pg: dist.ProcessGroup | None = None  # with TP/PP: every rank (commit, pipeline)
         self._incarnations: dict[int, str] = {}
@@ -269,7 +269,7 @@ class ElasticDataParallel(JoiningPath):
         self.model, self.optimizer = model, optimizer
         self.protocol.buckets = len(self.bounds) + self.committed
         if self.committed:
-            self.store.set(K.buckets(self.coordinate), str(len(self.bounds)))
+            self.store.set(K.buckets(self.shard), str(len(self.bounds)))
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -399,14 +399,14 @@ class ElasticDataParallel(JoiningPath):
             self.pg = self.transport.new_group(dist.PrefixStore(K.group(generation), store),
                                                members.index(self.replica), len(members), self.timeout)
             return
-        shard = dist.PrefixStore(K.shard_group(generation, self.coordinate), store)
+        shard = dist.PrefixStore(K.shard_group(generation, self.shard), store)
         self.pg = self.transport.new_group(shard, members.index(self.replica), len(members), self.timeout)
         world = dist.PrefixStore(K.commit_group(generation), store)
         self.world_pg = self.transport.new_group(world, layout.world_rank(members, self.rank),
                                                  len(members) * layout.size, self.timeout)
 
     def _publishes(self) -> bool:
-        return self.leader and self.coordinate == 0
+        return self.leader and self.shard == 0
 
     def _publish_members(self) -> None:
         self.store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
@@ -516,7 +516,7 @@ class ElasticDataParallel(JoiningPath):
         first shard of the leading replica reads them (its offer is the one the
         commit carries); the others report none.
         """
-        if self.coordinate != 0 and effect.proposal:
+        if self.shard != 0 and effect.proposal:
             return [], []
         try:
             count = self.requests.count_for(effect.step, effect.proposal)
@@ -536,7 +536,7 @@ class ElasticDataParallel(JoiningPath):
         ``step`` began computing is seen, as when read at its end; a later
         request waits one step more. With a ``schedule`` the leader reads none.
         """
-        if self.coordinate != 0 or not self.protocol.reads_requests:  # (the first shard reads for its replica)
+        if self.shard != 0 or not self.protocol.reads_requests:  # (the first shard reads for its replica)
             return
         self.requests.prefetch(step)
 
@@ -584,7 +584,7 @@ class ElasticDataParallel(JoiningPath):
 
     def _offer(self, offer: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """Only one rank's proposal may count: with TP/PP the first shard's of the leading replica."""
-        return offer if self.coordinate == 0 else None
+        return offer if self.shard == 0 else None
 
     def _agree(self, effect: E.AgreeMembers) -> list[int]:
         group = self.world_pg if self.committed else self.pg

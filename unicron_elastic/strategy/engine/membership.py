@@ -26,7 +26,7 @@ exists per generation and every survivor follows it:
 
 With tensor/pipeline parallelism the "ranks" here are data-parallel
 *replicas* (:mod:`~unicron_elastic.strategy.engine.replicas`): a replica checked in
-when every rank of it did, and a record keeps, per coordinate of the model
+when every rank of it did, and a record keeps, per shard of the model
 (a tensor x pipeline shard), the buckets that shard's group reduced
 (:attr:`MembershipRecord.kept`).
 
@@ -112,8 +112,8 @@ class MembershipRecord:
         resize: Written by the leader between steps (:func:`resize_record`):
             the step's micro-batches are dealt over these members afresh.
         kept: With tensor/pipeline parallelism, the buckets kept per
-            coordinate of the model (each shard's group has its own buckets);
-            empty otherwise. :meth:`for_coordinate` gives one shard's view.
+            shard of the model (each shard's group has its own buckets);
+            empty otherwise. :meth:`for_shard` gives one shard's view.
     """
 
     generation: int
@@ -152,19 +152,23 @@ class MembershipRecord:
             raise MembershipError(f"generation {self.generation} dissolved the group: it has no leader")
         return self.members[0]
 
-    def for_coordinate(self, coordinate: int) -> MembershipRecord:
-        """This record as one shard's group sees it: ``kept_buckets`` is that coordinate's (and no ``kept``:
+    def for_shard(self, shard: int) -> MembershipRecord:
+        """This record as one shard's group sees it: ``kept_buckets`` is that shard's (and no ``kept``:
         the view equals the record that shard's protocol decided or proposed).
 
         Raises:
-            MembershipError: The record keeps buckets per coordinate and has none for ``coordinate``.
+            MembershipError: The record keeps buckets per shard and has none for ``shard``.
         """
         if not self.kept:
             return self
-        if not 0 <= coordinate < len(self.kept):
-            raise MembershipError(f"record {self.generation} keeps buckets for {len(self.kept)} coordinates, "
-                                  f"not for coordinate {coordinate}")
-        return replace(self, kept_buckets=self.kept[coordinate], kept=())
+        if not 0 <= shard < len(self.kept):
+            raise MembershipError(f"record {self.generation} keeps buckets for {len(self.kept)} shards, "
+                                  f"not for shard {shard}")
+        return replace(self, kept_buckets=self.kept[shard], kept=())
+
+    def for_coordinate(self, shard: int) -> MembershipRecord:  # deprecated alias, remove in 0.3
+        """Deprecated: :meth:`for_shard`."""
+        return self.for_shard(shard)
 
     def to_json(self) -> str:
         """The record as stored."""

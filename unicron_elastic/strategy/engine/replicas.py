@@ -2,10 +2,10 @@
 
 With tensor parallelism (TP) and pipeline parallelism (PP) a *replica* of the
 model is ``C = TP x PP`` ranks; the data-parallel (DP) group of each
-*coordinate* (a (tensor rank, stage) shard) reduces that shard's gradients
-(paper section 6: "one DP engine per coordinate"). A lost rank loses its
+*shard* (one (tensor rank, stage) position of a replica) reduces that shard's gradients
+(paper section 6: "one DP engine per coordinate", the paper's word for a shard). A lost rank loses its
 whole replica (its peers cannot compute without it), so membership is decided
-per replica, once, for every coordinate: the recovery protocol
+per replica, once, for every shard: the recovery protocol
 (:class:`~unicron_elastic.strategy.engine.protocol.Protocol`) runs in *replica space*
 (its "ranks" are replica indices) and :class:`ReplicaMembership` maps what it
 reads and writes onto the ranks' keys in the meeting store:
@@ -16,11 +16,11 @@ reads and writes onto the ranks' keys in the meeting store:
 * a replica is alive when every rank of it is, in the incarnation the group
   was formed with; it waits to join when every rank of it waits, and leaves
   when any rank of it is asked to;
-* the record of a generation is written once for all coordinates; it keeps
-  the reduced buckets *per coordinate* (:attr:`MembershipRecord.kept`): each
+* the record of a generation is written once for all shards; it keeps
+  the reduced buckets *per shard* (:attr:`MembershipRecord.kept`): each
   shard's group has its own buckets, reduced when that stage's backward is
-  done (scenario 2 per stage). A coordinate's group sees its own count
-  (:meth:`MembershipRecord.for_coordinate`).
+  done (scenario 2 per stage). A shard's group sees its own count
+  (:meth:`MembershipRecord.for_shard`).
 
 Launch ranks are laid out replica-major, ``rank = replica * C + stage * TP +
 tensor_rank``: a node of 8 ranks with ``C = 4`` holds two whole replicas, and
@@ -68,7 +68,7 @@ class ModelParallel:
 
     @property
     def size(self) -> int:
-        """C: ranks per replica (one per coordinate)."""
+        """C: ranks per replica (one per shard)."""
         return self.tensor * self.pipeline
 
     def replicas(self, world_size: int) -> int:
@@ -85,9 +85,13 @@ class ModelParallel:
         """The replica of launch rank ``rank``."""
         return rank // self.size
 
-    def coordinate(self, rank: int) -> int:
-        """The coordinate (shard) of launch rank ``rank``: ``stage * TP + tensor_rank``."""
+    def shard(self, rank: int) -> int:
+        """The shard of launch rank ``rank``: ``stage * TP + tensor_rank``."""
         return rank % self.size
+
+    def coordinate(self, rank: int) -> int:  # deprecated alias, remove in 0.3
+        """Deprecated: :meth:`shard` (the paper's *coordinate*)."""
+        return self.shard(rank)
 
     def tensor_rank(self, rank: int) -> int:
         """The tensor-parallel rank of launch rank ``rank``."""
@@ -95,15 +99,15 @@ class ModelParallel:
 
     def stage(self, rank: int) -> int:
         """The pipeline stage of launch rank ``rank``."""
-        return self.coordinate(rank) // self.tensor
+        return self.shard(rank) // self.tensor
 
-    def stage_of(self, coordinate: int) -> int:
-        """The pipeline stage of a coordinate."""
-        return coordinate // self.tensor
+    def stage_of(self, shard: int) -> int:
+        """The pipeline stage of a shard."""
+        return shard // self.tensor
 
-    def rank(self, replica: int, coordinate: int) -> int:
-        """The launch rank at ``coordinate`` of ``replica``."""
-        return replica * self.size + coordinate
+    def rank(self, replica: int, shard: int) -> int:
+        """The launch rank at ``shard`` of ``replica``."""
+        return replica * self.size + shard
 
     def ranks(self, replica: int) -> list[int]:
         """The launch ranks of ``replica``."""
@@ -119,36 +123,36 @@ class ModelParallel:
         Raises:
             ValueError: Its replica is not a member.
         """
-        return list(members).index(self.replica(rank)) * self.size + self.coordinate(rank)
+        return list(members).index(self.replica(rank)) * self.size + self.shard(rank)
 
     def neighbour(self, members: Sequence[int], rank: int, stage: int) -> int:
         """World rank (among ``members``) of the rank of the same replica and tensor rank at ``stage``."""
-        coordinate = stage * self.tensor + self.tensor_rank(rank)
-        return list(members).index(self.replica(rank)) * self.size + coordinate
+        shard = stage * self.tensor + self.tensor_rank(rank)
+        return list(members).index(self.replica(rank)) * self.size + shard
 
     def label(self, rank: int) -> str:
         """``tp<t>-pp<p>`` of launch rank ``rank`` (names a shard's files and snapshots)."""
         return f"tp{self.tensor_rank(rank)}-pp{self.stage(rank)}"
 
     def labels(self) -> list[str]:
-        """The labels of every coordinate, in coordinate order."""
+        """The labels of every shard, in shard order."""
         return [self.label(c) for c in range(self.size)]
 
 
 # -- pure decisions ----------------------------------------------------------------------------------------
 def combine_checkins(layout: ModelParallel, per_rank: Mapping[int, CheckIn], replicas: Iterable[int],
-                     coordinate: int) -> dict[int, CheckIn]:
-    """Each replica's check-in as coordinate ``coordinate``'s group sees it.
+                     shard: int) -> dict[int, CheckIn]:
+    """Each replica's check-in as shard ``shard``'s group sees it.
 
     Args:
         layout: The model's parallelism.
         per_rank: Launch rank -> its check-in.
         replicas: The replicas asked about.
-        coordinate: Whose ``done`` the result carries.
+        shard: Whose ``done`` the result carries.
 
     Returns:
         ``replica -> CheckIn`` for the replicas every rank of which checked in:
-        the lowest step among them, the coordinate's ``done``, broken when a
+        the lowest step among them, the shard's ``done``, broken when a
         rank is broken or their steps differ.
     """
     out: dict[int, CheckIn] = {}
@@ -158,24 +162,27 @@ def combine_checkins(layout: ModelParallel, per_rank: Mapping[int, CheckIn], rep
             continue
         steps = {checkin.step for checkin in mine}
         broken = len(steps) > 1 or any(checkin.broken for checkin in mine)
-        out[replica] = CheckIn(min(steps), mine[coordinate].done, broken)
+        out[replica] = CheckIn(min(steps), mine[shard].done, broken)
     return out
 
 
-def kept_per_coordinate(layout: ModelParallel, per_rank: Mapping[int, CheckIn], members: Sequence[int]) -> tuple[int, ...]:
-    """The buckets every member replica completed, per coordinate.
+def kept_per_shard(layout: ModelParallel, per_rank: Mapping[int, CheckIn], members: Sequence[int]) -> tuple[int, ...]:
+    """The buckets every member replica completed, per shard.
 
     Raises:
         MembershipError: A member's rank has no check-in (the record was not decided from check-ins).
     """
     kept = []
-    for coordinate in range(layout.size):
-        ranks = [layout.rank(replica, coordinate) for replica in members]
+    for shard in range(layout.size):
+        ranks = [layout.rank(replica, shard) for replica in members]
         missing = [rank for rank in ranks if rank not in per_rank]
         if missing:
             raise MembershipError(f"ranks {missing} of members {list(members)} have not checked in")
         kept.append(min(per_rank[rank].done for rank in ranks))
     return tuple(kept)
+
+
+kept_per_coordinate = kept_per_shard  # deprecated alias, remove in 0.3
 
 
 def live_replicas(layout: ModelParallel, live_ranks: Collection[int] | None, replicas: Iterable[int]) -> set[int] | None:
@@ -198,7 +205,7 @@ def touched_replicas(layout: ModelParallel, ranks: Collection[int], replicas: It
 def stages_to_backpropagate(layout: ModelParallel, kept: Sequence[int], buckets: Sequence[int]) -> set[int]:
     """The stages that must run backward when a reduced step's micro-batches are recomputed.
 
-    A stage is *reduced* when every coordinate of it kept all its buckets
+    A stage is *reduced* when every shard of it kept all its buckets
     (``kept[c] >= buckets[c]``); its gradients are not needed again. Backward
     flows from the last stage down, so stage ``s`` runs backward when some
     stage ``<= s`` is not reduced (its own gradients, or those it passes on).
@@ -207,8 +214,8 @@ def stages_to_backpropagate(layout: ModelParallel, kept: Sequence[int], buckets:
 
     Args:
         layout: The model's parallelism.
-        kept: Buckets kept per coordinate.
-        buckets: Gradient buckets per coordinate (the step's commit excluded).
+        kept: Buckets kept per shard.
+        buckets: Gradient buckets per shard (the step's commit excluded).
 
     Returns:
         The stages that run backward (empty: every stage is reduced).
@@ -236,8 +243,8 @@ class ReplicaMembership:
 
     def __init__(self, store: Any, layout: ModelParallel, rank: int, max_replicas: int) -> None:
         self.store, self.layout, self.rank, self.max_replicas = store, layout, rank, max_replicas
-        self.replica, self.coordinate = layout.replica(rank), layout.coordinate(rank)
-        self.record: MembershipRecord | None = None  # the last full record read or written (every coordinate)
+        self.replica, self.shard = layout.replica(rank), layout.shard(rank)
+        self.record: MembershipRecord | None = None  # the last full record read or written (every shard)
 
     # -- check-ins and records -------------------------------------------------------------------------
     def check_in(self, generation: int, checkin: CheckIn) -> None:
@@ -259,11 +266,11 @@ class ReplicaMembership:
         return found
 
     def checkins(self, generation: int, replicas: Iterable[int], on_malformed: Any = None) -> dict[int, CheckIn]:
-        """The replicas' check-ins for ``generation`` as this rank's coordinate sees them (:func:`combine_checkins`)."""
+        """The replicas' check-ins for ``generation`` as this rank's shard sees them (:func:`combine_checkins`)."""
         replicas = list(replicas)
         ranks = self.layout.ranks_of(replicas)
         per_rank = self.rank_checkins(generation, ranks, on_malformed)
-        return combine_checkins(self.layout, per_rank, replicas, self.coordinate)
+        return combine_checkins(self.layout, per_rank, replicas, self.shard)
 
     def any_checked_in(self, generation: int, replicas: Iterable[int]) -> bool:
         """Whether any rank of ``replicas`` checked in for ``generation`` (even if its replica is not complete)."""
@@ -278,18 +285,18 @@ class ReplicaMembership:
         return all(self.store.check([K.ready(generation, rank)]) for rank in self.layout.ranks_of(replicas))
 
     def read_record(self, generation: int) -> MembershipRecord | None:
-        """The stored record of ``generation`` as this coordinate sees it, or None."""
+        """The stored record of ``generation`` as this shard sees it, or None."""
         key = K.record(generation)
         if not self.store.check([key]):
             return None
         self.record = MembershipRecord.from_json(self.store.get(key))
-        return self.record.for_coordinate(self.coordinate)
+        return self.record.for_shard(self.shard)
 
     def write_record(self, record: MembershipRecord) -> MembershipRecord:
-        """Write ``record`` (decided in this coordinate's view) create-only; returns the stored one, in this view.
+        """Write ``record`` (decided in this shard's view) create-only; returns the stored one, in this view.
 
         With ``C > 1`` the stored record keeps the buckets of every
-        coordinate: from the members' check-ins for a failure's record (every
+        shard: from the members' check-ins for a failure's record (every
         member checked in, and check-ins never change), zeros for a resize.
         """
         full = record
@@ -298,12 +305,12 @@ class ReplicaMembership:
                 kept = (0,) * self.layout.size
             else:
                 ranks = self.layout.ranks_of(record.members)
-                kept = kept_per_coordinate(self.layout, self.rank_checkins(record.generation, ranks), record.members)
+                kept = kept_per_shard(self.layout, self.rank_checkins(record.generation, ranks), record.members)
             full = MembershipRecord(record.generation, record.members, min(kept), record.dead, record.step,
                                     record.resize, kept)
         stored = self.store.compare_set(K.record(record.generation), "", full.to_json())
         self.record = MembershipRecord.from_json(stored)
-        return self.record.for_coordinate(self.coordinate)
+        return self.record.for_shard(self.shard)
 
     def free_generation(self, generation: int) -> int:
         """The first generation from ``generation`` on that has no record yet."""
