@@ -52,7 +52,7 @@ class Add:
 class Reduce:
     """All-reduce bucket ``bucket`` of the local sum ``local`` in the current group (a copy: ``local`` stays).
 
-    The last bucket carries the leader's ``offer`` (the next step's members).
+    The last bucket carries the primary's ``offer`` (the next step's members).
     Returns ``(reduced bucket, agreed members or None)``; raises ``RuntimeError`` when it fails.
     """
 
@@ -65,7 +65,7 @@ class Reduce:
 
 @dataclass(frozen=True)
 class AgreeMembers:
-    """A small all-reduce of the leader's ``offer`` (members of ``step``); returns the agreed list."""
+    """A small all-reduce of the primary's ``offer`` (members of ``step``); returns the agreed list."""
 
     step: int
     offer: tuple[int, ...] | None
@@ -158,7 +158,7 @@ class BuildGroup:
 
 @dataclass(frozen=True)
 class Formed:
-    """This rank is in the new group of ``generation`` (the transport notes incarnations, the leader publishes
+    """This rank is in the new group of ``generation`` (the transport notes incarnations, the primary publishes
     the members, ``on_group`` runs)."""
 
     generation: int
@@ -169,8 +169,8 @@ class Formed:
 class ReadRequests:
     """Ranks waiting to join and ``members`` asked to leave (cheap when there are none); returns ``(joining, leaving)``.
 
-    ``proposal``: read for the leader's proposal (with tensor/pipeline
-    parallelism only one rank of the leading replica reads them; a rank asking
+    ``proposal``: read for the primary's proposal (with tensor/pipeline
+    parallelism only one rank of the primary replica reads them; a rank asking
     whether it is itself asked to leave reads them whatever its shard).
     ``step``: the step whose members are proposed; the executor may answer
     from a read begun when the step before it began computing (what was asked
@@ -255,7 +255,7 @@ class ReadFinished:
 
 @dataclass(frozen=True)
 class ReadLatest:
-    """The latest admission (``{"generation", "members", "step", "leader", "source"}``), or None."""
+    """The latest admission (``{"generation", "members", "step", "root", "source"}``), or None."""
 
 
 @dataclass(frozen=True)

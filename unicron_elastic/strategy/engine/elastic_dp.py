@@ -28,16 +28,16 @@ When a peer dies (gloo raises on the broken connection):
   rank's micro-batches are recomputed and only the unreduced buckets are
   reduced again.
 
-Reconfiguration happens between steps: the group's leader (lowest member)
+Reconfiguration happens between steps: the group's primary (lowest member)
 proposes each step's membership (following a ``schedule`` - the coordinator's
 plan) and, when it changes, writes the next generation's record create-only
 (a *resize* record; a failure's record written first wins); ranks that are no
 longer members retire; new ranks (``joining=True``, e.g. a worker the agent
-restarted) ask to join; without a schedule the leader admits them at the next
+restarted) ask to join; without a schedule the primary admits them at the next
 step boundary, with one the schedule alone decides.
 They receive the state (by default model, optimizer, RNG; the Lightning
 strategy sends its whole checkpoint dict) and the step by broadcast from the
-leader, a healthy replica. When no replica is left, the lowest joiner resumes
+primary, a healthy replica. When no replica is left, the lowest joiner resumes
 from ``fallback()`` and hands that state to the others. The global batch stays
 the same, so the parameter trajectory does not depend on the DP size.
 
@@ -62,7 +62,7 @@ stages need: stages below every unreduced stage run forward only.
 
 With pipeline parallelism a weight tied across the first and the last stage
 (megatron-core's shared word embedding) has its reduced gradient sums added
-over both stages before the commit, and the commit also carries the leading
+over both stages before the commit, and the commit also carries the primary
 replica's squared gradient norm (:mod:`~unicron_elastic.strategy.engine.stage_sums`,
 :attr:`ElasticDataParallel.grad_norm`).
 
@@ -150,7 +150,7 @@ class ElasticDataParallel(JoiningPath):
         world_size: Launch world size (ranks).
         members: Initial members (default all; replicas with TP/PP).
         joining: This rank is not a member yet: :meth:`join` waits to be added.
-        schedule: ``step -> members`` from that step on (the leader applies it).
+        schedule: ``step -> members`` from that step on (the primary applies it).
         options: Buckets, timeouts, the gradient dtype, the most ranks, the
             model's layout, the transport (:class:`~unicron_elastic.strategy.engine.engine_options.EngineOptions`).
         hooks: What the engine calls back: fault injection, a pipeline stage's
@@ -317,10 +317,15 @@ class ElasticDataParallel(JoiningPath):
         self.protocol.micro_batches = plan.num_micro_batches
 
     @property
-    def leader(self) -> bool:
-        """This rank is a shard of the group's leading replica (every such shard writes the snapshots and
+    def in_primary_replica(self) -> bool:
+        """This rank is a shard of the group's primary replica (every such shard writes the snapshots and
         checkpoints of its part; only the first shard publishes the members)."""
         return bool(self.members) and self.replica == self.members[0]
+
+    @property
+    def leader(self) -> bool:  # deprecated alias, remove in 0.3
+        """Deprecated: :attr:`in_primary_replica`."""
+        return self.in_primary_replica
 
     # -- running the protocol --------------------------------------------------------
     def _run(self, effects: Generator[Any, Any, Any], pending: Any = None,
@@ -406,7 +411,7 @@ class ElasticDataParallel(JoiningPath):
                                                  len(members) * layout.size, self.timeout)
 
     def _publishes(self) -> bool:
-        return self.leader and self.shard == 0
+        return self.in_primary_replica and self.shard == 0
 
     def _publish_members(self) -> None:
         self.store.set(K.MEMBERS, json.dumps({"generation": self.generation, "members": self.members}))
@@ -508,12 +513,12 @@ class ElasticDataParallel(JoiningPath):
     def _requests(self, effect: E.ReadRequests) -> tuple[list[int], list[int]]:
         """Joiners and members asked to leave: one counter read when there are none.
 
-        The leader reads this every step, for the next step's members; the
+        The primary reads this every step, for the next step's members; the
         read began when this step began computing (:meth:`_prefetch_requests`).
         With etcd unreachable (an outage) it gives up after
         :data:`~unicron_elastic.strategy.engine.requests.REQUESTS_PATIENCE_S` and
         reports none, so training goes on and the requests are seen at a later step. With TP/PP only the
-        first shard of the leading replica reads them (its offer is the one the
+        first shard of the primary replica reads them (its offer is the one the
         commit carries); the others report none.
         """
         if self.shard != 0 and effect.proposal:
@@ -530,11 +535,11 @@ class ElasticDataParallel(JoiningPath):
     def _prefetch_requests(self, step: int) -> None:
         """The publishing rank begins reading the requests for ``step + 1``'s members now, in a thread.
 
-        The leader's proposal rides in the last bucket, which every other rank
+        The primary's proposal rides in the last bucket, which every other rank
         waits in: a store round trip there (a millisecond or more on a busy
         host) would delay the whole group each step. What was asked before
         ``step`` began computing is seen, as when read at its end; a later
-        request waits one step more. With a ``schedule`` the leader reads none.
+        request waits one step more. With a ``schedule`` the primary reads none.
         """
         if self.shard != 0 or not self.protocol.reads_requests:  # (the first shard reads for its replica)
             return
@@ -583,7 +588,7 @@ class ElasticDataParallel(JoiningPath):
             log.warning("stop_not_recorded", step=step, error=str(exc)[:200])
 
     def _offer(self, offer: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        """Only one rank's proposal may count: with TP/PP the first shard's of the leading replica."""
+        """Only one rank's proposal may count: with TP/PP the first shard's of the primary replica."""
         return offer if self.shard == 0 else None
 
     def _agree(self, effect: E.AgreeMembers) -> list[int]:
@@ -592,14 +597,14 @@ class ElasticDataParallel(JoiningPath):
             raise RuntimeError("no group to agree on the members in")
         payload = self._encode(self._offer(effect.offer), torch.int64).to(self.transport.device)
         with self.watch.waiting("agree"):
-            group.allreduce([payload]).wait()  # the leader's proposal + zeros from the others
+            group.allreduce([payload]).wait()  # the primary's proposal + zeros from the others
         return self._decode(payload.cpu())
 
     def _announce(self, effect: E.Announce) -> None:
         """Tell the ranks waiting in :meth:`join` that a record admits them, a root sending the state from a source."""
         record = effect.record
         self.store.set(K.LATEST, json.dumps({"generation": record.generation, "members": list(record.members),
-                                             "step": record.step, "leader": effect.root, "source": effect.source}))
+                                             "step": record.step, "root": effect.root, "source": effect.source}))
 
     def finish(self) -> None:
         """Training is over: ranks still waiting in :meth:`join` give up waiting (any member says so)."""
@@ -717,7 +722,7 @@ class ElasticDataParallel(JoiningPath):
         whole = self.gradients.reduce_buffer(local, self.slots.size)  # a copy: the local sum survives a failure
         buf = whole[start:] if effect.last else whole[start:end]  # the last bucket: the slots follow it
         buf[: end - start].copy_(local[start:end])
-        if effect.last:  # the next step's members ride along (the leader's proposal, zeros elsewhere)
+        if effect.last:  # the next step's members ride along (the primary's proposal, zeros elsewhere)
             buf[end - start :].copy_(self._encode(effect.offer, local.dtype))
         with self.watch.waiting("reduce"):
             self.pg.allreduce([buf]).wait()
@@ -740,7 +745,7 @@ class ElasticDataParallel(JoiningPath):
 
         One all-reduce of float64 slots carries the next step's members, the
         shards' overflow verdicts, a stop request and, when the norm is
-        measured, the leading replica's shards' squared gradient norms.
+        measured, the primary replica's shards' squared gradient norms.
 
         Returns:
             The members the commit carries.
@@ -754,7 +759,7 @@ class ElasticDataParallel(JoiningPath):
         sums = self.sums
         if sums.tied is not None:
             sums.exchange(reduced, self.world_pg, self._peer(sums.tied.peer_stage), self.watch.waiting)
-        squared = sums.squared_norm(reduced) if self.measure_norm and self.leader else 0.0
+        squared = sums.squared_norm(reduced) if self.measure_norm and self.in_primary_replica else 0.0
         slots = self._encode(self._offer(effect.offer), torch.float64, self._overflowed())
         payload = torch.cat([slots, torch.tensor([squared], dtype=torch.float64)]).to(self.transport.device)
         with self.watch.waiting("commit"):

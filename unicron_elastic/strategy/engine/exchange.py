@@ -4,7 +4,7 @@ They ride in the last gradient bucket (in the gradients' dtype), in the
 commit with TP x PP > 1 (float64, followed by the replica's squared gradient
 norm) or in the members' agreement (int64), and are summed like it, so no
 extra collective runs per step: ``[count, members..., 0..., overflow, stop]``.
-Every value is a small integer, exact in any of those dtypes. Only the leader
+Every value is a small integer, exact in any of those dtypes. Only the primary
 offers members (the others send zeros); any rank's overflow or stop counts.
 """
 

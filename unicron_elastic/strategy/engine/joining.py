@@ -103,7 +103,7 @@ class JoiningPath:
 
     def _request_join(self, effect: E.RequestJoin) -> None:
         # The counter first: whoever sees the key (``waiting()``, e.g. a hold for joiners) must find the
-        # counter raised, or the leader's next read misses the request for a step (seen under the CPU hog:
+        # counter raised, or the primary's next read misses the request for a step (seen under the CPU hog:
         # the joiner came one step too late, after the last step).
         self.store.add(K.JOIN_REQUESTS, 1)
         self.store.set(K.join(self.rank), "1")

@@ -31,11 +31,11 @@ when every rank of it did, and a record keeps, per shard of the model
 (:attr:`MembershipRecord.kept`).
 
 A resize between steps (joiners admitted, the schedule's members) is a record
-too: the leader writes it create-only for the next generation
+too: the primary writes it create-only for the next generation
 (:func:`resize_record`), so a failure that a rank is still recovering from and
 a resize can never both start the same generation.
 
-Between steps the leader proposes the next step's members with
+Between steps the primary proposes the next step's members with
 :func:`proposal` (the coordinator's schedule, else the current members plus
 ranks waiting to join), agreed collectively by the engine.
 """
@@ -109,7 +109,7 @@ class MembershipRecord:
         dead: Previous members left out: dead, broken, not checked in by the
             deadline, or behind (checked in from an earlier step). Sorted, distinct.
         step: The step the members are in (a rank in another step is not a member).
-        resize: Written by the leader between steps (:func:`resize_record`):
+        resize: Written by the primary between steps (:func:`resize_record`):
             the step's micro-batches are dealt over these members afresh.
         kept: With tensor/pipeline parallelism, the buckets kept per
             shard of the model (each shard's group has its own buckets);
@@ -142,15 +142,20 @@ class MembershipRecord:
         return not self.members
 
     @property
-    def leader(self) -> int:
+    def primary(self) -> int:
         """The lowest member: it publishes the group and sends the state to joiners.
 
         Raises:
             MembershipError: The group dissolved (no member).
         """
         if not self.members:
-            raise MembershipError(f"generation {self.generation} dissolved the group: it has no leader")
+            raise MembershipError(f"generation {self.generation} dissolved the group: it has no primary")
         return self.members[0]
+
+    @property
+    def leader(self) -> int:  # deprecated alias, remove in 0.3
+        """Deprecated: :attr:`primary`."""
+        return self.primary
 
     def for_shard(self, shard: int) -> MembershipRecord:
         """This record as one shard's group sees it: ``kept_buckets`` is that shard's (and no ``kept``:
@@ -244,7 +249,7 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
 
 
 def resize_record(generation: int, previous: Sequence[int], wanted: Sequence[int], step: int) -> MembershipRecord:
-    """The record the leader writes to change the members between steps (nothing reduced yet).
+    """The record the primary writes to change the members between steps (nothing reduced yet).
 
     Raises:
         MembershipError: ``wanted`` is empty or not distinct.
@@ -305,7 +310,7 @@ def role(record: MembershipRecord, rank: int, step: int | None = None) -> str:
 
 def proposal(step: int, members: Sequence[int], schedule: Mapping[int, Sequence[int]],
              waiting: Collection[int], leaving: Collection[int] = ()) -> list[int]:
-    """The leader's members for ``step``.
+    """The primary's members for ``step``.
 
     Args:
         step: The step the members are for.

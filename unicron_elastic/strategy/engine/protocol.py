@@ -87,6 +87,11 @@ log = structlog.get_logger(__name__)
 Effects = Generator[Any, Any, Any]
 
 
+def _root(latest: dict) -> int:
+    """The rank the admission's state comes from (``"root"``; ``"leader"`` as written before 0.2, read until 0.3)."""
+    return latest["root"] if "root" in latest else latest["leader"]
+
+
 # -- the machine ---------------------------------------------------------------------------------------
 class Protocol:
     """One rank's side of the recovery protocol; every method that acts is a generator of effects.
@@ -96,7 +101,7 @@ class Protocol:
         members: The group's members (empty for a rank that will join).
         micro_batches: B, micro-batches per step.
         buckets: Gradient buckets reduced in order per step.
-        schedule: ``step -> members`` from that step on (the leader applies it).
+        schedule: ``step -> members`` from that step on (the primary applies it).
         checkin_timeout: How long (transport clock) a rank alive but not checked in is waited for.
         collective_timeout: Seconds a collective may take (bounds a declared pause).
         logger: Where the protocol logs (structlog-like).
@@ -133,14 +138,14 @@ class Protocol:
         self._pending: tuple[int, StepReport, dict[int, list[int]], Any] | None = None
 
     @property
-    def leader(self) -> bool:
-        """This rank leads its group (the lowest member)."""
+    def is_primary(self) -> bool:
+        """This rank is its group's primary (the lowest member)."""
         return bool(self.members) and self.rank == self.members[0]
 
     @property
     def reads_requests(self) -> bool:
-        """This rank's proposals read the join/leave requests: it leads, and no ``schedule`` decides the members."""
-        return self.leader and not self.schedule
+        """This rank's proposals read the join/leave requests: it is the primary, and no ``schedule`` decides the members."""
+        return self.is_primary and not self.schedule
 
     # -- one step ----------------------------------------------------------------------------------------
     def assignment(self, step: int) -> dict[int, list[int]]:
@@ -209,7 +214,7 @@ class Protocol:
                     yield Point("bucket", step, k)
                     last = k == self.buckets - 1
                     offer = None
-                    if last and self.leader:  # the next step's members ride along in the last bucket
+                    if last and self.is_primary:  # the next step's members ride along in the last bucket
                         offer = tuple((yield from self._proposal(step + 1)))
                     reduced[k], agreed = yield Reduce(step, k, local, offer, last)
                     if last:
@@ -233,7 +238,7 @@ class Protocol:
     def _reassign(self, step: int, report: StepReport, assignment: dict[int, list[int]], local: Any,
                   outcome: Regrouped) -> Effects:
         """After a regroup: the lost ranks' micro-batches to the members, or the whole step dealt afresh (a resize)."""
-        if outcome.base is not None:  # the leader's resize record: this step starts over, dealt afresh
+        if outcome.base is not None:  # the primary's resize record: this step starts over, dealt afresh
             self.deal_base = (step, outcome.base, outcome.dead)
             assignment = self.assignment(step)
             report.micro_batches = list(assignment[self.rank])
@@ -279,7 +284,7 @@ class Protocol:
             if role(record, self.rank, step) == "joiner" or broken:
                 raise Excluded(f"rank {self.rank} (step {step}) was left out of generation {record.generation} "
                                f"(members {list(record.members)}, step {record.step}): it must rejoin", record, step)
-            if record.resize:  # the leader's resize (this rank failed the step's membership sync): deal afresh
+            if record.resize:  # the primary's resize (this rank failed the step's membership sync): deal afresh
                 base, dead = list(record.members), []
             dead += [r for r in record.dead if r not in dead]
             self.members, done = list(record.members), record.kept_buckets
@@ -296,7 +301,7 @@ class Protocol:
         The wait ends when every previous member checked in or is known dead
         (:func:`~unicron_elastic.strategy.engine.membership.decide_record`), at the
         latest ``checkin_timeout`` after this rank checked in, or when the
-        leader's resize record is there.
+        primary's resize record is there.
         """
         yield Point("checkin", checkin.step, generation)
         yield CheckInFor(generation, checkin)
@@ -344,8 +349,8 @@ class Protocol:
 
     # -- membership between steps -------------------------------------------------------------------------
     def _proposal(self, step: int) -> Effects:
-        """The leader's members for ``step``: the schedule's, else the current ones less those asked to leave plus joiners."""
-        if not self.reads_requests:  # a schedule decides (only the leader calls this)
+        """The primary's members for ``step``: the schedule's, else the current ones less those asked to leave plus joiners."""
+        if not self.reads_requests:  # a schedule decides (only the primary calls this)
             return proposal(step, self.members, self.schedule, ())
         waiting, leaving = yield ReadRequests(tuple(self.members), step=step)
         return proposal(step, self.members, self.schedule, waiting, leaving)
@@ -354,10 +359,10 @@ class Protocol:
         """Agree on this step's members; resize if they changed.
 
         Usually the members were agreed during the previous step's all-reduce
-        (the leader's proposal rides in the last bucket, so it costs no extra
+        (the primary's proposal rides in the last bucket, so it costs no extra
         collective). Otherwise (first step, after a join) a small all-reduce of
-        the leader's proposal agrees on them. Both are collectives, not store
-        keys, so a leader that died between steps cannot leave the others
+        the primary's proposal agrees on them. Both are collectives, not store
+        keys, so a primary that died between steps cannot leave the others
         waiting: the collective fails, the members stay as they were, and the
         failure is handled in this step's reduction like any other (scenario 1).
 
@@ -377,7 +382,7 @@ class Protocol:
         self.synced_step = step
         wanted = self.agreed.pop(step, None)
         if wanted is None:
-            offer = tuple((yield from self._proposal(step))) if self.leader else None
+            offer = tuple((yield from self._proposal(step))) if self.is_primary else None
             try:
                 wanted = yield AgreeMembers(step, offer)
             except RuntimeError as exc:
@@ -397,9 +402,9 @@ class Protocol:
     def _resize(self, wanted: list[int], step: int) -> Effects:
         """Between steps: change the members to ``wanted`` (joiners admitted, the schedule's members).
 
-        The leader writes the next generation's record create-only
+        The primary writes the next generation's record create-only
         (:meth:`_propose_resize`); every member checks in and follows the
-        stored record - the leader's, or a failure's when a rank was already
+        stored record - the primary's, or a failure's when a rank was already
         recovering into that generation. A replica sends the state to the
         newcomers; if the group does not form, or the transfer fails, the
         members regroup again (without whoever failed).
@@ -468,17 +473,17 @@ class Protocol:
         yield Pause(False, None)
 
     def _await_proposal(self, generation: int, previous: list[int]) -> Effects:
-        """(A follower) before checking in for a resize, wait for the leader's record of ``generation``.
+        """(A follower) before checking in for a resize, wait for the primary's record of ``generation``.
 
-        The leader writes it only while nobody checked in for ``generation``
+        The primary writes it only while nobody checked in for ``generation``
         (a check-in there means a failure's recovery): a follower that checked
-        in first made the leader defer the resize, and the joiners missed the
+        in first made the primary defer the resize, and the joiners missed the
         step (seen under load: they were never admitted before training ended).
         The wait ends when the record is there, when some member checked in
-        (the leader deferred, or a failure is being recovered), or after
-        ``checkin_timeout`` (the leader is gone).
+        (the primary deferred, or a failure is being recovered), or after
+        ``checkin_timeout`` (the primary is gone).
         """
-        yield Pause(True, self.checkin_timeout + self.collective_timeout)  # waiting for the leader: no hang
+        yield Pause(True, self.checkin_timeout + self.collective_timeout)  # waiting for the primary: no hang
         start = yield Now()
         while (yield Now()) - start < self.checkin_timeout:
             if (yield ReadRecord(generation)) is not None or (yield AnyCheckedIn(generation, tuple(previous))):
@@ -486,7 +491,7 @@ class Protocol:
             yield Sleep(0.002)
 
     def _propose_resize(self, generation: int, previous: list[int], wanted: list[int], step: int) -> Effects:
-        """(The leader) write the resize record of ``generation`` create-only and announce it to the joiners.
+        """(The primary) write the resize record of ``generation`` create-only and announce it to the joiners.
 
         Nothing is written when a rank already checked in for ``generation``:
         it is recovering from a failure, whose record decides (the joiners are
@@ -565,7 +570,7 @@ class Protocol:
         record = yield ReadRecord(latest["generation"])
         if record is None or self.rank not in record.members:
             return False
-        if latest["leader"] == self.rank and latest.get("source", "replica") == "replica":
+        if _root(latest) == self.rank and latest.get("source", "replica") == "replica":
             return False  # a joiner holds no replica's state: this rank restarted while its group formed
         yield CheckInFor(record.generation, CheckIn(record.step, 0))
         self.generation, self.members = record.generation, list(record.members)
@@ -573,12 +578,12 @@ class Protocol:
             return False
         yield Formed(self.generation, tuple(self.members))
         try:
-            if latest["leader"] == self.rank and latest.get("source", "replica") != "replica" \
+            if _root(latest) == self.rank and latest.get("source", "replica") != "replica" \
                     and self.resumed != record.step:  # the group resumes from this replica's fallback: our part
                 step, _ = yield Fallback(record.step)
                 self.resumed = self.next_step = int(step)
             yield MarkReady(record.generation)
-            step = yield TransferState(self.members.index(latest["leader"]), apply=True)
+            step = yield TransferState(self.members.index(_root(latest)), apply=True)
         except RuntimeError as exc:  # the replica died while sending (or our part of a fallback is gone): wait
             self.log.warning("dp_join_transfer_failed", generation=self.generation, error=str(exc)[:200])
             yield DropGroup()
@@ -608,7 +613,7 @@ class Protocol:
         resuming = None  # the replica resuming from the fallback, whose group has not formed yet
         if latest is not None and latest.get("source", "replica") != "replica" \
                 and (last is None or latest["generation"] > last[0]):
-            resuming = latest["leader"]
+            resuming = _root(latest)
             if resuming != self.rank:
                 alive = yield ReadAlive((resuming,), exclude_waiting=False, trained=False)
                 if alive is None or resuming in alive:

@@ -1,8 +1,8 @@
-"""The join and leave requests' counter in the meeting store, read by the leader off the step's critical path.
+"""The join and leave requests' counter in the meeting store, read by the primary off the step's critical path.
 
 Ranks that want to join, and agents that ask their ranks to leave, add one
 to :attr:`~unicron_elastic.store.keys.MeetingKeys.JOIN_REQUESTS`; the group's
-leader reads it every step for the next step's members. The read of step
+primary reads it every step for the next step's members. The read of step
 *s* + 1's requests begins in a thread when step *s* begins computing, so the
 last bucket, in which every other rank waits, carries no store round trip.
 """
@@ -19,12 +19,12 @@ from unicron_elastic.store.keys import MeetingKeys as K
 
 log = structlog.get_logger(__name__)
 
-#: How long the leader's read of the join/leave requests rides out an etcd outage before it reports
+#: How long the primary's read of the join/leave requests rides out an etcd outage before it reports
 #: none (training goes on; the requests are seen at a later step).
 REQUESTS_PATIENCE_S = 1.0
 #: How long the end of a step waits for the read begun while it computed. A read still pending then
-#: (etcd failing over to another member, which takes up to a leader election) counts as no request:
-#: they are seen at a later step, and the leader's step does not stall long enough to be taken for a
+#: (etcd failing over to another member, which takes up to one of etcd's elections) counts as no request:
+#: they are seen at a later step, and the primary's step does not stall long enough to be taken for a
 #: hang (``--hang-min-silence``, 0.5 s by default).
 STEP_END_WAIT_S = 0.2
 

@@ -11,7 +11,7 @@
   after a failure sums the same reduced values again.
 * **The replica's gradient norm**: each shard's sum of squares of its reduced
   gradient sum (each parameter counted once), which the step's commit adds up
-  over the leading replica's shards; :attr:`ElasticDataParallel.grad_norm
+  over the primary replica's shards; :attr:`ElasticDataParallel.grad_norm
   <unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel.grad_norm>` divides
   its square root by B.
 """

@@ -514,7 +514,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             self.engine.tie()
         if self.layout.stage(self.env.launch_rank) < self.pp - 1:  # (a stage that scales no loss: once, not per
             start_scale(self.precision_plugin, self.root_device)  # micro-batch)
-        if self._memory is not None and self.engine.leader:
+        if self._memory is not None and self.engine.in_primary_replica:
             self._memory.start()  # its writer process is ready before the first step (~1 s, once)
         if self.joining:
             self.joined_at = self.engine.finish_join()
@@ -534,7 +534,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             self._stage = MegatronStage(module, last) if callable(getattr(module, "forward_step", None)) \
                 else module.pipeline_forward
         if self.layout.size > 1:
-            self.engine.measure_norm = True  # (one pass over this shard's reduced sums, on the leading replica)
+            self.engine.measure_norm = True  # (one pass over this shard's reduced sums, on the primary replica)
             self.precision_plugin.clip_grad_by_norm = self._clip_by_global_norm
 
     @property
@@ -733,7 +733,7 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def _snapshot(self, step: int) -> None:
         engine = self.engine
-        if not engine.leader:  # every shard of the leading replica saves its own part
+        if not engine.in_primary_replica:  # every shard of the primary replica saves its own part
             return
         memory_due = self._memory is not None and self._memory.due(step)
         disk_due = self._disk is not None and self._disk.due(step) and step > 0

@@ -2,7 +2,7 @@
 
 Two tiers behind the replicas:
 
-* :class:`MemorySnapshot`: every ``every`` steps the group's leader copies the
+* :class:`MemorySnapshot`: every ``every`` steps the group's primary copies the
   state once into a host buffer and its snapshot writer process
   (:mod:`~unicron_elastic.strategy.snapshots.writer`) sends it into the memory
   of an agent, not of any worker, so it survives the loss of every worker of
@@ -15,7 +15,7 @@ Two tiers behind the replicas:
   loses a replica or a copy, never the only snapshot. Under plain
   ``torchrun`` it is torch's agent TCPStore (the rank-0 node's agent). How
   one snapshot sits in a store is :mod:`~unicron_elastic.strategy.snapshots.wire`.
-* :class:`DiskCheckpoints`: every ``every`` steps the leader writes the state
+* :class:`DiskCheckpoints`: every ``every`` steps the primary writes the state
   in a background thread (the step goes on) to ``<directory>/step-<s>.state``;
   a ``latest`` file names the newest *complete* checkpoint, so a crash while
   writing leaves the previous one.
