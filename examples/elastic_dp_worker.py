@@ -86,7 +86,7 @@ def main() -> None:
         batch=lambda idx: (xs[idx], ys[idx]),
         loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
         store=store, rank=rank, world_size=world, members=members, joining=restarted or rank not in members,
-        schedule={int(k): v for k, v in json.loads(args.schedule).items()},
+        member_schedule={int(k): v for k, v in json.loads(args.schedule).items()},
         options=EngineOptions(
             bucket_numel=args.bucket_numel, timeout=timedelta(seconds=20), grad_dtype=getattr(torch, args.grad_dtype),
             max_world=max_world(world),  # a node that grows the run joins past WORLD_SIZE

@@ -496,7 +496,7 @@ def main() -> None:
         grad_dtype=getattr(torch, args.grad_dtype), tensor_model_parallel_size=args.tensor_parallel,
         pipeline_model_parallel_size=args.pipeline_parallel, pipeline_schedule=args.pipeline_schedule,
         members=[int(r) for r in args.members.split(",")] if args.members else None,
-        schedule={int(k): v for k, v in json.loads(args.schedule).items()})
+        member_schedule={int(k): v for k, v in json.loads(args.schedule).items()})
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,

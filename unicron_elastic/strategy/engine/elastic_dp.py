@@ -29,12 +29,12 @@ When a peer dies (gloo raises on the broken connection):
   reduced again.
 
 Reconfiguration happens between steps: the group's primary (lowest member)
-proposes each step's membership (following a ``schedule`` - the coordinator's
-plan) and, when it changes, writes the next generation's record create-only
+proposes each step's membership (following a ``member_schedule`` given by
+hand, if any) and, when it changes, writes the next generation's record create-only
 (a *resize* record; a failure's record written first wins); ranks that are no
 longer members retire; new ranks (``joining=True``, e.g. a worker the agent
-restarted) ask to join; without a schedule the primary admits them at the next
-step boundary, with one the schedule alone decides.
+restarted) ask to join; without a member schedule the primary admits them at the next
+step boundary, with one the member schedule alone decides.
 They receive the state (by default model, optimizer, RNG; the Lightning
 strategy sends its whole checkpoint dict) and the step by broadcast from the
 primary, a healthy replica. When no replica is left, the lowest joiner resumes
@@ -99,7 +99,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.api import ConfigError, StoreUnavailableError
+from unicron_elastic.api import ConfigError, StoreUnavailableError, renamed_keywords
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy.engine import effects as E
 from unicron_elastic.strategy.engine.bootstrap import watch_members
@@ -130,7 +130,7 @@ class ElasticDataParallel(JoiningPath):
     With tensor/pipeline parallelism it is this rank's shard of one replica
     (``model_parallel``): ranks, members and schedules below are then counted
     in *replicas* where they name data-parallel members (``members``,
-    ``schedule``, :attr:`members`, :meth:`waiting`), and in launch ranks
+    ``member_schedule``, :attr:`members`, :meth:`waiting`), and in launch ranks
     otherwise (``rank``, ``world_size``, ``max_world``).
 
     Args:
@@ -140,8 +140,9 @@ class ElasticDataParallel(JoiningPath):
             world, before it can build a model from megatron-core's layers:
             :meth:`start_join`).
         optimizer: Its optimizer (None with ``model``).
-        plan: The global-batch plan (B micro-batches per step); None until
-            :attr:`plan` is set (the Lightning strategy sets it in ``setup``).
+        batch_plan: The global-batch plan (B micro-batches per step); None until
+            :attr:`batch_plan` is set (the Lightning strategy sets it in ``setup``).
+            ``plan=`` is its deprecated name (until 0.3).
         batch: ``indices -> batch`` (materialises any micro-batch).
         loss_fn: ``(model, batch) -> loss`` (mean over the micro-batch); with
             ``pipeline > 1`` see ``stage_fn``.
@@ -150,7 +151,8 @@ class ElasticDataParallel(JoiningPath):
         world_size: Launch world size (ranks).
         members: Initial members (default all; replicas with TP/PP).
         joining: This rank is not a member yet: :meth:`join` waits to be added.
-        schedule: ``step -> members`` from that step on (the primary applies it).
+        member_schedule: ``step -> members`` from that step on, given by hand (the primary
+            applies it). ``schedule=`` is its deprecated name (until 0.3).
         options: Buckets, timeouts, the gradient dtype, the most ranks, the
             model's layout, the transport (:class:`~unicron_elastic.strategy.engine.engine_options.EngineOptions`).
         hooks: What the engine calls back: fault injection, a pipeline stage's
@@ -163,11 +165,12 @@ class ElasticDataParallel(JoiningPath):
         ConfigError: The world is not a multiple of TP x PP, or ``pipeline > 1`` without ``stage_fn``.
     """
 
+    @renamed_keywords(plan="batch_plan", schedule="member_schedule")
     def __init__(
         self,
         model: torch.nn.Module | None,
         optimizer: torch.optim.Optimizer | None,
-        plan: GlobalBatchPlan | None,
+        batch_plan: GlobalBatchPlan | None,
         batch: Callable[[list[int]], Any],
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
         store: dist.Store,
@@ -176,7 +179,7 @@ class ElasticDataParallel(JoiningPath):
         *,
         members: list[int] | None = None,
         joining: bool = False,
-        schedule: dict[int, list[int]] | None = None,
+        member_schedule: dict[int, list[int]] | None = None,
         options: EngineOptions = EngineOptions(),
         hooks: EngineHooks = EngineHooks(),
     ) -> None:
@@ -188,7 +191,7 @@ class ElasticDataParallel(JoiningPath):
         if self.layout.pipeline > 1 and stage_fn is None:
             raise ConfigError("a pipeline-parallel model needs stage_fn (each stage's forward of one micro-batch)")
         replicas = self.layout.replicas(world_size)
-        self.model, self.optimizer, self._plan = model, optimizer, plan
+        self.model, self.optimizer, self._batch_plan = model, optimizer, batch_plan
         self.batch, self.loss_fn, self.stage_fn, self.store = batch, loss_fn, stage_fn, store
         self.rank, self.timeout, self.checkin_timeout = rank, timeout, checkin_timeout
         self.replica, self.shard = self.layout.replica(rank), self.layout.shard(rank)
@@ -227,8 +230,8 @@ class ElasticDataParallel(JoiningPath):
         self.committed = self.layout.size > 1
         self.membership = ReplicaMembership(store, self.layout, rank, self.max_replicas)
         self.protocol = Protocol(self.replica, list(members if members is not None else range(replicas)),
-                                 plan.num_micro_batches if plan is not None else 0,  # (set with the plan)
-                                 0, schedule, checkin_timeout, timeout.total_seconds(),  # (buckets: bind)
+                                 batch_plan.num_micro_batches if batch_plan is not None else 0,  # (set with it)
+                                 0, member_schedule, checkin_timeout, timeout.total_seconds(),  # (buckets: bind)
                                  authority=self.shard == 0, compute_needs_group=self.committed)
         self.pg: dist.ProcessGroup | None = None  # this shard's data-parallel group
         self.world_pg: dist.ProcessGroup | None = None  # with TP/PP: every rank (commit, pipeline)
@@ -293,9 +296,14 @@ class ElasticDataParallel(JoiningPath):
         return self.protocol.generation
 
     @property
-    def schedule(self) -> dict[int, list[int]]:
-        """``step -> members`` from that step on."""
-        return self.protocol.schedule
+    def member_schedule(self) -> dict[int, list[int]]:
+        """``step -> members`` from that step on, given by hand."""
+        return self.protocol.member_schedule
+
+    @property
+    def schedule(self) -> dict[int, list[int]]:  # deprecated alias, remove in 0.3
+        """Deprecated: :attr:`member_schedule`."""
+        return self.member_schedule
 
     @property
     def next_step(self) -> int:
@@ -307,14 +315,23 @@ class ElasticDataParallel(JoiningPath):
         self.protocol.next_step = step
 
     @property
-    def plan(self) -> GlobalBatchPlan:
+    def batch_plan(self) -> GlobalBatchPlan:
         """The global-batch plan (B micro-batches per step)."""
-        return self._plan
+        return self._batch_plan
+
+    @batch_plan.setter
+    def batch_plan(self, batch_plan: GlobalBatchPlan) -> None:
+        self._batch_plan = batch_plan
+        self.protocol.micro_batches = batch_plan.num_micro_batches
+
+    @property
+    def plan(self) -> GlobalBatchPlan:  # deprecated alias, remove in 0.3
+        """Deprecated: :attr:`batch_plan`."""
+        return self.batch_plan
 
     @plan.setter
-    def plan(self, plan: GlobalBatchPlan) -> None:
-        self._plan = plan
-        self.protocol.micro_batches = plan.num_micro_batches
+    def plan(self, batch_plan: GlobalBatchPlan) -> None:  # deprecated alias, remove in 0.3
+        self.batch_plan = batch_plan
 
     @property
     def in_primary_replica(self) -> bool:
@@ -539,7 +556,7 @@ class ElasticDataParallel(JoiningPath):
         waits in: a store round trip there (a millisecond or more on a busy
         host) would delay the whole group each step. What was asked before
         ``step`` began computing is seen, as when read at its end; a later
-        request waits one step more. With a ``schedule`` the primary reads none.
+        request waits one step more. With a ``member_schedule`` the primary reads none.
         """
         if self.shard != 0 or not self.protocol.reads_requests:  # (the first shard reads for its replica)
             return
@@ -659,7 +676,7 @@ class ElasticDataParallel(JoiningPath):
                 for j in micro_batches:
                     self.current_micro_batch = (step, j)
                     self.hook(self.rank, step, micro_batch=j)
-                    self.loss_fn(self.model, self.batch(self._plan.indices(step, j))).backward()
+                    self.loss_fn(self.model, self.batch(self._batch_plan.indices(step, j))).backward()
                     if not bound:
                         gradients.accumulate(views)
             if bound:
@@ -698,7 +715,7 @@ class ElasticDataParallel(JoiningPath):
             j = micro_batches[position]
             self.current_micro_batch = (step, j)
             self.hook(self.rank, step, micro_batch=j)
-            return self.stage_fn(self.model, self.batch(self._plan.indices(step, j)), received)
+            return self.stage_fn(self.model, self.batch(self._batch_plan.indices(step, j)), received)
 
         run_pipeline(forward, ops, links, self.transport.device,
                      on_backward=None if bound else lambda _: self.gradients.accumulate(views))
@@ -738,7 +755,7 @@ class ElasticDataParallel(JoiningPath):
         reduced = self.gradients.reduced_sum()
         if self.overflow is None or reduced is None:
             return False
-        return self.overflow(reduced, self._plan.num_micro_batches)
+        return self.overflow(reduced, self._batch_plan.num_micro_batches)
 
     def _commit(self, effect: E.Reduce) -> list[int]:
         """The step's commit over every rank (TP x PP > 1), after the tied weight's gradients are summed.
@@ -801,7 +818,7 @@ class ElasticDataParallel(JoiningPath):
         """
         if self._squared_norm is None:
             return None
-        return math.sqrt(self._squared_norm) / self._plan.num_micro_batches
+        return math.sqrt(self._squared_norm) / self._batch_plan.num_micro_batches
 
     def _set_gradients(self, effect: E.SetGradients) -> None:
         """``p.grad`` = the reduced sum / B (NaN where another shard overflowed: the scaler skips the step here too).
@@ -810,7 +827,7 @@ class ElasticDataParallel(JoiningPath):
         """
         if self.sums is not None:
             self.sums.apply(self.gradients.reduced_sum())
-        self.gradients.set_gradients(self._plan.num_micro_batches, self.committed and self.overflow_agreed)
+        self.gradients.set_gradients(self._batch_plan.num_micro_batches, self.committed and self.overflow_agreed)
 
     def begin_step(self, step: int) -> StepReport:
         """Agree on the members of ``step`` and compute this rank's micro-batches.
@@ -819,7 +836,7 @@ class ElasticDataParallel(JoiningPath):
             The report, completed by :meth:`finish_gradients`.
 
         Raises:
-            Retired: This rank leaves the group at ``step`` (the schedule, or its
+            Retired: This rank leaves the group at ``step`` (the member schedule, or its
                 leave request, which is then withdrawn).
             Excluded: This rank is alive but a record left it out (with TP/PP:
                 its replica lost a rank, or the membership sync failed and the
@@ -849,7 +866,7 @@ class ElasticDataParallel(JoiningPath):
             What this rank did.
 
         Raises:
-            Retired: The plan removed this rank from the group at ``step``.
+            Retired: The member schedule removed this rank from the group at ``step``.
             Excluded: This rank is alive but a record left it out: it must :meth:`join`.
         """
         self.begin_step(step)

@@ -30,13 +30,13 @@ when every rank of it did, and a record keeps, per shard of the model
 (a tensor x pipeline shard), the buckets that shard's group reduced
 (:attr:`MembershipRecord.kept`).
 
-A resize between steps (joiners admitted, the schedule's members) is a record
+A resize between steps (joiners admitted, a member schedule's members) is a record
 too: the primary writes it create-only for the next generation
 (:func:`resize_record`), so a failure that a rank is still recovering from and
 a resize can never both start the same generation.
 
 Between steps the primary proposes the next step's members with
-:func:`proposal` (the coordinator's schedule, else the current members plus
+:func:`proposal` (a member schedule given by hand, else the current members plus
 ranks waiting to join), agreed collectively by the engine.
 """
 
@@ -308,14 +308,14 @@ def role(record: MembershipRecord, rank: int, step: int | None = None) -> str:
     return "joiner"
 
 
-def proposal(step: int, members: Sequence[int], schedule: Mapping[int, Sequence[int]],
+def proposal(step: int, members: Sequence[int], member_schedule: Mapping[int, Sequence[int]],
              waiting: Collection[int], leaving: Collection[int] = ()) -> list[int]:
     """The primary's members for ``step``.
 
     Args:
         step: The step the members are for.
         members: The current members.
-        schedule: ``step -> members`` from that step on (given by hand);
+        member_schedule: ``step -> members`` from that step on (given by hand);
             when given, it alone decides.
         waiting: Ranks asking to join.
         leaving: Ranks asked to leave (their node leaves the task by the
@@ -323,12 +323,12 @@ def proposal(step: int, members: Sequence[int], schedule: Mapping[int, Sequence[
             a replica must hold the state.
 
     Returns:
-        The schedule's members for ``step``; without a schedule the current
+        The member schedule's members for ``step``; without one the current
         members less the leaving ones (order kept), then the waiting ranks
         not yet members and not leaving (sorted).
     """
-    if schedule:
-        return list(schedule.get(step, members))
+    if member_schedule:
+        return list(member_schedule.get(step, members))
     gone = set(leaving)
     wanted = [r for r in members if r not in gone] or list(members)
     return wanted + [r for r in sorted(set(waiting) - gone) if r not in wanted]

@@ -101,7 +101,7 @@ class Protocol:
         members: The group's members (empty for a rank that will join).
         micro_batches: B, micro-batches per step.
         buckets: Gradient buckets reduced in order per step.
-        schedule: ``step -> members`` from that step on (the primary applies it).
+        member_schedule: ``step -> members`` from that step on (the primary applies it).
         checkin_timeout: How long (transport clock) a rank alive but not checked in is waited for.
         collective_timeout: Seconds a collective may take (bounds a declared pause).
         logger: Where the protocol logs (structlog-like).
@@ -117,7 +117,7 @@ class Protocol:
     """
 
     def __init__(self, rank: int, members: Sequence[int], micro_batches: int, buckets: int,
-                 schedule: Mapping[int, Sequence[int]] | None = None, checkin_timeout: float = 10.0,
+                 member_schedule: Mapping[int, Sequence[int]] | None = None, checkin_timeout: float = 10.0,
                  collective_timeout: float = 30.0, logger: Any = None, authority: bool = True,
                  compute_needs_group: bool = False, ready_timeout: float = 300.0) -> None:
         self.rank = rank
@@ -127,7 +127,7 @@ class Protocol:
         self.resumed: int | None = None  # the step of the fallback state this rank fetched (no replica was left)
         self.members = list(members)
         self.micro_batches, self.buckets = micro_batches, buckets
-        self.schedule = {int(s): list(m) for s, m in (schedule or {}).items()}
+        self.member_schedule = {int(s): list(m) for s, m in (member_schedule or {}).items()}
         self.checkin_timeout, self.collective_timeout = checkin_timeout, collective_timeout
         self.log = logger if logger is not None else log
         self.generation = 0
@@ -144,8 +144,8 @@ class Protocol:
 
     @property
     def reads_requests(self) -> bool:
-        """This rank's proposals read the join/leave requests: it is the primary, and no ``schedule`` decides the members."""
-        return self.is_primary and not self.schedule
+        """This rank's proposals read the join/leave requests: it is the primary, and no ``member_schedule`` decides the members."""
+        return self.is_primary and not self.member_schedule
 
     # -- one step ----------------------------------------------------------------------------------------
     def assignment(self, step: int) -> dict[int, list[int]]:
@@ -161,7 +161,7 @@ class Protocol:
         """Agree on the members of ``step`` and compute this rank's micro-batches; returns the :class:`StepReport`.
 
         Raises:
-            Retired: The plan removed this rank from the group at ``step``.
+            Retired: The member schedule removed this rank from the group at ``step``.
             Excluded: A failure's record (during a resize) left this rank out.
         """
         early = yield from self._sync_membership(step)
@@ -349,11 +349,11 @@ class Protocol:
 
     # -- membership between steps -------------------------------------------------------------------------
     def _proposal(self, step: int) -> Effects:
-        """The primary's members for ``step``: the schedule's, else the current ones less those asked to leave plus joiners."""
-        if not self.reads_requests:  # a schedule decides (only the primary calls this)
-            return proposal(step, self.members, self.schedule, ())
+        """The primary's members for ``step``: the member schedule's, else the current ones less those asked to leave plus joiners."""
+        if not self.reads_requests:  # a member schedule decides (only the primary calls this)
+            return proposal(step, self.members, self.member_schedule, ())
         waiting, leaving = yield ReadRequests(tuple(self.members), step=step)
-        return proposal(step, self.members, self.schedule, waiting, leaving)
+        return proposal(step, self.members, self.member_schedule, waiting, leaving)
 
     def _sync_membership(self, step: int) -> Effects:
         """Agree on this step's members; resize if they changed.
@@ -400,7 +400,7 @@ class Protocol:
         return None
 
     def _resize(self, wanted: list[int], step: int) -> Effects:
-        """Between steps: change the members to ``wanted`` (joiners admitted, the schedule's members).
+        """Between steps: change the members to ``wanted`` (joiners admitted, the member schedule's).
 
         The primary writes the next generation's record create-only
         (:meth:`_propose_resize`); every member checks in and follows the

@@ -49,8 +49,8 @@ class _Order:
     batches in this order: ``in_order``).
     """
 
-    def __init__(self, plan: GlobalBatchPlan, rank: int) -> None:
-        self.plan, self.rank = plan, rank
+    def __init__(self, batch_plan: GlobalBatchPlan, rank: int) -> None:
+        self.batch_plan, self.rank = batch_plan, rank
         self.start: tuple[int, int, tuple[int, ...]] = (0, 0, (rank,))
         self.issued: deque[tuple[int, int]] = deque()
 
@@ -58,14 +58,14 @@ class _Order:
         step, first, members = self.start
         begin = (step, first)
         self.issued.clear()
-        mine = deal(self.plan.num_micro_batches, list(members)).get(self.rank, [])
+        mine = deal(self.batch_plan.num_micro_batches, list(members)).get(self.rank, [])
         if not mine:
             return
         while True:
             for j in mine:
                 if (step, j) >= begin:
                     self.issued.append((step, j))
-                    yield self.plan.indices(step, j)
+                    yield self.batch_plan.indices(step, j)
             step += 1
 
 
@@ -74,19 +74,19 @@ class MicroBatchFeed:
 
     Args:
         loader: The user's train ``DataLoader`` (its dataset and settings are used).
-        plan: The global-batch plan.
+        batch_plan: The global-batch plan.
         rank: This rank (launch rank).
         members: Returns the current data-parallel members.
     """
 
-    def __init__(self, loader: DataLoader, plan: GlobalBatchPlan, rank: int,
+    def __init__(self, loader: DataLoader, batch_plan: GlobalBatchPlan, rank: int,
                  members: Callable[[], list[int]]) -> None:
         self.dataset = loader.dataset
         self.collate = loader.collate_fn
         self.rank = rank
         self._members = members
         self.num_workers = int(loader.num_workers)
-        self._order = _Order(plan, rank)
+        self._order = _Order(batch_plan, rank)
         self._loader: DataLoader | None = None
         self._iter: Iterator[Any] | None = None
         self.fed = 0  # micro-batches that came from the loader (its workers, when it has any)
@@ -97,7 +97,7 @@ class MicroBatchFeed:
             settings["prefetch_factor"] = loader.prefetch_factor
             settings["in_order"] = True  # batches come back in the sampler's order (the keys in ``issued``)
             if settings.get("generator") is None:  # each new iterator draws the workers' base seed from it:
-                settings["generator"] = torch.Generator().manual_seed(plan.seed)  # not from the global RNG
+                settings["generator"] = torch.Generator().manual_seed(batch_plan.seed)  # not from the global RNG
             self._loader = DataLoader(self.dataset, batch_sampler=self._order, **settings)
 
     def get(self, step: int, j: int, indices: list[int]) -> Any:
@@ -117,7 +117,7 @@ class MicroBatchFeed:
 
     def _starts_step(self, step: int, j: int, members: tuple[int, ...]) -> bool:
         """Whether ``j`` is this rank's first micro-batch of ``step`` when dealt over ``members``."""
-        mine = deal(self._order.plan.num_micro_batches, list(members)).get(self.rank, [])
+        mine = deal(self._order.batch_plan.num_micro_batches, list(members)).get(self.rank, [])
         return bool(mine) and mine[0] == j
 
     def _restart(self, step: int, j: int, members: tuple[int, ...]) -> None:

@@ -60,7 +60,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from unicron_elastic.api import ConfigError
+from unicron_elastic.api import ConfigError, renamed_keywords
 from unicron_elastic.faults import maybe_fail
 from unicron_elastic.env import meeting_text, round_, worker_restarts
 from unicron_elastic.meeting import connect_meeting_store
@@ -123,7 +123,7 @@ class UnicronMegatronStrategy(DDPStrategy):
     With ``tensor_model_parallel_size`` (TP) x ``pipeline_model_parallel_size``
     (PP) > 1 a data-parallel *replica* is TP x PP consecutive launch ranks
     (``rank = replica * TP * PP + stage * TP + tensor_rank``); ``members`` and
-    ``schedule`` then name replicas, and the data-parallel size changes in
+    ``member_schedule`` then name replicas, and the data-parallel size changes in
     whole replicas. The LightningModule builds its megatron-core layers in
     ``configure_model()`` (``parallel_state`` is initialized then) and, with
     PP > 1, only its stage's layers; it implements Megatron-LM's
@@ -152,12 +152,12 @@ class UnicronMegatronStrategy(DDPStrategy):
             not checked in (a stuck one: it is then left out and rejoins). Dead ranks are not waited for.
         join_timeout: How long a restarted rank waits to be admitted.
         members: The launch ranks (replicas with TP x PP > 1) that train from
-            the start (default: all); the others wait to be added by ``schedule``.
-        schedule: ``{step: members}``: the data-parallel members from that step
-            on (the coordinator's plan: scale in or out with the same global
-            batch). Ranks left out retire at that step (their ``fit`` ends);
-            ranks added receive the state from a replica. The lowest member
-            must stay in.
+            the start (default: all); the others wait to be added by ``member_schedule``.
+        member_schedule: ``{step: members}``: the data-parallel members from that step
+            on, given by hand (scale in or out with the same global batch). Ranks left
+            out retire at that step (their ``fit`` ends); ranks added receive the state
+            from a replica. The lowest member must stay in. ``schedule=`` is its
+            deprecated name (until 0.3).
         grad_dtype: Dtype of gradient accumulation and all-reduce. float32
             (default): after a failure the sums are added in another order, so
             the parameters equal the failure-free ones to float32 rounding, which
@@ -168,6 +168,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         ConfigError: Invalid sizes, intervals or pipeline schedule.
     """
 
+    @renamed_keywords(schedule="member_schedule")
     def __init__(
         self,
         global_batch: int | None = None,
@@ -184,7 +185,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         checkin_timeout: float = 10.0,
         join_timeout: float = 300.0,
         members: list[int] | None = None,
-        schedule: dict[int, list[int]] | None = None,
+        member_schedule: dict[int, list[int]] | None = None,
         grad_dtype: torch.dtype = torch.float32,
         **kwargs: Any,
     ) -> None:
@@ -208,10 +209,10 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.checkin_timeout, self.join_timeout = checkin_timeout, join_timeout
         self.grad_dtype = grad_dtype
         self.initial_members = sorted(members) if members is not None else None
-        self.schedule = {int(step): sorted(ranks) for step, ranks in (schedule or {}).items()}
+        self.member_schedule = {int(step): sorted(ranks) for step, ranks in (member_schedule or {}).items()}
         self.finished_before_join = False
         self._admission_started = False
-        self.retired_at: int | None = None  # the step the schedule removed this rank at
+        self.retired_at: int | None = None  # the step the member schedule removed this rank at
         self.engine: ElasticDataParallel | None = None
         self.reports: list[StepReport] = []
         self.joined_at: int | None = None  # the step a restarted rank joined at
@@ -233,6 +234,11 @@ class UnicronMegatronStrategy(DDPStrategy):
     def feed(self) -> MicroBatchFeed | None:
         """Where micro-batches come from (its ``fed``/``on_demand`` counters); None before the dataloader."""
         return self._feed
+
+    @property
+    def schedule(self) -> dict[int, list[int]]:  # deprecated alias, remove in 0.3
+        """Deprecated: :attr:`member_schedule`."""
+        return self.member_schedule
 
     # -- environment ------------------------------------------------------------
     @property
@@ -273,7 +279,7 @@ class UnicronMegatronStrategy(DDPStrategy):
     @property
     def joining(self) -> bool:
         """This process joins a running group: the agent restarted it, its node joined a running round
-        (a returning node, or one that grew the run), or the schedule adds it later.
+        (a returning node, or one that grew the run), or the member schedule adds it later.
 
         After torch's restart-all (a rendezvous round after the run's first,
         ``$UNICRON_ROUND`` > 0: e.g. a run whose workers do not admit joiners
@@ -294,13 +300,13 @@ class UnicronMegatronStrategy(DDPStrategy):
         """The initial data-parallel members (replicas).
 
         Raises:
-            ConfigError: Members or schedule name replicas outside the launch world, or
+            ConfigError: Members or the member schedule name replicas outside the launch world, or
                 the world is not a multiple of TP x PP.
         """
         replicas = self.layout.replicas(self.env.launch_world_size)
         members = self.initial_members if self.initial_members is not None else list(range(replicas))
         unit = "ranks" if self.layout.size == 1 else "replicas"
-        for ranks in [members, *self.schedule.values()]:
+        for ranks in [members, *self.member_schedule.values()]:
             if not ranks or not set(ranks) <= set(range(replicas)):
                 raise ConfigError(f"members {ranks} must be a non-empty subset of {unit} 0..{replicas - 1}")
         return members
@@ -361,8 +367,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         if self.root_device.type == "cuda":
             nccl_error_handling()  # before the first NCCL group: failures raise, they do not kill the worker
         self._store = self._connect_store()
-        # (the exception hook is installed already); with a schedule, only the schedule changes the members
-        self._worker.hello(resumable=True, leavable=not self.schedule, growable=not self.schedule)
+        # (the exception hook is installed already); with a member schedule, only it changes the members
+        self._worker.hello(resumable=True, leavable=not self.member_schedule, growable=not self.member_schedule)
         joining = self.joining
         if joining:
             self._local_only = True
@@ -437,10 +443,10 @@ class UnicronMegatronStrategy(DDPStrategy):
             overflow=lambda total, micro_batches: overflowed(self.precision_plugin, total, micro_batches),
         )
         return ElasticDataParallel(
-            None, None, plan=None,  # the model comes in setup, the plan with the dataset (process_dataloader)
+            None, None, batch_plan=None,  # the model comes in setup, the batch plan with the dataset (process_dataloader)
             batch=self._materialise, loss_fn=self._micro_batch_loss, store=self._store,
             rank=self.env.launch_rank, world_size=self.env.launch_world_size,
-            joining=joining, members=self._members(), schedule=self.schedule, options=options, hooks=hooks,
+            joining=joining, members=self._members(), member_schedule=self.member_schedule, options=options, hooks=hooks,
         )
 
     def _drop_world(self) -> None:
@@ -646,16 +652,16 @@ class UnicronMegatronStrategy(DDPStrategy):
             raise ConfigError("unicron_megatron needs a DataLoader over a map-style dataset (len and [])")
         micro = self.micro_batch or dataloader.batch_size or 1
         replicas = self.layout.replicas(self.env.launch_world_size)
-        plan = GlobalBatchPlan(len(dataset), self.global_batch or micro * replicas, micro, self.seed)
-        self.engine.plan = plan
+        batch_plan = GlobalBatchPlan(len(dataset), self.global_batch or micro * replicas, micro, self.seed)
+        self.engine.batch_plan = batch_plan
         if self._feed is not None:
             self._feed.close()
         engine = self.engine
         # every rank of a replica computes the replica's micro-batches (TP: the same inputs; PP: each stage's part)
-        self._feed = MicroBatchFeed(dataloader, plan, self.replica, lambda: engine.members)
+        self._feed = MicroBatchFeed(dataloader, batch_plan, self.replica, lambda: engine.members)
         if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
             return _Steps(0)
-        return _Steps(plan.steps_per_epoch)
+        return _Steps(batch_plan.steps_per_epoch)
 
     def _materialise(self, indices: list[int]) -> Any:
         assert self._feed is not None, "no train dataloader was processed"
@@ -724,7 +730,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         try:
             engine.begin_step(step)
         except Retired:
-            self.retired_at = step  # the plan dropped this rank: stop quietly, the others go on
+            self.retired_at = step  # the member schedule dropped this rank: stop quietly, the others go on
             self._local_only = True
             self.lightning_module.trainer.should_stop = True
             return {"loss": torch.zeros(())}

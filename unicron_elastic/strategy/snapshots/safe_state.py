@@ -121,10 +121,10 @@ def pack_parts(encoded: EncodedState) -> list[Buffer]:
         StateEncodingError: See :func:`pack`.
     """
     chunks = [_raw(b) for b in encoded.buffers]
-    plan = layout(encoded)
-    parts: list[Buffer] = [plan.head, bytes(plan.body - len(plan.head))]
+    doc_layout = layout(encoded)
+    parts: list[Buffer] = [doc_layout.head, bytes(doc_layout.body - len(doc_layout.head))]
     written = 0
-    for chunk, (start, size) in zip(chunks, plan.buffers):
+    for chunk, (start, size) in zip(chunks, doc_layout.buffers):
         parts.append(bytes(start - written))
         parts.append(chunk)
         written = start + size

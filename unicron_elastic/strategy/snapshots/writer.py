@@ -106,20 +106,20 @@ class HostBuffer:
         os.close(self.fd)
 
 
-def copy_document(encoded: EncodedState, buffer: HostBuffer, plan: Layout,
+def copy_document(encoded: EncodedState, buffer: HostBuffer, doc_layout: Layout,
                   stream: torch.cuda.Stream | None = None) -> None:
     """Lay the document out in ``buffer``: its head, then each array at its offset (one copy of each).
 
     Args:
         encoded: The state, not copied (its tensors may be on a GPU).
-        buffer: At least ``plan.size`` bytes.
-        plan: ``layout(encoded)``.
+        buffer: At least ``doc_layout.size`` bytes.
+        doc_layout: ``layout(encoded)``.
         stream: The side CUDA stream for tensors on a GPU (the caller waits for it before the state changes).
     """
     target = buffer.bytes
-    target[: len(plan.head)].copy_(torch.frombuffer(bytearray(plan.head), dtype=torch.uint8))
-    for array_, (offset, nbytes) in zip(encoded.buffers, plan.buffers):
-        start = plan.body + offset
+    target[: len(doc_layout.head)].copy_(torch.frombuffer(bytearray(doc_layout.head), dtype=torch.uint8))
+    for array_, (offset, nbytes) in zip(encoded.buffers, doc_layout.buffers):
+        start = doc_layout.body + offset
         if isinstance(array_, np.ndarray):
             np.ndarray(array_.shape, array_.dtype, buffer=buffer._map, offset=start)[...] = array_
             continue
@@ -169,16 +169,16 @@ class SnapshotWriter:
             log.warning("snapshot_skipped", step=step, reason=f"the snapshot of step {self._in_flight.step} is "
                         "still being sent: the next one due is taken")
             return False
-        plan = layout(encoded)
-        buffer = self._room(plan.size)
+        doc_layout = layout(encoded)
+        buffer = self._room(doc_layout.size)
         cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in encoded.buffers)
         if cuda:
             buffer.pin()
             self._stream = self._stream or torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())
-        copy_document(encoded, buffer, plan, self._stream if cuda else None)
+        copy_document(encoded, buffer, doc_layout, self._stream if cuda else None)
         self._ids += 1
-        job = Job(self._ids, plan.size, step, shard, slot, places)
+        job = Job(self._ids, doc_layout.size, step, shard, slot, places)
         if cuda:
             event = torch.cuda.Event()
             event.record(self._stream)
