@@ -69,7 +69,7 @@ def test_unset_variables_read_as_their_defaults(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.delenv(variable.name, raising=False)
     assert (env.max_world(4), env.round_(), env.worker_restarts(), env.event_retention(1000)) == (4, 0, 0, 1000)
     assert (env.node_daemon(), env.daemon_pid(), env.meeting_text(), env.etcd_password()) == (None, None, None, None)
-    assert env.first_process()
+    assert env.first_incarnation()
 
 
 def test_what_the_agent_and_the_daemon_write_is_what_the_readers_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,7 +81,8 @@ def test_what_the_agent_and_the_daemon_write_is_what_the_readers_read(monkeypatc
     assert (env.round_(), env.meeting_text(), env.etcd_password()) == (3, '{"prefix": "p/"}', "secret")
     env.clear_meeting()
     assert env.meeting_text() is None
-    assert env.respawn_env(2, 1) == {"UNICRON_GENERATION": "2.1", "UNICRON_WORKER_RESTARTS": "1"}
+    assert env.respawn_env("n1", 2, 1) == {"UNICRON_INCARNATION": "n1.2.1", "UNICRON_GENERATION": "2.1",
+                                           "UNICRON_WORKER_RESTARTS": "1"}
     launched = env.launcher_environment("n1", 42, None, base={})
     assert launched == {"UNICRON_NODE_DAEMON": "n1", "UNICRON_NODE_DAEMON_PID": "42"}
     monkeypatch.setattr("os.environ", {**launched})

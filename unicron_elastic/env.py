@@ -41,8 +41,10 @@ ETCD_PASSWORD = Variable("UNICRON_ETCD_PASSWORD", "the etcd password",
                          "`store/endpoints.py`, `meeting.py`")
 MAX_WORLD = Variable("UNICRON_MAX_WORLD", "int >= `WORLD_SIZE`",
                      "the agent (for its workers)", "`strategy/lightning/environment.py`")
-GENERATION = Variable("UNICRON_GENERATION", "`N` at a group start, `N.R` for a rank's respawn `R`",
-                      "the agent (for its workers)", "user scripts")
+INCARNATION = Variable("UNICRON_INCARNATION", "`<node>.<rendezvous count>.<restarts>`: this process of its rank",
+                       "the agent (for its workers)", "user scripts (the workers' liveness value is the same)")
+GENERATION = Variable("UNICRON_GENERATION", "deprecated (use `UNICRON_INCARNATION`; until 0.3): `N` at a group "
+                      "start, `N.R` for a rank's respawn `R`", "the agent (for its workers)", "user scripts")
 ROUND = Variable("UNICRON_ROUND", "int >= 0: the run's rendezvous round",
                  "the agent (for its workers)", "the Lightning strategy")
 WORKER_RESTARTS = Variable("UNICRON_WORKER_RESTARTS",
@@ -63,7 +65,7 @@ LOOPBACK_SLURM_NODE = Variable("UNICRON_LOOPBACK_SLURM_NODE", "`<slurm.conf>:<ma
                                "`slurm/loopback.py` (from `/proc/<pid>/environ`)")
 
 #: Every variable, in the order of docs/architecture.md's table.
-VARIABLES: tuple[Variable, ...] = (AGENT_SOCKET, MEETING, ETCD_PASSWORD, MAX_WORLD, GENERATION, ROUND,
+VARIABLES: tuple[Variable, ...] = (AGENT_SOCKET, MEETING, ETCD_PASSWORD, MAX_WORLD, INCARNATION, GENERATION, ROUND,
                                    WORKER_RESTARTS, FAULTS, FAULT_LOG, NODE_DAEMON, DAEMON_PID,
                                    EVENT_RETENTION, ETCD_BINARY, LOG_LEVEL, LOOPBACK_SLURM_NODE)
 
@@ -145,14 +147,21 @@ def set_max_world(ranks: int) -> None:
     os.environ[MAX_WORLD.name] = str(ranks)
 
 
-def set_generation(generation: int) -> None:
-    """Tell the workers of a group start the agent's rendezvous count (:data:`GENERATION`)."""
-    os.environ[GENERATION.name] = str(generation)
+def incarnation(node: str, rendezvous_count: int, restarts: int) -> str:
+    """A process of a rank: ``<node>.<rendezvous count>.<restarts>`` (:data:`INCARNATION`, its liveness value)."""
+    return f"{node}.{rendezvous_count}.{restarts}"
 
 
-def respawn_env(generation: int, restarts: int) -> dict[str, str]:
-    """The variables of a rank's respawned process: ``N.R`` and its restart count."""
-    return {GENERATION.name: f"{generation}.{restarts}", WORKER_RESTARTS.name: str(restarts)}
+def set_group_start(node: str, rendezvous_count: int) -> None:
+    """Tell the workers of a group start their incarnation (and the deprecated :data:`GENERATION`)."""
+    os.environ[INCARNATION.name] = incarnation(node, rendezvous_count, 0)
+    os.environ[GENERATION.name] = str(rendezvous_count)
+
+
+def respawn_env(node: str, rendezvous_count: int, restarts: int) -> dict[str, str]:
+    """The variables of a rank's respawned process: its incarnation and restart count (and ``N.R``, deprecated)."""
+    return {INCARNATION.name: incarnation(node, rendezvous_count, restarts),
+            GENERATION.name: f"{rendezvous_count}.{restarts}", WORKER_RESTARTS.name: str(restarts)}
 
 
 def set_round(round_: int) -> None:
@@ -183,8 +192,8 @@ def worker_restarts() -> int:
     return _int(WORKER_RESTARTS, 0, 0)
 
 
-def first_process() -> bool:
-    """Whether this is its rank's first process: no respawn, no join, no torchrun restart."""
+def first_incarnation() -> bool:
+    """Whether this is its rank's first incarnation: no respawn, no join, no torchrun restart."""
     return (os.environ.get(WORKER_RESTARTS.name, "0") == "0"
             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from unicron_elastic.env import FAULT_LOG, FAULTS, fault_log_path, faults_text, first_process
+from unicron_elastic.env import FAULT_LOG, FAULTS, fault_log_path, faults_text, first_incarnation
 
 FAULTS_ENV = FAULTS.name  # (the variables are env.FAULTS and env.FAULT_LOG)
 FAULT_LOG_ENV = FAULT_LOG.name
@@ -155,7 +155,7 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
     for index, (spec, fault) in enumerate(planned_faults(raw)):
         if (fault.rank, fault.step, fault.micro_batch, fault.bucket, fault.at) != (rank, step, micro_batch, bucket, at):
             continue
-        if fault.times is not None and (not first_process() or _FIRED.get(index, 0) >= fault.times):
+        if fault.times is not None and (not first_incarnation() or _FIRED.get(index, 0) >= fault.times):
             continue
         _FIRED[index] = _FIRED.get(index, 0) + 1
         log_path = fault_log_path()
@@ -186,7 +186,7 @@ def unfired() -> list[dict]:
     fired, or not, in the one before it.
     """
     raw = faults_text()
-    if not raw or not _RANKS or not first_process():
+    if not raw or not _RANKS or not first_incarnation():
         return []
     return [spec for index, (spec, fault) in enumerate(planned_faults(raw))
             if fault.rank in _RANKS and not _FIRED.get(index)]

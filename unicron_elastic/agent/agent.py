@@ -62,7 +62,8 @@ from unicron_elastic.env import (
     node_daemon,
     respawn_env,
     set_agent_socket,
-    set_generation,
+    incarnation,
+    set_group_start,
     set_joiner,
     set_max_world,
     set_round,
@@ -113,7 +114,7 @@ class UnicronAgent(LocalElasticAgent):
         self.shutdown_timeout = shutdown_timeout  # every stop of the workers, a restart's included (_shutdown)
         self.config = config or AgentConfig()
         self.node = self.config.node
-        self.generation = 0
+        self.rendezvous_count = 0  # rounds this agent joined (part of each worker's incarnation)
         self.events: list[ErrorEvent] = []
         self.actions: list[tuple[str, int]] = []
         self._lock = threading.RLock()
@@ -155,12 +156,12 @@ class UnicronAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         raise_pending_stop()  # a signal that the rendezvous' etcd calls swallowed
-        self.generation += 1
+        self.rendezvous_count += 1
         structlog.contextvars.bind_contextvars(
             run_id=worker_group.spec.rdzv_handler.get_run_id(),
             node=self.node,
             group_rank=worker_group.group_rank,
-            generation=self.generation,
+            rendezvous_count=self.rendezvous_count,
         )
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
         log.info("agent_rendezvous_complete", world_size=world_size)
@@ -230,7 +231,7 @@ class UnicronAgent(LocalElasticAgent):
                                      on_lease_lost=self.lost_own_lease if under_daemon else None)
         self._meeting.export()
         for worker in worker_group.workers:
-            self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.0", self.left)
+            self._meeting.worker_started(worker.global_rank, incarnation(self.node, self.rendezvous_count, 0), self.left)
 
     def _exit_barrier(self) -> None:
         """Wait for the other nodes to finish, not for nodes that were lost (torch's waits for all).
@@ -297,24 +298,24 @@ class UnicronAgent(LocalElasticAgent):
             leave_possible(False)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        set_generation(self.generation)
+        set_group_start(self.node, self.rendezvous_count)
         with stop_signals_deferred():  # a signal now: after torch recorded every worker, so it stops them all
             ids = super()._start_workers(worker_group)
             install_stop_signals()  # in case torch registered its own handler after all
             install_leave_signal()  # (TORCHELASTIC_SIGNALS_TO_HANDLE may name SIGUSR2)
-        with self._lock:  # only now: exits seen before are the old generation's
+        with self._lock:  # only now: exits seen before are the previous round's
             self._stopping = self._closed
-            for state in self._ranks.values():  # requests of the old generation's processes
+            for state in self._ranks.values():  # requests of the previous round's processes
                 state.rejoining = None
             if not self._closed:
                 leave_possible(True)
-        self._notify_started(list(ids), f"gen{self.generation}")
+        self._notify_started(list(ids), incarnation(self.node, self.rendezvous_count, 0))
         return ids
 
-    def _notify_started(self, local_ranks: list[int], generation: str) -> None:
+    def _notify_started(self, local_ranks: list[int], incarnation: str) -> None:
         for detector in self._detectors:
             try:
-                detector.on_workers_started(local_ranks, generation)
+                detector.on_workers_started(local_ranks, incarnation)
             except Exception:  # noqa: BLE001
                 log.exception("detector_failed", detector=detector.name)
 
@@ -555,15 +556,15 @@ class UnicronAgent(LocalElasticAgent):
         restarts = history.restarts + history.rejoins  # a rejoined worker is a joiner too: a new incarnation
         state.rejoining = None
         if self._meeting is not None:
-            self._meeting.worker_started(worker.global_rank, f"{self.node}.{self.generation}.{restarts}", self.left)
-        env = respawn_env(self.generation, restarts)
+            self._meeting.worker_started(worker.global_rank, incarnation(self.node, self.rendezvous_count, restarts), self.left)
+        env = respawn_env(self.node, self.rendezvous_count, restarts)
         started = time.monotonic()
         pid = _torch_compat.respawn(self._pcontext, local_rank, env)  # type: ignore[arg-type]
         worker.id = pid
         state.reply = ""
         log.info("worker_restarted", rank=worker.global_rank, local_rank=local_rank, pid=pid,
                  seconds=round(time.monotonic() - started, 4))
-        self._notify_started([local_rank], f"{self.generation}.{restarts}")
+        self._notify_started([local_rank], incarnation(self.node, self.rendezvous_count, restarts))
 
     # -- messages and monitoring -------------------------------------------------
     def _on_message(self, msg: dict[str, Any], received: float) -> None:

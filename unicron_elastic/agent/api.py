@@ -99,8 +99,9 @@ class Detector(ABC):  # noqa: B024 - every method has a sensible default
     def on_message(self, msg: dict[str, Any], received: float) -> None:
         """A worker message arrived (heartbeat, state, exception ...)."""
 
-    def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
-        """Workers were (re)started: ``local_ranks`` have fresh processes."""
+    def on_workers_started(self, local_ranks: list[int], incarnation: str) -> None:
+        """Workers were (re)started: ``local_ranks`` have fresh processes, of ``incarnation``
+        (``<node>.<rendezvous count>.<restarts>``; an opaque label to detectors)."""
 
     def on_rank_failed(self, rank: int, now: float) -> None:
         """Worker ``rank`` died (monotonic ``now``): the others may stall in collectives with it for a moment."""

@@ -59,7 +59,7 @@ class ProcessDetector(Detector):
         self._reported: set[int] = set()
         self.pidfds = hasattr(os, "pidfd_open")  # False where the platform has none (then: polling)
 
-    def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
+    def on_workers_started(self, local_ranks: list[int], incarnation: str) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, daemon=True, name="unicron-supervise")
             self._thread.start()
@@ -169,7 +169,7 @@ class HangDetector(Detector):
         self._thread = threading.Thread(target=self._run, daemon=True, name="unicron-hang")
         self._thread.start()
 
-    def on_workers_started(self, local_ranks: list[int], generation: str) -> None:
+    def on_workers_started(self, local_ranks: list[int], incarnation: str) -> None:
         ranks = {lr: rank for lr, (rank, _) in self.ctx.workers().items()}
         now = time.monotonic()
         with self._lock:
@@ -178,7 +178,7 @@ class HangDetector(Detector):
             for local_rank in local_ranks:
                 rank = ranks.get(local_rank)
                 if rank is not None:
-                    self.monitors.setdefault(rank, IterationMonitor(self.thresholds)).reset(generation, now)
+                    self.monitors.setdefault(rank, IterationMonitor(self.thresholds)).reset(incarnation, now)
         self._changed.set()
 
     def on_message(self, msg: dict[str, Any], received: float) -> None:

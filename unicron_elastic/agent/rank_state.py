@@ -27,7 +27,7 @@ class RankState:
         expected_exit: The rung of a worker the agent killed (hung, or told to
             stop), executed when its process exits.
         rejoining: The reason the worker asked to rejoin (None: it did not);
-            cleared when it is restarted, finishes, or a new generation starts.
+            cleared when it is restarted, finishes, or a new round starts.
     """
 
     history: RankHistory = field(default_factory=RankHistory)

@@ -31,7 +31,7 @@ class Observed:
         cancelled: Tasks with a cancel request.
         done: Per task, the nodes that reported it completed (their launcher exited 0).
         events: Error events after the coordinator's cursor, oldest first, with their etcd revisions.
-        incarnations: Per node, the lease its record is attached to.
+        leases: Per node, the lease its record is attached to.
         cursor: The newest error event's revision read (malformed ones included).
         leaving: Nodes whose daemon marked its record ``leaving`` (not in ``nodes``).
     """
@@ -41,7 +41,7 @@ class Observed:
     cancelled: frozenset[str] = frozenset()
     done: Mapping[str, frozenset[str]] = field(default_factory=dict)
     events: tuple[tuple[int, ErrorEvent], ...] = ()
-    incarnations: Mapping[str, int] = field(default_factory=dict)
+    leases: Mapping[str, int] = field(default_factory=dict)
     cursor: int = 0
     leaving: frozenset[str] = frozenset()
 
@@ -53,12 +53,12 @@ def changes(state: ClusterState, seen: Observed) -> list[PolicyEvent]:
     submitted, error events; :class:`Replan` if there is no plan yet.
     """
     def restarted(n: str) -> bool:  # the same name, another daemon (a new lease): lost, then joined again
-        known, now = state.incarnations.get(n), seen.incarnations.get(n)
+        known, now = state.leases.get(n), seen.leases.get(n)
         return n in seen.nodes and known is not None and now is not None and known != now
 
     out: list[PolicyEvent] = [NodeLeft(n) if n in seen.leaving and n not in seen.nodes else NodeLost(n)
                               for n in sorted(state.nodes) if n not in seen.nodes or restarted(n)]
-    out += [NodeJoined(n, k, seen.incarnations.get(n, 0)) for n, k in sorted(seen.nodes.items())
+    out += [NodeJoined(n, k, seen.leases.get(n, 0)) for n, k in sorted(seen.nodes.items())
             if state.nodes.get(n) != k or restarted(n)]
     active = {t.name for t in state.tasks}
     out += [TaskFinished(name, cancelled=name in seen.cancelled) for name in sorted(active)

@@ -171,7 +171,7 @@ def decide(state: ClusterState, event: PolicyEvent) -> Decision:
         if state.nodes.get(event.node) == event.slots:
             return Decision(state)
         after = replace(state, nodes={**state.nodes, event.node: event.slots},
-                        incarnations={**state.incarnations, event.node: event.incarnation})
+                        leases={**state.leases, event.node: event.lease})
         one_step = event.node not in state.nodes and after.slots() == state.slots()  # the table is in these units
         new = replan(after, reason=f"node {event.node} joined", lookup=TableEvent("node_joined") if one_step else None)
         return _with_plan(state, new)
@@ -204,7 +204,7 @@ def _without_node(state: ClusterState, node: str, lost: bool) -> Decision:
     hit = _owners(state, node)
     rest = {k: v for k, v in state.nodes.items() if k != node}
     after = replace(state, nodes=rest, isolated=state.isolated - {node},
-                    incarnations={k: v for k, v in state.incarnations.items() if k != node})
+                    leases={k: v for k, v in state.leases.items() if k != node})
     one_step = node not in state.isolated and after.slots() == state.slots()
     reason = f"node {node} lost (SEV1)" if lost else f"node {node} left"
     new = replan(after, hit, reason, TableEvent("node_lost", hit) if one_step else None)

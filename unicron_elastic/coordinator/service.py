@@ -62,8 +62,8 @@ def _event_ok(e: ErrorEvent) -> bool:
 
 
 def _nodes(store: StatusStore) -> tuple[dict[str, int], dict[str, int], frozenset[str]]:
-    """Daemon node records: slots and incarnation (the record's lease) of those up, and those leaving."""
-    slots, incarnations, leaving = {}, {}, set()
+    """Daemon node records: slots and lease (the record's etcd lease) of those up, and those leaving."""
+    slots, leases, leaving = {}, {}, set()
     for kv in store.get_prefix(store.keys.nodes()):
         try:
             doc = json.loads(kv.value)
@@ -74,10 +74,10 @@ def _nodes(store: StatusStore) -> tuple[dict[str, int], dict[str, int], frozense
             continue
         name = kv.key.rsplit("/", 1)[-1]
         if state == "up":
-            slots[name], incarnations[name] = record.slots, kv.lease
+            slots[name], leases[name] = record.slots, kv.lease
         elif state == "leaving":
             leaving.add(name)
-    return slots, incarnations, frozenset(leaving)
+    return slots, leases, frozenset(leaving)
 
 
 def observe(store: StatusStore, cursor: int) -> Observed:
@@ -88,7 +88,7 @@ def observe(store: StatusStore, cursor: int) -> Observed:
     A malformed event is logged and passed over.
     """
     keys = store.keys
-    nodes, incarnations, leaving = _nodes(store)
+    nodes, leases, leaving = _nodes(store)
     task_keys = [kv.key[len(keys.tasks()):] for kv in store.get_prefix(keys.tasks())]
     cancelled = frozenset(k.split("/")[0] for k in task_keys if k.endswith("/cancel"))
     done: dict[str, set[str]] = {}
@@ -109,7 +109,7 @@ def observe(store: StatusStore, cursor: int) -> Observed:
             continue
         events.append((kv.create_revision, event))
     return Observed(nodes, tuple(read_specs(store).values()), cancelled,
-                    {task: frozenset(names) for task, names in done.items()}, tuple(events), incarnations, newest,
+                    {task: frozenset(names) for task, names in done.items()}, tuple(events), leases, newest,
                     leaving)
 
 

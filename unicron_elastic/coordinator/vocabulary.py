@@ -47,11 +47,11 @@ class PolicyConfig:
 # -- events ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NodeJoined:
-    """A node daemon registered (``nodes/<node>`` appeared; ``incarnation``: its lease)."""
+    """A node daemon registered (``nodes/<node>`` appeared; ``lease``: its lease)."""
 
     node: str
     slots: int
-    incarnation: int = 0
+    lease: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class ClusterState:
         task_failures: Per task, the (time, node) of its recent SEV2/SEV3 events.
         table: Plans for the one-step events from ``plan`` (None: none computed).
         config: The policy's knobs.
-        incarnations: Per node, the lease of the daemon that registered it (a
+        leases: Per node, the lease of the daemon that registered it (a
             restarted daemon is a node lost and joined again, which ends an isolation).
     """
 
@@ -152,7 +152,7 @@ class ClusterState:
     task_failures: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
     table: OneStepLookup | None = field(default=None, compare=False, repr=False)
     config: PolicyConfig = PolicyConfig()
-    incarnations: Mapping[str, int] = field(default_factory=dict)
+    leases: Mapping[str, int] = field(default_factory=dict)
     failed: frozenset[str] = frozenset()
 
     def usable(self) -> list[str]:
