@@ -385,16 +385,16 @@ def test_a_node_whose_place_was_taken_while_its_lease_lapsed_gives_it_up(etcd_co
                            on_place_lost=lambda: lost.append(True))
     try:
         prefix = f"{store.keys.meeting('fence')}{first.current_round()}/"
-        assert store.get(prefix + MeetingKeys.agent(1)).value == lapsing.holder.encode()
+        assert store.get(prefix + MeetingKeys.agent(1)).value == lapsing.owner.encode()
         store.delete(prefix + MeetingKeys.agent(1))  # its lease lapsed
         arriving = _arriving(etcd_config, "fence")
         assert arriving._rejoin_running_round().rank == 1  # a live agent (place 0): place 1 looks lost, taken
         with pytest.raises(PlaceTakenError):
             lapsing._rekey(lapsing.lease.id)  # the renewal does not take it back ...
         assert lost == [True]  # ... the node gives itself up (its agent: SEV1)
-        assert store.get(prefix + MeetingKeys.agent(1)).value != lapsing.holder.encode()
+        assert store.get(prefix + MeetingKeys.agent(1)).value != lapsing.owner.encode()
         point._rekey(point.lease.id)  # a renewal whose place nobody took puts it back
-        assert store.get(prefix + MeetingKeys.agent(0)).value == point.holder.encode()
+        assert store.get(prefix + MeetingKeys.agent(0)).value == point.owner.encode()
     finally:
         lapsing.close()
         point.close()

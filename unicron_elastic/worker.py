@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from unicron_elastic.env import AGENT_SOCKET, agent_socket
 
-SOCKET_ENV = AGENT_SOCKET.name  # (the variable is env.AGENT_SOCKET)
+SOCKET_ENV = AGENT_SOCKET.name  # deprecated alias, remove in 0.3 (the variable is env.AGENT_SOCKET)
 T = TypeVar("T")
 _MAX_TRACEBACK = 8000
 #: Longest reason a rejoin request carries (the agent refuses longer ones).

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from unicron_elastic.api import PlaceTakenError, StoreError
 from unicron_elastic.env import clear_meeting, set_meeting
 from unicron_elastic.meeting import encode_meeting
-from unicron_elastic.rendezvous.api import PlaceHolder, RoundStart
+from unicron_elastic.rendezvous.api import PlaceOwner, RoundStart
 from unicron_elastic.rendezvous.rounds import initial_round, raise_places
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.client import StatusStore
@@ -60,7 +60,7 @@ class MeetingPoint:
             back (see :meth:`_rekey`).
         node: This node's name (``--node-name``), in its agent key (default: the host name).
         on_peer_lost: Called ``(node, revision)`` from a watch thread when the
-            place of another node of the round vanished without its holder
+            place of another node of the round vanished without its owner
             marking it left (its lease expired: the node is lost); ``revision``
             is the deletion's. None: the round's places are not watched.
         on_lease_lost: Called once when this node's lease could not be kept
@@ -78,10 +78,10 @@ class MeetingPoint:
         self.store = store
         self.prefix = f"{store.keys.meeting(run_id)}{int(round_)}/"
         self.group_rank = group_rank
-        self.place = PlaceHolder(node or socket.gethostname(), socket.gethostname(), os.getpid(), int(round_),
+        self.place = PlaceOwner(node or socket.gethostname(), socket.gethostname(), os.getpid(), int(round_),
                                  int(group_rank))
         #: The value of this node's agent key: who holds the place (a renewal puts it back only if nobody took it).
-        self.holder = self.place.encode()
+        self.owner = self.place.encode()
         self._lock = threading.Lock()
         self._live: dict[int, str] = {}  # rank -> incarnation, the keys on this node's lease
         self._snapshot_address: str | None = None
@@ -94,7 +94,7 @@ class MeetingPoint:
         #: The round as its first agent recorded it (None: nobody did).
         self.start = initial_round(store, self.prefix)
         raise_places(store, self.prefix, nodes)
-        store.put(self.prefix + MeetingKeys.agent(group_rank), self.holder.encode(), lease=self.lease.id)
+        store.put(self.prefix + MeetingKeys.agent(group_rank), self.owner.encode(), lease=self.lease.id)
         store.put(self.prefix + MeetingKeys.agent_seen(group_rank), b"1")
         self.snapshots = self._serve_snapshots(host)
         if on_peer_lost is not None:
@@ -108,8 +108,8 @@ class MeetingPoint:
         :func:`unicron_elastic.strategy.engine.membership.role`). The place itself
         is put back create-only: a node that arrived meanwhile may have found
         it free and claimed it (its workers take these ranks), and then this
-        node has lost it (the fencing of :meth:`UnicronRendezvousHandler._claim
-        <unicron_elastic.rendezvous.handler.UnicronRendezvousHandler._claim>`).
+        node has lost it (the fencing of :meth:`RunRounds.claim
+        <unicron_elastic.rendezvous.rounds.RunRounds.claim>`).
 
         Raises:
             PlaceTakenError: Another node holds this node's place now
@@ -117,17 +117,17 @@ class MeetingPoint:
             StoreError: etcd refused or could not be reached.
         """
         key = self.prefix + MeetingKeys.agent(self.group_rank)
-        mine = self.holder.encode()
+        mine = self.owner.encode()
         with self._lock:  # (held across the writes: a worker exiting meanwhile must not be put back)
-            holder = None if self.store.cas(key, mine, None, lease=lease).succeeded else self.store.get(key)
-            if holder is not None and holder.value == mine:  # (still there: a lease etcd had not dropped yet) ours
+            owner = None if self.store.cas(key, mine, None, lease=lease).succeeded else self.store.get(key)
+            if owner is not None and owner.value == mine:  # (still there: a lease etcd had not dropped yet) ours
                 self.store.put(key, mine, lease=lease)
-                holder = None
-            if holder is None:
+                owner = None
+            if owner is None:
                 self._put_keys_back(lease)
             ranks = sorted(self._live)
-        if holder is not None:
-            log.error("place_taken", group_rank=self.group_rank, holder=holder.value.decode(errors="replace"))
+        if owner is not None:
+            log.error("place_taken", group_rank=self.group_rank, owner=owner.value.decode(errors="replace"))
             if self._on_place_lost is not None:
                 self._on_place_lost()
             raise PlaceTakenError(f"place {self.group_rank} of {self.prefix} was taken while this node's lease had lapsed")
@@ -271,7 +271,7 @@ class MeetingPoint:
             return
         key, left = self.prefix + MeetingKeys.agent(self.group_rank), replace(self.place, left=True).encode()
         try:  # (only while this node still holds it)
-            self.store.call(lambda c: c.transaction(compare=[c.transactions.value(key) == self.holder],
+            self.store.call(lambda c: c.transaction(compare=[c.transactions.value(key) == self.owner],
                                                     success=[c.transactions.put(key, left, lease=self.lease.id)],
                                                     failure=[]), f"mark {key} left", patience=2.0)
         except StoreError as exc:
@@ -279,7 +279,7 @@ class MeetingPoint:
 
 
 class PlacesWatch:
-    """The places of one round, as their holders' agent keys say: a node lost is told within its lease TTL.
+    """The places of one round, as their owners' agent keys say: a node lost is told within its lease TTL.
 
     One watch per node on the round's place keys (:attr:`MeetingKeys.PLACES`): a lost node's place vanishes
     with its lease, seen by the run's other nodes only (not by every node of the cluster).
@@ -288,7 +288,7 @@ class PlacesWatch:
         store: The status store.
         prefix: The round's meeting space.
         own: This node's place (its own changes are not reported).
-        on_peer_lost: Called ``(node, revision)`` when another holder's place vanished without being marked left.
+        on_peer_lost: Called ``(node, revision)`` when another owner's place vanished without being marked left.
 
     Raises:
         StoreError: etcd refused or could not be reached.
@@ -300,7 +300,7 @@ class PlacesWatch:
         self._base = prefix + MeetingKeys.PLACES
         self._own, self._on_peer_lost = own, on_peer_lost
         self._lock = threading.Lock()
-        self.holders: dict[int, PlaceHolder] = {}
+        self.owners: dict[int, PlaceOwner] = {}
         revision = store.revision()
         for kv in store.get_prefix(self._base):
             self._note(kv.key, kv.value)
@@ -311,10 +311,10 @@ class PlacesWatch:
         return int(suffix) if suffix.isdigit() else None
 
     def _note(self, key: str, value: bytes) -> None:
-        place, holder = self._place(key), PlaceHolder.decode(value)
-        if place is not None and holder is not None:
+        place, owner = self._place(key), PlaceOwner.decode(value)
+        if place is not None and owner is not None:
             with self._lock:
-                self.holders[place] = holder
+                self.owners[place] = owner
 
     def _on_change(self, event) -> None:
         if event.kind == "put":
@@ -324,11 +324,11 @@ class PlacesWatch:
         if place is None:
             return
         with self._lock:
-            holder = self.holders.pop(place, None)
-        if holder is None or holder.left or place == self._own:
+            owner = self.owners.pop(place, None)
+        if owner is None or owner.left or place == self._own:
             return
-        log.warning("peer_place_lost", place=place, node=holder.node, revision=event.revision)
-        self._on_peer_lost(holder.node, event.revision)
+        log.warning("peer_place_lost", place=place, node=owner.node, revision=event.revision)
+        self._on_peer_lost(owner.node, event.revision)
 
     def cancel(self) -> None:
         """Stop watching."""

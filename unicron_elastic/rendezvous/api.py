@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
-class PlaceHolder:
-    """Who holds a place of a round: the value of its agent key, ``<node>@<host>:<pid>:<round>.<place>``.
+class PlaceOwner:
+    """Who runs a place of a round (its owner): the value of its agent key, ``<node>@<host>:<pid>:<round>.<place>``.
 
-    A holder that leaves its place on purpose (its run ended, it left the task, it was stopped, its
+    An owner that leaves its place on purpose (its run ended, it left the task, it was stopped, its
     round ended) marks it ``left`` before its lease goes (``...|left``): peers then see no lost node.
 
     Attributes:
@@ -29,7 +29,7 @@ class PlaceHolder:
         pid: The agent's process.
         round: The round.
         place: The place (group rank).
-        left: Marked by its holder just before it let the place go.
+        left: Marked by its owner just before it let the place go.
     """
 
     node: str
@@ -45,20 +45,20 @@ class PlaceHolder:
         return text + LEFT_MARK if self.left else text
 
     @staticmethod
-    def decode(value: bytes | str) -> PlaceHolder | None:
-        """The holder an agent key names; None for another value (a claim in progress)."""
+    def decode(value: bytes | str) -> PlaceOwner | None:
+        """The owner an agent key names; None for another value (a claim in progress, or none)."""
         try:
             text = value.decode() if isinstance(value, bytes) else value
             left = text.endswith(LEFT_MARK)
             node, rest = text.removesuffix(LEFT_MARK).rsplit("@", 1)
             host, pid, where = rest.rsplit(":", 2)
             round_, place = where.split(".")
-            return PlaceHolder(node, host, int(pid), int(round_), int(place), left)
+            return PlaceOwner(node, host, int(pid), int(round_), int(place), left)
         except (ValueError, UnicodeDecodeError):
             return None
 
 
-#: What a holder appends to its agent key's value just before letting its place go on purpose.
+#: What an owner appends to its agent key's value just before letting its place go on purpose.
 LEFT_MARK = "|left"
 
 

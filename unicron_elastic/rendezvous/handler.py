@@ -209,7 +209,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         """
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         restart_since: float | None = None  # since when what would restart every node held
-        rounds, holder = self._rounds(), str(self._this_node)
+        rounds, claim = self._rounds(), str(self._this_node)  # (a claim's value: torch's node, not an owner)
         while True:
             running = rounds.running()
             if running is None:
@@ -224,13 +224,13 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                 continue
             for g in range(nodes):
                 if g not in alive and rounds.place_free(prefix, g) and rounds.fits(prefix, g, self.local_world_size) \
-                        and rounds.claim(prefix, g, holder):
+                        and rounds.claim(prefix, g, claim):
                     return self._running_round_info(rounds, round_, prefix, g, nodes)
             request = JoinRequest(self.get_run_id(), self.task, str(self._this_node), round_)
             if nodes < self._settings.max_nodes and self.gate.grow(request, len(alive)):
                 growable = rounds.growable(prefix, nodes, self.local_world_size)
                 if growable:
-                    if rounds.claim(prefix, nodes, holder):
+                    if rounds.claim(prefix, nodes, claim):
                         raise_places(rounds.store, prefix, nodes + 1)
                         log.info("rendezvous_grown", run_id=self.get_run_id(), round=round_, place=nodes)
                         return self._running_round_info(rounds, round_, prefix, nodes, nodes + 1)

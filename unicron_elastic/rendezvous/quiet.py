@@ -19,7 +19,7 @@ its round runs, a node is *quiet*:
 * a quiet node that sees an announcement sends torch's heartbeats again and answers ``num_nodes_waiting`` from
   torch's state (the stamps keep it alive until its own heartbeats take over), until no announcement is left.
 
-The stamp reads torch's state as torch's own state holder does (it is torch's pickle: see docs/rendezvous.md,
+The stamp reads torch's state as torch's own state owner does (it is torch's pickle: see docs/rendezvous.md,
 "Security": whoever can write etcd can already run code in every agent through it).
 """
 
@@ -43,20 +43,20 @@ STAMP_ATTEMPTS = 50
 
 
 def live_places(store: StatusStore, run_id: str, round_: int) -> dict[int, int]:
-    """The places of round ``round_`` whose agent is alive, with the PID in each one's holder (-1 if unknown).
+    """The places of round ``round_`` whose agent is alive, with the PID in each one's owner (-1 if unknown).
 
     Raises:
         StoreError: etcd refused or could not be reached.
     """
-    from unicron_elastic.rendezvous.api import PlaceHolder
+    from unicron_elastic.rendezvous.api import PlaceOwner
 
     prefix = f"{store.keys.meeting(run_id)}{int(round_)}/{MeetingKeys.PLACES}"
     out = {}
     for kv in store.get_prefix(prefix):
         suffix = kv.key[len(prefix):]
         if suffix.isdigit():
-            holder = PlaceHolder.decode(kv.value)
-            out[int(suffix)] = holder.pid if holder is not None else -1
+            owner = PlaceOwner.decode(kv.value)
+            out[int(suffix)] = owner.pid if owner is not None else -1
     return out
 
 

@@ -145,13 +145,13 @@ class RunRounds:
         return self.store.get(prefix + MeetingKeys.agent_seen(group_rank)) is not None \
             and self.store.get(prefix + MeetingKeys.agent_done(group_rank)) is None
 
-    def claim(self, prefix: str, group_rank: int, holder: str) -> bool:
-        """Create-only claim of place ``group_rank`` for ``holder`` (expires unless its agent takes it over).
+    def claim(self, prefix: str, group_rank: int, value: str) -> bool:
+        """Create-only claim of place ``group_rank`` (``value`` names the claimant; expires unless its agent takes it over).
 
         Raises:
             StoreError: etcd is unreachable.
         """
-        claim = self.store.cas(prefix + MeetingKeys.agent(group_rank), holder, None,
+        claim = self.store.cas(prefix + MeetingKeys.agent(group_rank), value, None,
                                lease=self.store.grant_lease(CLAIM_TTL_S))
         return claim.succeeded
 

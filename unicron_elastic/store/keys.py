@@ -179,7 +179,7 @@ class MeetingKeys:
 
     @staticmethod
     def agent(group_rank: int) -> str:
-        """Present while the agent of node ``group_rank`` runs (on its lease); its value names the holder."""
+        """Present while the agent of node ``group_rank`` runs (on its lease); its value names its owner."""
         return f"{MeetingKeys.PLACES}{int(group_rank)}"
 
     AGENTS_WORLD = "unicron-agents/world"  # places (nodes) in the round; only grows (a node that grows the run adds one)

@@ -18,14 +18,14 @@ class KeptLease:
     """An etcd lease refreshed by a daemon thread until closed or lost.
 
     Keys written with ``lease=kept.id`` vanish when the lease expires, so
-    watchers learn that the holder is gone within about one TTL.
+    watchers learn that the process keeping it is gone within about one TTL.
 
-    A lease can lapse while its holder is alive: a host so loaded that the
+    A lease can lapse while the process keeping it is alive: a host so loaded that the
     keep-alive thread or etcd itself did not run for a TTL. With
     ``on_renewed``, a lapse that etcd *answers* (the lease is gone, etcd is
     reachable) is not the end: a new lease is granted, :attr:`id` changes and
-    ``on_renewed(new_id)`` puts the holder's keys back. Watchers have seen the
-    keys vanish (the holder counted as lost, then back). Only etcd staying
+    ``on_renewed(new_id)`` puts that process's keys back. Watchers have seen the
+    keys vanish (the process counted as lost, then back). Only etcd staying
     unreachable, or the renewal failing, calls ``on_lost``.
 
     Args:
@@ -36,7 +36,7 @@ class KeptLease:
             found expired (and not renewed) or could not be refreshed before
             its TTL ran out.
         on_renewed: Called from the keep-alive thread with the new lease id
-            after an expired lease was replaced; it re-puts the holder's keys
+            after an expired lease was replaced; it re-puts the process's keys
             (an exception from it counts as the lease lost). None: an expired
             lease is lost.
 
@@ -92,7 +92,7 @@ class KeptLease:
                 return
 
     def _renew(self) -> bool:
-        """Replace an expired lease (etcd answered) and let the holder re-put its keys; False: could not."""
+        """Replace an expired lease (etcd answered) and let its process re-put its keys; False: could not."""
         if self._on_renewed is None or self._stop.is_set():
             return False
         old = self.id
@@ -105,7 +105,7 @@ class KeptLease:
         self.renewals += 1
         self._last_ok = time.monotonic()
         log.warning("lease_renewed", old_lease=old, lease=self.id, ttl=self.ttl,
-                    note="the lease lapsed while its holder was alive (an overloaded host?); watchers saw it go")
+                    note="the lease lapsed while its process was alive (an overloaded host?); watchers saw it go")
         return True
 
     def _lose(self) -> None:

@@ -165,7 +165,7 @@ class ElasticDataParallel(JoiningPath):
         ConfigError: The world is not a multiple of TP x PP, or ``pipeline > 1`` without ``stage_fn``.
     """
 
-    @renamed_keywords(plan="batch_plan", schedule="member_schedule")
+    @renamed_keywords(plan="batch_plan", schedule="member_schedule")  # deprecated alias, remove in 0.3
     def __init__(
         self,
         model: torch.nn.Module | None,
@@ -329,7 +329,7 @@ class ElasticDataParallel(JoiningPath):
         """Deprecated: :attr:`batch_plan`."""
         return self.batch_plan
 
-    @plan.setter
+    @plan.setter  # deprecated alias, remove in 0.3
     def plan(self, batch_plan: GlobalBatchPlan) -> None:  # deprecated alias, remove in 0.3
         self.batch_plan = batch_plan
 

@@ -207,17 +207,17 @@ def _recv(peer: int, group: Any, device: torch.device, links: StageLinks) -> tor
     return tensor
 
 
-def run_pipeline(forward: Callable[[int, torch.Tensor | None], torch.Tensor], schedule: Sequence[Op],
+def run_pipeline(forward: Callable[[int, torch.Tensor | None], torch.Tensor], ops: Sequence[Op],
                  links: StageLinks, device: torch.device = torch.device("cpu"),
                  on_backward: Callable[[int], None] | None = None) -> list[torch.Tensor]:
-    """Run one step of this stage: forwards and backwards in ``schedule`` order.
+    """Run one step of this stage: forwards and backwards in the order of ``ops`` (its pipeline schedule).
 
     Args:
         forward: ``forward(j, input)`` runs this stage on micro-batch ``j``
             (``input`` is None on the first stage, else the previous stage's
             output) and returns its output; on the last stage, the loss of
             micro-batch ``j`` (a scalar; the backward starts from it).
-        schedule: This stage's ops (:func:`gpipe`, :func:`one_f_one_b`,
+        ops: This stage's ops (:func:`gpipe`, :func:`one_f_one_b`,
             :func:`forward_only`), over micro-batches ``0..m-1``.
         links: The neighbouring stages' ranks.
         device: Where received tensors go.
@@ -233,12 +233,12 @@ def run_pipeline(forward: Callable[[int, torch.Tensor | None], torch.Tensor], sc
         RuntimeError: A neighbour failed (gloo's error).
     """
     group = links.process_group()
-    backward = any(op.kind == "B" for op in schedule)
+    backward = any(op.kind == "B" for op in ops)
     wants_input_grad = links.send_gradients and backward
     held: dict[int, tuple[torch.Tensor | None, Any]] = {}  # j -> (input needing its grad, output or loss)
     losses: dict[int, torch.Tensor] = {}
     pending: list[Any] = []
-    for op in schedule:
+    for op in ops:
         if op.kind == "F":
             received = None if links.first else _recv(links.previous, group, device, links)
             if received is not None and wants_input_grad:

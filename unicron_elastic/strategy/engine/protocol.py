@@ -630,8 +630,8 @@ class Protocol:
             last = (-1, list(self.members))
         last_generation, last_members = last
         alive = yield ReadAlive(tuple(last_members), exclude_waiting=False, trained=False)
-        holders = [r for r in last_members if r not in waiting and (alive is None or r in alive)]
-        if holders or not waiting or not self.authority or self.rank not in waiting:
+        with_state = [r for r in last_members if r not in waiting and (alive is None or r in alive)]
+        if with_state or not waiting or not self.authority or self.rank not in waiting:
             return  # a member that holds the state is alive (or nobody waits to resume, or another decides)
         if self.rank != min(waiting) and resuming != self.rank:
             return  # the lowest waiting replica resumes (or this one again, whose resume did not form)

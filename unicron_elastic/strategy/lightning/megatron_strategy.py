@@ -168,7 +168,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         ConfigError: Invalid sizes, intervals or pipeline schedule.
     """
 
-    @renamed_keywords(schedule="member_schedule")
+    @renamed_keywords(schedule="member_schedule")  # deprecated alias, remove in 0.3
     def __init__(
         self,
         global_batch: int | None = None,

@@ -28,16 +28,16 @@ log = structlog.get_logger(__name__)
 def snapshot_targets(own_node: int, live_nodes: Sequence[int], copies: int = 2) -> list[int]:
     """The nodes whose agents hold the snapshot written on ``own_node`` (GEMINI's ring).
 
-    With three or more live nodes the snapshot has two holders, so it
-    survives the loss of any one node, the writer's or a holder's, even
-    while another holder is unreachable (frozen). With two nodes the other
+    With three or more live nodes the snapshot has two targets, so it
+    survives the loss of any one node, the writer's or a target's, even
+    while another target is unreachable (frozen). With two nodes the other
     one holds it: losing it leaves the writer, whose state is live; losing
-    the writer leaves the holder.
+    the writer leaves the target.
 
     Args:
         own_node: The writer's node (group rank).
         live_nodes: The nodes whose agents are alive (any order; may include ``own_node``).
-        copies: Holders wanted (at most the other live nodes).
+        copies: Targets wanted (at most the other live nodes).
 
     Returns:
         The next ``copies`` live nodes after ``own_node`` in ring order
