@@ -136,7 +136,8 @@ def _slurm_session() -> Iterator[object]:
     """A real SLURM cluster of three nodes on loopback (munged, slurmctld, three slurmd), once per session.
 
     Started only by a test that asks for it; a machine without Debian's ``slurmd slurmctld munge`` fails the
-    test with the reason (``bash .ci/system-packages`` installs them, as ``.ci/run`` does): no test skips for want of SLURM.
+    test with the reason (``bash .ci/system-packages`` installs them, as ``.ci/run`` does): no test skips for
+    want of SLURM.
     """
     from unicron_elastic.slurm.loopback import LoopbackSlurm
 
