@@ -149,7 +149,8 @@ def look(backend, store: StatusStore, run_id: str, checked: int | None) -> tuple
 
     Raises:
         RendezvousStateError: The state in etcd is corrupt.
-        StoreError: etcd refused or could not be reached.
+        StoreError: etcd refused or could not be reached (the look).
+        RendezvousConnectionError: etcd stayed unreachable (the read of a state written since).
     """
     revision, waiting = store.revision_and_count(backend.key, store.keys.rdzv_waiting(run_id))
     if revision is None or revision == checked:
