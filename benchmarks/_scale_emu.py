@@ -627,8 +627,17 @@ class EmuCluster:
         self.admin.put(self.admin.keys.task_spec(name), json.dumps(spec))
 
     def min_nodes(self, task: str, most: int) -> int:
-        """The run's ``--nnodes`` minimum: here the task's size, so its first round forms with all of it."""
-        return self._min_nodes.get(task, 1)
+        """The run's ``--nnodes`` minimum: the nodes the plan gave the task, so its first round forms with all of them.
+
+        The plan, not the size asked for: a coordinator that had not yet seen every node places the task on fewer.
+        """
+        from unicron_elastic.coordinator.service import read_plan
+
+        plan = read_plan(self.admin)
+        placed = plan.tasks.get(task) if plan is not None else None
+        if placed is not None and placed.nodes:
+            return min(len(placed.nodes), most)
+        return min(self._min_nodes.get(task, 1), most)
 
     # daemons ---------------------------------------------------------------------------------------------
     def start_daemons(self, n: int, first: int = 0) -> list[str]:
@@ -647,11 +656,20 @@ class EmuCluster:
         return names
 
     def wait_registered(self, count: int, timeout: float) -> None:
-        """Wait until ``count`` node records are in etcd (then one plan places a task on all of them)."""
+        """Wait until ``count`` node records are in etcd and, with a coordinator, its plan counts them all.
+
+        Then one plan places a task on all of them (a task submitted earlier may be placed on the nodes seen so far).
+
+        Raises:
+            TimeoutError: Not within ``timeout`` seconds.
+        """
+        from unicron_elastic.coordinator.service import read_plan
+
         deadline = time.monotonic() + timeout
-        while self.admin.count_prefix(self.admin.keys.nodes()) < count:
+        while self.admin.count_prefix(self.admin.keys.nodes()) < count or (
+                self.coordinators and len(getattr(read_plan(self.admin), "nodes", ())) < count):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {count} nodes registered within {timeout}s")
+                raise TimeoutError(f"fewer than {count} nodes registered (and planned for) within {timeout}s")
             time.sleep(0.1)
 
     def agents(self) -> dict[str, EmuAgent]:
