@@ -581,7 +581,10 @@ class EmuCluster:
         from unicron_elastic.store.client import StatusStore
 
         install_meter()
-        os.environ["UNICRON_NODE_DAEMON"] = "1"  # the agents' node records are the daemons' (as under `unicron node`)
+        # the agents' node records are the daemons' (as under `unicron node`); put back by close(), since
+        # processes this process starts later (other tests' launchers) would wait for a plan to admit them
+        self._daemon_env = os.environ.get("UNICRON_NODE_DAEMON")
+        os.environ["UNICRON_NODE_DAEMON"] = "1"
         self.config, self.settings = config, settings
         self.cluster = config.cluster
         self.endpoint = ",".join(f"{h}:{p}" for h, p in config.members)
@@ -624,8 +627,17 @@ class EmuCluster:
         self.admin.put(self.admin.keys.task_spec(name), json.dumps(spec))
 
     def min_nodes(self, task: str, most: int) -> int:
-        """The run's ``--nnodes`` minimum: here the task's size, so its first round forms with all of it."""
-        return self._min_nodes.get(task, 1)
+        """The run's ``--nnodes`` minimum: the nodes the plan gave the task, so its first round forms with all of them.
+
+        The plan, not the size asked for: a coordinator that had not yet seen every node places the task on fewer.
+        """
+        from unicron_elastic.coordinator.service import read_plan
+
+        plan = read_plan(self.admin)
+        placed = plan.tasks.get(task) if plan is not None else None
+        if placed is not None and placed.nodes:
+            return min(len(placed.nodes), most)
+        return min(self._min_nodes.get(task, 1), most)
 
     # daemons ---------------------------------------------------------------------------------------------
     def start_daemons(self, n: int, first: int = 0) -> list[str]:
@@ -644,11 +656,20 @@ class EmuCluster:
         return names
 
     def wait_registered(self, count: int, timeout: float) -> None:
-        """Wait until ``count`` node records are in etcd (then one plan places a task on all of them)."""
+        """Wait until ``count`` node records are in etcd and, with a coordinator, its plan counts them all.
+
+        Then one plan places a task on all of them (a task submitted earlier may be placed on the nodes seen so far).
+
+        Raises:
+            TimeoutError: Not within ``timeout`` seconds.
+        """
+        from unicron_elastic.coordinator.service import read_plan
+
         deadline = time.monotonic() + timeout
-        while self.admin.count_prefix(self.admin.keys.nodes()) < count:
+        while self.admin.count_prefix(self.admin.keys.nodes()) < count or (
+                self.coordinators and len(getattr(read_plan(self.admin), "nodes", ())) < count):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {count} nodes registered within {timeout}s")
+                raise TimeoutError(f"fewer than {count} nodes registered (and planned for) within {timeout}s")
             time.sleep(0.1)
 
     def agents(self) -> dict[str, EmuAgent]:
@@ -711,6 +732,10 @@ class EmuCluster:
         for store in self.stores.values():
             with contextlib.suppress(Exception):
                 store.close()
+        if self._daemon_env is None:
+            os.environ.pop("UNICRON_NODE_DAEMON", None)
+        else:
+            os.environ["UNICRON_NODE_DAEMON"] = self._daemon_env
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -16,6 +16,7 @@ import pytest
 
 from unicron_elastic.api import EtcdConfig
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
+from unicron_elastic.testing import json_log_entries  # noqa: F401 - the tests import it from here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
@@ -136,7 +137,8 @@ def _slurm_session() -> Iterator[object]:
     """A real SLURM cluster of three nodes on loopback (munged, slurmctld, three slurmd), once per session.
 
     Started only by a test that asks for it; a machine without Debian's ``slurmd slurmctld munge`` fails the
-    test with the reason (``.ci/run`` installs them): no test skips for want of SLURM.
+    test with the reason (``bash .ci/system-packages`` installs them, as ``.ci/run`` does): no test skips for
+    want of SLURM.
     """
     from unicron_elastic.slurm.loopback import LoopbackSlurm
 
@@ -214,16 +216,6 @@ def newest_snapshot(output: str) -> int | None:
     return max(common) if common else None
 
 
-def json_log_entries(path: str | os.PathLike[str]) -> list[dict]:
-    """The JSON lines of a ``--log-format=json`` launcher log (other lines, e.g. torch's, skipped)."""
-    entries = []
-    for line in Path(path).read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                entries.append(json.loads(line))
-            except ValueError:
-                pass
-    return entries
 
 
 _QUIET_EVENTS = {"detector_disabled", "snapshot_server_started", "node_registered", "command"}

@@ -150,6 +150,7 @@ def test_restarted_rank_rejoins_with_state_from_a_replica(tmp_path: Path, baseli
     assert not any(tmp_path.glob("**/step-*"))  # no disk checkpoint exists to read
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_snapshots_on_every_step_change_neither_the_losses_nor_the_parameters(tmp_path: Path, baseline) -> None:
     """Snapshots are read-only for training: every step's snapshot (one copy, sent by the writer process) against
@@ -170,6 +171,7 @@ def test_snapshots_on_every_step_change_neither_the_losses_nor_the_parameters(tm
     assert saved and len(saved) + output.count("snapshot_skipped") == STEPS  # (skipped: the writer was still busy)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_rank_that_crashes_rejoins_instead_of_taking_its_crash_for_the_end_of_training(tmp_path: Path,
                                                                                         baseline) -> None:

@@ -179,7 +179,7 @@ def test_a_lost_node_leaves_the_survivors_on_the_failure_free_trajectory(
 
 
 @pytest.mark.e2e
-@pytest.mark.matrix  # by default through Lightning: test_lightning_lost_node_started_again_rejoins_...
+@pytest.mark.matrix  # in CI through Lightning: test_lightning_lost_node_started_again_rejoins_...
 @pytest.mark.timeout(300)
 def test_the_lost_node_started_again_rejoins_without_restarting_anyone(etcd: EmbeddedEtcd, tmp_path: Path,
                                                                        baseline) -> None:
@@ -299,6 +299,7 @@ def test_plain_torchrun_survives_losing_a_node_other_than_rank_0s(etcd: Embedded
         assert _same_params(out, r, baseline), f"rank {r} diverged"
 
 
+@pytest.mark.e2e  # (a rank's rejoin from a replica runs by default: test_lightning_strategy)
 @pytest.mark.timeout(400)
 def test_lightning_lost_node_started_again_rejoins_without_restarting_anyone(etcd: EmbeddedEtcd, tmp_path: Path,
                                                                              gpt_baseline) -> None:

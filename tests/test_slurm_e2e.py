@@ -164,16 +164,18 @@ def test_losing_the_node_of_the_etcd_leader_restarts_nobody(slurm, tmp_path: Pat
     wait_for(lambda: all(len(times(out, r)) >= 3 for r in range(3)), 300, why="three steps on every node")
     slurm.kill_node("n3")
     killed_at = slurm.killed_at["n3"]
+    survivors = [r for r in range(3) if r not in ranks_of(out, "n3")]
+    wait_for(lambda: all(any(t["t"] > killed_at for t in times(out, r)) for r in survivors), 120,
+             why="the survivors' next step")
+    assert slurm.etcd_leader(members) in ("n1", "n2")  # the store lost its leader and a survivor's member leads
     record = ended(slurm, job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (out / "batch.log").read_text()[-3000:]
-    survivors = [r for r in range(3) if r not in ranks_of(out, "n3")]
     assert len(survivors) == 2 and all(len(times(out, r)) == STEPS for r in survivors)
     stall = stall_after(out, survivors, killed_at)
     print(f"\nlost node n3 (the etcd leader's node): survivors' stall {stall:.3f} s")
     # an election, then the lost node's lease (which the new leader extends) expires: more than a TTL
     assert stall <= NODE_TTL + 3, stall
     assert not [e for e in entries(out) if e["event"] == "worker_restarted"]
-    assert [e["event"] for e in entries(out) if e["event"] == "etcd_failover"]  # the store moved off the lost member
     for r in survivors:
         summary = json.loads((out / f"rank{r}.json").read_text())
         assert summary["joined_at"] is None and summary["global_step"] == STEPS

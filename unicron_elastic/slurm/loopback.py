@@ -122,7 +122,7 @@ class LoopbackSlurm:
         missing = [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
         if missing:
             raise SlurmStartError(f"not installed: {', '.join(missing)} (Debian: apt-get install -y slurmd slurmctld "
-                                  "munge; .ci/run does it)")
+                                  "munge; bash .ci/system-packages does it)")
         if os.geteuid() != 0:
             raise SlurmStartError("a loopback SLURM cluster runs slurmd as root: run as root")
         try:
