@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
-from unicron_elastic.strategy.bootstrap import ForwardingStore
+from unicron_elastic.strategy.engine.bootstrap import ForwardingStore
 
 log = structlog.get_logger(__name__)
 
