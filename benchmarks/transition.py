@@ -44,8 +44,12 @@ default detectors, the elastic worker, rank 2 hit in its micro-batch of step
 and restarts it, the others wait on it, saying so), and "node killed" vs
 "node frozen" (SIGSTOP of the launcher's whole tree: the survivors give it up
 when its lease expires). Each row: seconds from the fault to the survivors'
-completed step, and the stall beyond one step (target for a frozen node:
-node TTL + 1 s).
+completed step, the stall beyond one step (target for a frozen node: node
+TTL + 1 s), and, counted from each run's own logs (the launchers'
+``worker_restarted`` events, each survivor's step reports and PIDs), the
+survivors restarted and the steps a survivor did not complete exactly once.
+The script exits 1, naming each, if a survivor was restarted, a step was
+lost, or a target was not met.
 
 ``--ab PART[,PART]``: what one part of the step costs, measured within one run:
 one TP=2 x DP=2 run per part and ``--tp-width`` with the part on in every other
@@ -72,6 +76,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -430,7 +435,7 @@ def part_ab(part: str, width: int, layers: int) -> None:
     print(f"its cost         : {(on - off) * 1e3:+8.2f} ms per step, {(on - off) / off * 100:+.1f} %")
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--width", type=int, default=256)
@@ -453,22 +458,21 @@ def main() -> None:
         for part in args.ab:
             for width in args.tp_width:
                 part_ab(part, width, args.tp_layers)
-        return
+        return 0
     if args.only_tp:
         for width in args.tp_width:
             tensor_parallel(args.runs, width, args.tp_layers)
         if args.breakdown:
             print_breakdown(args.tp_width[0], args.tp_layers)
-        return
+        return 0
     if args.only_node_lost:
         print_node_lost(args.runs, args.width)
-        return
+        return 0
     if args.only_hang:
-        print_hangs(args.runs, args.width)
-        return
+        return 1 if print_hangs(args.runs, args.width) else 0
     if args.skip_torch:
         lightning(args.runs, args.gpt_width)
-        return
+        return 0
     ours, theirs, free_ours, free_plain = [], [], [], []
     for _ in range(args.runs):
         for runner, out in ((unicron, ours), (plain, theirs)):
@@ -492,10 +496,11 @@ def main() -> None:
     print(f"plain all-reduce loop : {fb * 1e3:8.2f} ms")
     print(f"overhead              : {overhead:+8.1f} %  (torch level; the <= 2% target is for Lightning, below)")
     print_node_lost(args.runs, args.width)
-    print_hangs(args.runs, args.width)
+    hang_failures = print_hangs(args.runs, args.width)
     lightning(args.runs, args.gpt_width)
     for width in args.tp_width:
         tensor_parallel(args.runs, width, args.tp_layers)
+    return 1 if hang_failures else 0
 
 
 def _widths(text: str) -> list[int]:
@@ -560,17 +565,77 @@ HANG_ROWS = (  # name, the fault on rank 2, whether the bench then SIGKILLs its 
     ("one rank killed", "kill", False), ("one rank hung", "stop", False),
     ("node killed", "hang", True), ("node frozen", "stop_node", False),
 )
+HANG_VICTIM = 2  # on the second node (ranks 2 and 3)
 
 
-def _hang_run(etcd: EmbeddedEtcd, width: int, kind: str, kill_node_after: bool) -> tuple[float, float]:
-    """Two unicron-run launchers x 2 ranks; rank 2 hit by ``kind`` mid-step 6. Returns (fault -> step done, step)."""
+@dataclass(frozen=True)
+class HangRun:
+    """One run of a ``--only-hang`` row: its timings and what its own logs say about the survivors.
+
+    Attributes:
+        done: Seconds from the fault to the survivors' completed step.
+        step: The survivors' median step time.
+        restarts: Restarts of survivors (``worker_restarted`` in the launchers' logs, or a new PID in a
+            survivor's step reports).
+        lost: Steps a survivor did not complete exactly once (missing, repeated or out of order).
+        problems: What each of those was, in words.
+    """
+
+    done: float
+    step: float
+    restarts: int
+    lost: int
+    problems: tuple[str, ...]
+
+
+def hang_survivors(node_fault: bool) -> list[int]:
+    """The ranks that must ride out a fault on rank 2: the other node's, and rank 3 unless its node was hit."""
+    return [0, 1] if node_fault else [r for r in range(4) if r != HANG_VICTIM]
+
+
+def survivor_checks(out: Path, survivors: list[int], steps: int) -> tuple[int, int, list[str]]:
+    """Restarts and lost steps of the ``survivors``, from the run's own files in ``out``.
+
+    Restarts: ``worker_restarted`` events for a survivor in the launchers'
+    logs (``node*.log``), and survivors whose step reports (``rank<R>.json``)
+    name more than one PID. Lost steps: steps ``0..steps-1`` a survivor did not
+    complete exactly once, in order (a missing report counts every step lost).
+
+    Returns:
+        ``(restarts, lost steps, problems in words)``.
+    """
+    restarts, lost, problems = 0, 0, []
+    for log in sorted(out.glob("node*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"worker_restarted"' in line:
+                event = json.loads(line)
+                if event.get("event") == "worker_restarted" and event.get("rank") in survivors:
+                    restarts += 1
+                    problems.append(f"survivor rank {event['rank']} restarted (worker_restarted in {log.name})")
+    for rank in survivors:
+        path = out / f"rank{rank}.json"
+        reports = [r for r in json.loads(path.read_text()) if "step" in r] if path.exists() else []
+        pids = {r["pid"] for r in reports if "pid" in r}
+        if len(pids) > 1:
+            restarts += 1
+            problems.append(f"survivor rank {rank} ran as {len(pids)} processes")
+        done = [r["step"] for r in reports]
+        if done != list(range(steps)):
+            missing = len(set(range(steps)) - set(done)) + (len(done) - len(set(done)))
+            lost += max(missing, 1)
+            problems.append(f"survivor rank {rank} completed steps {done} (expected 0..{steps - 1} once, in order)")
+    return restarts, lost, problems
+
+
+def _hang_run(etcd: EmbeddedEtcd, width: int, kind: str, kill_node_after: bool) -> HangRun:
+    """Two unicron-run launchers x 2 ranks; rank 2 hit by ``kind`` mid-step 6; the run judged from its own logs."""
     tmp = Path(tempfile.mkdtemp(prefix="unicron_hang_"))
     run_id = tmp.name.replace("_", "-")
     cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
            "--nnodes=2", "--nproc-per-node=2", "--monitor-interval=0.05", f"--node-ttl={NODE_TTL}",
-           f"--rdzv-conf=cluster={run_id},{FAST_RDZV}", ELASTIC, "--steps", str(HANG_STEPS), "--width", str(width),
-           "--out", str(tmp), "--step-time", str(NODE_STEP_TIME)]
-    nodes = _start_nodes(tmp, cmd, fail_at(rank=2, step=KILL_STEP, micro_batch=2, kind=kind))
+           "--log-format=json", f"--rdzv-conf=cluster={run_id},{FAST_RDZV}", ELASTIC, "--steps", str(HANG_STEPS),
+           "--width", str(width), "--out", str(tmp), "--step-time", str(NODE_STEP_TIME)]
+    nodes = _start_nodes(tmp, cmd, fail_at(rank=HANG_VICTIM, step=KILL_STEP, micro_batch=2, kind=kind))
     try:
         victim = _victim(tmp, nodes)
         survivor = next(p for p in nodes if p is not victim)
@@ -578,7 +643,8 @@ def _hang_run(etcd: EmbeddedEtcd, width: int, kind: str, kill_node_after: bool) 
             kill_node(victim.pid)
         survivor.wait(timeout=240)
         steps = json.loads((tmp / "rank0.json").read_text())
-        return next_completed(steps, _kill_time(tmp)), step_time(steps)
+        restarts, lost, problems = survivor_checks(tmp, hang_survivors(kind in ("hang", "stop_node")), HANG_STEPS)
+        return HangRun(next_completed(steps, _kill_time(tmp)), step_time(steps), restarts, lost, tuple(problems))
     finally:
         for p in nodes:
             if p.poll() is None:
@@ -587,9 +653,13 @@ def _hang_run(etcd: EmbeddedEtcd, width: int, kind: str, kill_node_after: bool) 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def print_hangs(runs: int, width: int) -> None:
-    """The rows of faults that do not kill beside the kills they mirror, alternated, median of ``runs``."""
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in HANG_ROWS}
+def print_hangs(runs: int, width: int) -> list[str]:
+    """The rows of faults that do not kill beside the kills they mirror, alternated, median of ``runs``.
+
+    Returns:
+        What failed (a survivor restarted, a step lost, a target not met); empty when nothing did.
+    """
+    results: dict[str, list[HangRun]] = {name: [] for name, _, _ in HANG_ROWS}
     etcd = EmbeddedEtcd().start()
     try:
         for _ in range(runs):
@@ -599,16 +669,31 @@ def print_hangs(runs: int, width: int) -> None:
         etcd.stop()
     print(f"\n== ranks and nodes that stop answering vs die (2 launchers x 2 ranks, rank 2 hit mid-step "
           f"{KILL_STEP}, default detectors, node TTL {NODE_TTL} s), median of {runs} ==")
-    print(f"{'fault':<17}{'fault -> step done':>20}{'stall beyond one step':>24}")
+    print(f"{'fault':<17}{'fault -> step done':>20}{'stall beyond one step':>24}{'survivor restarts':>19}"
+          f"{'steps lost':>12}")
+    failed = []
     for name, _, _ in HANG_ROWS:
-        done = statistics.median(r[0] for r in results[name])
-        beyond = statistics.median(r[0] - r[1] for r in results[name])
-        target = f"   target <= TTL + 1 = {NODE_TTL + 1} s: {'met' if done <= NODE_TTL + 1 else 'NOT met'}" \
-            if name.startswith("node") else ""
-        print(f"{name:<17}{done:>18.3f} s{beyond:>22.3f} s{target}")
+        done = statistics.median(r.done for r in results[name])
+        beyond = statistics.median(r.done - r.step for r in results[name])
+        restarts, lost = sum(r.restarts for r in results[name]), sum(r.lost for r in results[name])
+        target = ""
+        if name.startswith("node"):
+            met = done <= NODE_TTL + 1
+            target = f"   target <= TTL + 1 = {NODE_TTL + 1} s: {'met' if met else 'NOT met'}"
+            if not met:
+                failed.append(f"{name}: fault -> step done {done:.3f} s above {NODE_TTL + 1} s")
+        print(f"{name:<17}{done:>18.3f} s{beyond:>22.3f} s{restarts:>19}{lost:>12}{target}")
+        failed += [f"{name}: {problem}" for r in results[name] for problem in r.problems]
     print("per-run (fault -> step done, step) s:",
-          {name: [(round(a, 3), round(b, 3)) for a, b in results[name]] for name in results})
+          {name: [(round(r.done, 3), round(r.step, 3)) for r in results[name]] for name in results})
+    runs_total = runs * len(HANG_ROWS)
+    print(f"survivors restarted: {sum(r.restarts for rs in results.values() for r in rs)}, steps lost: "
+          f"{sum(r.lost for rs in results.values() for r in rs)}, in {runs_total} runs (from the runs' own logs: "
+          f"the launchers' worker_restarted events, each survivor's step reports and PIDs)")
+    if failed:
+        print("NOT met: " + "; ".join(failed))
+    return failed
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,7 +5,9 @@ etcd (``UNICRON_MEETING``), else a TCPStore that outlives workers at
 ``MASTER_ADDR:MASTER_PORT``; faults from ``unicron_elastic.testing``. Under
 ``unicron-run`` the worker declares itself resumable: when it dies the agent
 restarts it alone and it rejoins the group with state from a replica.
-Each rank writes ``OUT/rank<R>.json`` (per-step reports) and ``OUT/params<R>.pt``.
+Each rank writes ``OUT/rank<R>.json`` (per-step reports) and, if it trained to the end (or
+until the plan retired it), ``OUT/params<R>.pt``; a rank admitted after training ended, or left
+out until then, writes none (its ``rank<R>.json`` ends with ``{"trained": false}``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def main() -> None:
         hooks=EngineHooks(hook=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
     )
     start = ddp.join() if restarted or rank not in members else 0
+    trained = start is not None  # admitted before training ended (else it trained nothing)
     reports = []
     args.out.mkdir(parents=True, exist_ok=True)
     try:
@@ -107,6 +110,7 @@ def main() -> None:
                 rejoined = ddp.join()
                 reports.append({"excluded_at": step, "rejoined_at": rejoined})
                 step = args.steps if rejoined is None else rejoined
+                trained = rejoined is not None  # left behind until training ended: its parameters are stale
                 continue
             if args.progress:  # the last completed step, for whoever watches from outside
                 (args.out / f".progress{rank}").write_text(str(step))
@@ -122,8 +126,11 @@ def main() -> None:
     if restarted:
         reports.insert(0, {"joined_at": start, "state_from": ddp.state_source if start is not None else None})
     args.out.mkdir(parents=True, exist_ok=True)
+    if not trained:
+        reports.append({"trained": False})  # no params<R>.pt: what it holds is not a result
     (args.out / f"rank{rank}.json").write_text(json.dumps(reports))
-    torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+    if trained:
+        torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
 
 
 if __name__ == "__main__":

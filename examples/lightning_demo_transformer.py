@@ -13,7 +13,8 @@ step 1 before its second micro-batch::
 
 The survivors finish step 1 without it; the agent restarts rank 0 alone, which
 rejoins with the state of a replica. Each rank writes ``OUT/rank<R>.json``
-(joined_at, state_from, global_step, what each step did) and ``OUT/params<R>.pt``;
+(trained, joined_at, state_from, global_step, what each step did) and, if it trained,
+``OUT/params<R>.pt``; a ``--kill-*`` placement the rank never reaches is refused at the start;
 ``--record-times`` adds ``OUT/times<R>.jsonl`` (when each step ended).
 """
 
@@ -29,9 +30,9 @@ import torch
 from lightning.pytorch.demos import LightningTransformer, Transformer
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpt import HoldForJoiner, SlowDown, StepTimes  # the example beside this one (same directory)
+from lightning_gpt import HoldForJoiner, SlowDown, StepTimes, kill_fault  # the example beside this one (same directory)
 from unicron_elastic.strategy import UnicronMegatronStrategy  # also registers "unicron_megatron"
-from unicron_elastic.testing import FAULTS_ENV, fail_at, faults_env
+from unicron_elastic.testing import FAULTS_ENV, faults_env
 
 
 class SyntheticTokens(Dataset):
@@ -76,7 +77,8 @@ class DemoTransformer(LightningTransformer):
         return DataLoader(SyntheticTokens(vocab=self.vocab), batch_size=self.micro_batch)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=24)
@@ -93,10 +95,17 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=1, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.kill_rank is not None and FAULTS_ENV not in os.environ:
-        os.environ.update(faults_env([fail_at(args.kill_rank, args.kill_step, micro_batch=args.kill_micro_batch)],
-                                     str(args.out / "faults.log")))
+        fault = kill_fault(parser, args.kill_rank, args.kill_step, args.kill_micro_batch, steps=args.steps,
+                           world=int(os.environ.get("WORLD_SIZE", "1")),
+                           micro_batches=args.global_batch // args.micro_batch)
+        os.environ.update(faults_env([fault], str(args.out / "faults.log")))
 
     pl.seed_everything(0, verbose=False)
     model = DemoTransformer(micro_batch=args.micro_batch)
@@ -115,10 +124,12 @@ def main() -> None:
         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=callbacks,
     )
     trainer.fit(model)
-    summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
-               "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
+    trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
+    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+               "pid": os.getpid(), "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
-    torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+    if trained:
+        torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,32 @@
 """A small GPT-style LightningModule trained with ``strategy="unicron_megatron"``.
 
 Run it under the Unicron agent, e.g. three ranks on one machine, killing rank 2
-in the middle of step 3 (its second micro-batch)::
+in the middle of step 3, before its second micro-batch (the 6 micro-batches of a
+step are dealt round-robin: rank 2 computes micro-batches 2 and 5)::
 
     unicron-run --standalone --nproc-per-node=3 examples/lightning_gpt.py \
-        --steps 6 --out /tmp/gpt --kill-rank 2 --kill-step 3 --kill-micro-batch 1
+        --steps 6 --hold-for-joiner 5 --out /tmp/gpt --kill-rank 2 --kill-step 3 --kill-micro-batch 5
 
 The survivors finish step 3 without it (they compute its micro-batches); the
-agent restarts rank 2 alone, which rejoins at the next step with the state of
-a replica. Each rank writes ``OUT/rank<R>.json`` (what each step did) and
-``OUT/params<R>.pt``; rank 0 also saves ``OUT/final.ckpt`` with
-``trainer.save_checkpoint`` and logs to ``OUT/logs`` (CSV).
+agent restarts rank 2 alone, which rejoins at a step boundary with the state
+of a replica (``--hold-for-joiner 5`` waits before step 5 until it is back).
+A ``--kill-*`` placement the rank never reaches (a micro-batch it does not
+compute at that step) is refused when the run starts. Each rank writes
+``OUT/rank<R>.json`` (what each step did; ``"trained": false`` for a rank that
+came back after training ended) and, if it trained, ``OUT/params<R>.pt``;
+rank 0 also saves ``OUT/final.ckpt`` with ``trainer.save_checkpoint`` and logs
+to ``OUT/logs`` (CSV).
 
 With ``--tensor-parallel T`` / ``--pipeline-parallel P`` the model is
 :class:`MegatronGPT`, built from megatron-core's parallel layers and split
 into ``P`` stages; ``T x P`` consecutive ranks make one data-parallel replica.
 Eight ranks, TP=2 x PP=2 x DP=2, killing rank 5 (replica 1, stage 0, tensor
-rank 1) in its second micro-batch of step 3::
+rank 1) before its replica's second micro-batch of step 3 (replica 1 computes
+micro-batches 1, 3 and 5)::
 
     unicron-run --standalone --nproc-per-node=8 examples/lightning_gpt.py --tensor-parallel 2 \
         --pipeline-parallel 2 --steps 8 --hold-for-joiner 6 --out /tmp/gpt3d \
-        --kill-rank 5 --kill-step 3 --kill-micro-batch 1
+        --kill-rank 5 --kill-step 3 --kill-micro-batch 3
 
 Replica 0 computes replica 1's micro-batches; the agent restarts rank 5 and
 its replica's three other ranks leave and rejoin (``--hold-for-joiner 6``
@@ -44,7 +50,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from unicron_elastic.strategy import UnicronMegatronStrategy  # also registers "unicron_megatron"
-from unicron_elastic.testing import FAULTS_ENV, faults_env, fail_at
+from unicron_elastic.strategy.microbatch import deal
+from unicron_elastic.testing import FAULTS_ENV, Fault, fail_at, faults_env
 from unicron_elastic.worker import get_worker
 
 
@@ -349,7 +356,7 @@ class HoldUntil(pl.Callback):
 
 
 class StepTimes(pl.Callback):
-    """Append ``{"step", "t"}`` per finished step to ``OUT/times<R>.jsonl`` (benchmarks)."""
+    """Append ``{"step", "t", "pid"}`` per finished step to ``OUT/times<R>.jsonl`` (benchmarks, tests)."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.seen = path, -1
@@ -358,10 +365,42 @@ class StepTimes(pl.Callback):
         if trainer.global_step != self.seen:  # an optimizer step happened (not an accumulation batch)
             self.seen = trainer.global_step
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": trainer.global_step - 1, "t": time.time()}) + "\n")
+                f.write(json.dumps({"step": trainer.global_step - 1, "t": time.time(), "pid": os.getpid()}) + "\n")
 
 
-def main() -> None:
+def kill_fault(parser: argparse.ArgumentParser, rank: int, step: int, micro_batch: int, *, steps: int, world: int,
+               micro_batches: int, replica_size: int = 1, members: list[int] | None = None,
+               schedule: dict[int, list[int]] | None = None) -> Fault:
+    """The fault the ``--kill-*`` flags place, refused (a usage error) where it could never fire.
+
+    At ``step`` the micro-batches ``0..micro_batches-1`` are dealt round-robin
+    over the data-parallel members of that step (``members``, then
+    ``schedule``; replicas of ``replica_size`` ranks); a rank computes its
+    replica's share. A kill placed on a micro-batch the rank does not compute,
+    at a step the run does not reach, or on a rank that does not exist would
+    let the run end as if the fault had been tried.
+
+    Raises:
+        SystemExit: The placement cannot fire (``parser.error``: exit code 2, the reason on stderr).
+    """
+    if not 0 <= rank < world:
+        parser.error(f"--kill-rank {rank}: the run has ranks 0..{world - 1}")
+    if not 0 <= step < steps:
+        parser.error(f"--kill-step {step}: the run trains steps 0..{steps - 1}")
+    current = list(range(world // replica_size)) if members is None else list(members)
+    for starts, planned in sorted((schedule or {}).items()):
+        if starts <= step:
+            current = list(planned)
+    own = deal(micro_batches, current).get(rank // replica_size, [])
+    if micro_batch not in own:
+        parser.error(f"--kill-rank {rank} --kill-step {step} --kill-micro-batch {micro_batch} would never fire: at "
+                     f"step {step} rank {rank} computes micro-batches {own} of 0..{micro_batches - 1} (dealt "
+                     f"round-robin over the data-parallel members {current}); choose one of those")
+    return fail_at(rank, step, micro_batch=micro_batch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--global-batch", type=int, default=24)
@@ -399,13 +438,26 @@ def main() -> None:
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="16-mixed: the GradScaler's initial scale")
     parser.add_argument("--inf-at", default=None, metavar="RANK:STEP:MB",
                         help="make this rank's gradients infinite in this micro-batch of this step (first incarnation)")
+    parser.add_argument("--preemption-checkpoint", type=Path, default=None, metavar="FILE",
+                        help="on a stop (SIGTERM; SLURM's warning), write the step to FILE and requeue a SLURM job; "
+                             "resume from FILE when it exists (docs/slurm.md)")
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
     parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
     parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.kill_rank is not None and FAULTS_ENV not in os.environ:
-        os.environ.update(faults_env([fail_at(args.kill_rank, args.kill_step, micro_batch=args.kill_micro_batch)],
-                                     str(args.out / "faults.log")))
+        fault = kill_fault(parser, args.kill_rank, args.kill_step, args.kill_micro_batch, steps=args.steps,
+                           world=int(os.environ.get("WORLD_SIZE", "1")),
+                           micro_batches=args.global_batch // args.micro_batch,
+                           replica_size=args.tensor_parallel * args.pipeline_parallel,
+                           members=[int(r) for r in args.members.split(",")] if args.members else None,
+                           schedule={int(k): v for k, v in json.loads(args.schedule).items()})
+        os.environ.update(faults_env([fault], str(args.out / "faults.log")))
 
     pl.seed_everything(0, verbose=False)
     megatron = args.megatron or args.tensor_parallel * args.pipeline_parallel > 1
@@ -432,6 +484,12 @@ def main() -> None:
         callbacks.append(HoldForJoiner(args.hold_for_joiner, ranks=args.hold_ranks))
     if args.hold_until is not None:
         callbacks.append(HoldUntil(args.hold_step, args.hold_until))
+    preempted = None
+    if args.preemption_checkpoint is not None:
+        from unicron_elastic.slurm.preemption import PreemptionCheckpoint
+
+        preempted = PreemptionCheckpoint(args.preemption_checkpoint)
+        callbacks.append(preempted)
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=1,
         snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -446,16 +504,21 @@ def main() -> None:
     )
     data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None)
     trainer.fit(model, DataLoader(data, batch_size=args.micro_batch, num_workers=args.num_workers,
-                                  persistent_workers=args.num_workers > 0))
-    trainer.save_checkpoint(args.out / "final.ckpt")
-    summary = {"joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
+                                  persistent_workers=args.num_workers > 0),
+                ckpt_path=preempted.resume_path if preempted is not None else None)
+    trainer.save_checkpoint(args.out / "final.ckpt")  # (the strategy writes none for a rank that trained nothing)
+    trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
+    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+               "pid": os.getpid(),
                "retired_at": strategy.retired_at, "fed": strategy.feed.fed if strategy.feed else 0,
                "on_demand": strategy.feed.on_demand if strategy.feed else 0,
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "forward_only": strategy.engine.forward_only if strategy.engine else [],
                "scales": scales.scales, "precision_state": trainer.precision_plugin.state_dict(),
-               "losses": losses.losses}
+               "losses": losses.losses, "environment": type(trainer.strategy.cluster_environment).__name__}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
+    if not trained:
+        return  # its parameters are untrained: not a result
     torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
     if megatron:
         torch.save(shard_parameters(model), args.out / f"shards{rank}.pt")

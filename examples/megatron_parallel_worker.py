@@ -10,7 +10,7 @@ the other replicas compute the lost replica's micro-batches and finish the step.
 
 Environment as for torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE=True``: the store outlives
-workers). Writes ``OUT/params<R>.pt`` and ``OUT/rank<R>.json``.
+workers). Writes ``OUT/rank<R>.json`` and, for a rank that trained every step, ``OUT/params<R>.pt``.
 """
 
 from __future__ import annotations
@@ -119,8 +119,10 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{rank}.json").write_text(json.dumps({
             "replica": layout.replica(rank), "coordinate": layout.coordinate(rank), "stage": stage,
-            "members": engine.members, "reports": reports, "forward_only": engine.forward_only}))
-        torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+            "members": engine.members, "reports": reports, "forward_only": engine.forward_only,
+            "trained": code == 0}))
+        if code == 0:  # a rank left out holds a stale state: not a result
+            torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
     finally:
         # no gloo group may outlive the interpreter: a live one can abort a finished rank (SIGABRT)
         engine.close()

@@ -131,6 +131,29 @@ def private_etcd() -> Iterator[EmbeddedEtcd]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def _slurm_session() -> Iterator[object]:
+    """A real SLURM cluster of three nodes on loopback (munged, slurmctld, three slurmd), once per session.
+
+    Started only by a test that asks for it; a machine without Debian's ``slurmd slurmctld munge`` fails the
+    test with the reason (``bash .ci/system-packages`` installs them, as ``.ci/run`` does): no test skips for
+    want of SLURM.
+    """
+    from unicron_elastic.slurm.loopback import LoopbackSlurm
+
+    cluster = LoopbackSlurm(3).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture()
+def slurm(_slurm_session) -> Iterator[object]:
+    """The session's loopback SLURM cluster, every node up and no job left when the test starts and ends."""
+    _slurm_session.heal()
+    yield _slurm_session
+    _slurm_session.heal()
+
+
 def _cluster_name(request: pytest.FixtureRequest) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]
 

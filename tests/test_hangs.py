@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -193,16 +195,30 @@ def test_a_hung_worker_of_a_two_node_job_alone_is_restarted(etcd: EmbeddedEtcd, 
     assert _summary(tmp_path, 3)["state_from"] == "replica"
 
 
+@dataclass(frozen=True)
+class Freeze:
+    """A node frozen, then resumed: which launcher, its ranks and processes then, and where its log was."""
+
+    launcher: int
+    ranks: set[int]
+    stale: set[int]  # its processes when it froze: the incarnation the group gave up
+    resumed_at: float  # wall time of the SIGCONT
+    log_offset: int  # bytes of its launcher's log at the SIGCONT (a frozen process writes nothing)
+
+
 def _freeze_and_resume(out: Path, launchers: list[subprocess.Popen],
-                       kill_rank: int | None = None) -> tuple[int, list[int], set[int]]:
+                       kill_rank: int | None = None) -> tuple[int, list[int], set[int], Freeze]:
     """Wait for the node freeze; optionally kill the node of ``kill_rank``; SIGCONT the frozen one 3 steps later.
 
+    By then the frozen node's lease has lapsed (3 steps are longer than the TTL after the survivors' stall).
+
     Returns:
-        The frozen launcher, the surviving ranks and the processes running when the fault fired.
+        The frozen launcher, the surviving ranks, the processes running when the fault fired, and the freeze.
     """
     _wait(lambda: _fired(out), launchers, "the freeze")
     frozen = _node_of(_fired(out)[0]["pid"], launchers)
     before = _workers(launchers)
+    stale = set(process_tree(launchers[frozen].pid))
     ranks = [_ranks_of(p) for p in launchers]
     lost = set(ranks[frozen])
     if kill_rank is not None:
@@ -211,23 +227,74 @@ def _freeze_and_resume(out: Path, launchers: list[subprocess.Popen],
         kill_node(launchers[killed].pid)
     survivors = sorted(set().union(*ranks) - lost)
     _wait(lambda: _steps_done(out, survivors[0]) >= FAULT_STEP + 3, launchers, "the survivors' progress")
+    offset = (out / f"node{frozen}.log").stat().st_size
+    resumed_at = time.time()
     signal_tree(launchers[frozen].pid, signal.SIGCONT)  # the partition heals
-    return frozen, survivors, before
+    return frozen, survivors, before, Freeze(frozen, set(ranks[frozen]), stale, resumed_at, offset)
+
+
+def _saved_steps(text: str, event: str) -> list[int]:
+    """The steps of every ``event`` (``snapshot_saved``, ``checkpoint_saved``) in a log, JSON or console lines."""
+    steps = []
+    for line in text.splitlines():
+        if event not in line:
+            continue
+        if line.startswith("{"):
+            entry = json.loads(line)
+            if entry.get("event") == event and isinstance(entry.get("step"), int):
+                steps.append(entry["step"])
+        elif match := re.search(rf"\b{event}\b.*?\bstep=(\d+)", line):
+            steps.append(int(match.group(1)))
+    return steps
+
+
+def assert_fenced(out: Path, freeze: Freeze, code: int | None) -> None:
+    """The frozen node's stale incarnation, resumed after its lease lapsed, completed nothing of the group's.
+
+    No step (no collective of the group) completed by a stale process after
+    the freeze; no snapshot or checkpoint of the stale state (a step up to the
+    one in flight at the freeze) saved after the resume; no result written by
+    a stale process: a frozen rank's ``rank<R>.json`` comes from a later
+    incarnation that rejoined (after the freeze) or trained nothing, or there
+    is none and its launcher did not end as if it had finished (its agent gave
+    the node up, exit 75; or it was stopped).
+    """
+    for rank in freeze.ranks:
+        times = out / f"times{rank}.jsonl"
+        late = [e for e in map(json.loads, times.read_text().splitlines() if times.exists() else [])
+                if e["pid"] in freeze.stale and e["step"] >= FAULT_STEP]
+        assert late == [], f"the stale rank {rank} completed steps of the group it was given up by: {late}"
+    resumed = (out / f"node{freeze.launcher}.log").read_bytes()[freeze.log_offset:].decode(errors="replace")
+    for event in ("snapshot_saved", "checkpoint_saved"):
+        stale = [step for step in _saved_steps(resumed, event) if step <= FAULT_STEP]
+        assert stale == [], f"{event} of the stale state after the resume: steps {stale}"
+    for rank in freeze.ranks:
+        result = out / f"rank{rank}.json"
+        if not result.exists():  # (the example writes one for every rank that ends: trained or not)
+            assert code != 0, f"the frozen rank {rank} wrote no result, yet its launcher exited 0"
+            continue
+        summary = json.loads(result.read_text())
+        assert summary["pid"] not in freeze.stale, f"the stale rank {rank} wrote its result"
+        assert (summary["trained"] and summary["state_from"] == "replica" and summary["joined_at"] > FAULT_STEP) \
+            or (not summary["trained"] and not (out / f"params{rank}.pt").exists()), summary
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [2, pytest.param(0, marks=pytest.mark.e2e)])  # node B's; node A's with rank 0
-def test_a_frozen_node_costs_the_survivors_one_ttl_and_rejoins_or_leaves_when_resumed(
+@pytest.mark.parametrize("victim", [0, pytest.param(2, marks=pytest.mark.e2e)])  # node A's with the leader; node B's
+def test_a_frozen_node_costs_the_survivors_one_ttl_and_is_fenced_when_resumed(
         etcd: EmbeddedEtcd, tmp_path: Path, baseline, victim: int) -> None:
+    """A snapshot and a checkpoint every step: the frozen leader (victim 0) has uploads and writes in flight."""
     launchers = _start(tmp_path, [fail_at(rank=victim, step=FAULT_STEP, bucket=0, kind="stop_node")], 2, 2, etcd,
-                       f"fz{victim}")
+                       f"fz{victim}", "--snapshot-every", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       "--checkpoint-every", "1")
     try:
-        frozen, survivors, before = _freeze_and_resume(tmp_path, launchers)
+        frozen, survivors, before, freeze = _freeze_and_resume(tmp_path, launchers)
     finally:
         codes = _finish(launchers)
     assert len(survivors) == 2 and victim not in survivors
     assert codes[1 - frozen] == 0, _log(tmp_path)[-4000:]
     assert codes[frozen] in (0, 75)  # rejoined and finished, or gave its node up (EX_TEMPFAIL): never a crash
+    assert_fenced(tmp_path, freeze, codes[frozen])
     assert_survivors(tmp_path, survivors, before, baseline)
     assert max(stall(tmp_path, r) for r in survivors) <= TTL + 1
     assert "dp_wait_interrupted" in _log(tmp_path)  # the survivors gave the frozen members up (not a timeout)
@@ -239,11 +306,12 @@ def test_a_frozen_node_costs_the_survivors_one_ttl_and_rejoins_or_leaves_when_re
 def test_one_frozen_node_of_three(etcd: EmbeddedEtcd, tmp_path: Path, baseline) -> None:
     launchers = _start(tmp_path, [fail_at(rank=1, step=FAULT_STEP, bucket=0, kind="stop_node")], 3, 1, etcd, "fz3")
     try:
-        frozen, survivors, before = _freeze_and_resume(tmp_path, launchers)
+        frozen, survivors, before, freeze = _freeze_and_resume(tmp_path, launchers)
     finally:
         codes = _finish(launchers)
     assert len(survivors) == 2 and 1 not in survivors
     assert [code for i, code in enumerate(codes) if i != frozen] == [0, 0], _log(tmp_path)[-4000:]
+    assert_fenced(tmp_path, freeze, codes[frozen])
     assert_survivors(tmp_path, survivors, before, baseline)
     assert max(stall(tmp_path, r) for r in survivors) <= TTL + 1
 
@@ -257,9 +325,10 @@ def test_a_frozen_snapshot_holder_and_a_dead_node_leave_the_group_on_its_live_st
     launchers = _start(tmp_path, [fail_at(rank=1, step=FAULT_STEP, bucket=0, kind="stop_node")], 3, 1, etcd, "fz3k",
                        "--snapshot-every", "1")
     try:
-        frozen, survivors, before = _freeze_and_resume(tmp_path, launchers, kill_rank=2)
+        frozen, survivors, before, freeze = _freeze_and_resume(tmp_path, launchers, kill_rank=2)
     finally:
         codes = _finish(launchers)
+    assert_fenced(tmp_path, freeze, codes[frozen])
     assert survivors == [0]
     assert codes[next(i for i in range(3) if i != frozen and codes[i] is not None and codes[i] >= 0)] == 0, \
         _log(tmp_path)[-4000:]

@@ -144,16 +144,20 @@ def test_bad_strategy_arguments_are_clear_errors() -> None:
 
 
 class Probe(Regression):
-    """Records, inside ``training_step``, whether CPU autocast is on and the dtype a matmul gives."""
+    """Records, inside ``training_step``, whether CPU autocast is on and the dtype a matmul gives; and, in each
+    micro-batch's backward (a hook on its loss), whether autocast is on there."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[tuple[bool, torch.dtype, torch.dtype]] = []
+        self.backward_autocast: list[bool] = []
 
     def training_step(self, batch, batch_idx):
         x, _ = batch
         self.seen.append((torch.is_autocast_enabled("cpu"), (x @ x.T).dtype, x.dtype))
-        return super().training_step(batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        loss.register_hook(lambda grad: self.backward_autocast.append(torch.is_autocast_enabled("cpu")) or grad)
+        return loss
 
 
 class ReduceProbe(pl.Callback):
@@ -191,7 +195,12 @@ def test_the_precision_is_honoured_in_each_micro_batchs_forward_and_not_in_the_r
     assert len(model.seen) == 6  # 3 steps x 2 micro-batches
     assert {autocast for autocast, _, _ in model.seen} == {precision == "bf16-mixed"}
     assert {(m, i) for _, m, i in model.seen} == {(matmul, inputs)}
-    assert probe.autocast == [False] * 3  # the reduce runs outside autocast
+    # each micro-batch's backward runs outside the forward's autocast: the strategy's own choice (it runs the
+    # micro-batches inside its training_step and enters the plugin's context around each forward only)
+    assert model.backward_autocast == [False] * 6
+    # the reduce too; that one is Lightning's doing (it calls the strategy's backward outside the training step's
+    # context), which the strategy relies on: this guards against a Lightning that changes it
+    assert probe.autocast == [False] * 3
     assert {p.dtype for p in model.parameters()} == {params}
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

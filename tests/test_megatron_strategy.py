@@ -9,8 +9,9 @@ replica 1's micro-batches, and the whole replica comes back with the state of
 the matching shard of replica 0. With float64 gradient sums every shard ends
 bit-identical to the failure-free run.
 
-The default tier runs the TP2xPP2 equality with no parallelism; the e2e tier a
-kill in a micro-batch on TP2xDP2, scale-in and the per-shard snapshot; ``-m matrix`` runs
+The e2e tier runs the TP2xPP2 equality with no parallelism, a
+kill in a micro-batch on TP2xDP2, scale-in and the per-shard snapshot (the default tier's
+megatron-core case is tests/test_megatron_gpt.py's); ``-m matrix`` runs
 every kill point on every configuration, the DataLoader's workers feeding every
 rank of a replica (the default DataLoader case is in test_lightning_strategy.py),
 scale-out and the per-shard disk checkpoint (figures: benchmarks/RESULTS.md).
@@ -196,6 +197,7 @@ def assemble(out: Path, layout: ModelParallel, layers: int = 2) -> dict[str, tor
     return whole
 
 
+@pytest.mark.e2e  # (the default tier's PP case with megatron-core: tests/test_megatron_gpt.py)
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_tp2_pp2_equals_the_same_model_trained_without_parallelism(tmp_path: Path) -> None:
     parallel, alone = tmp_path / "tp2-pp2", tmp_path / "alone"

@@ -117,3 +117,35 @@ def test_with_a_schedule_the_leader_reads_no_requests() -> None:
         assert seen == [] and e.requests.reader is None
     finally:
         e.close()
+
+
+def test_a_read_still_pending_at_the_steps_end_is_not_waited_for_and_the_next_read_follows_it() -> None:
+    """etcd failing over (the member in use lost): the read may take up to a leader election. The step's end
+    waits at most STEP_END_WAIT_S, reports no request, and the requests are seen at a later step: a leader
+    stalled past --hang-min-silence (0.5 s) at every step's end would be taken for a hung rank."""
+    import threading
+    import time
+
+    from unicron_elastic.strategy.requests import STEP_END_WAIT_S
+
+    e, seen = engine(lambda model, batch: model(batch).pow(2).mean())
+    etcd_back = threading.Event()
+    counts = iter([3, 3])
+
+    def failing_over() -> int:
+        etcd_back.wait(30)
+        return next(counts)
+
+    try:
+        train(e, range(1))
+        e.requests.count = failing_over  # type: ignore[method-assign]
+        started = time.monotonic()
+        train(e, range(1, 3))  # each step's end finds its read pending: waited for briefly, no request
+        assert time.monotonic() - started < 10 * STEP_END_WAIT_S and seen == [] and e.next_step == 3
+        etcd_back.set()
+        e.requests.count = lambda: 3  # type: ignore[method-assign]
+        train(e, range(3, 5))
+        assert seen == [3, 4]  # seen once the store answers again
+    finally:
+        etcd_back.set()
+        e.close()

@@ -15,7 +15,7 @@ import time
 import pytest
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import api as mp_api
-from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, PContext, Std, SubprocessContext
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std, SubprocessContext
 
 from conftest import wait_for
 from unicron_elastic.agent import _torch_compat
@@ -23,6 +23,18 @@ from unicron_elastic.api import ConfigError
 from unicron_elastic.launcher import get_parser
 
 pytestmark = pytest.mark.compat
+
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what PContext.start() registers
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_put_back():
+    """Starting workers registers torch's handlers in this process: put the previous ones back (a later test
+    of this process, e.g. Lightning's SIGTERM handling, must not find torch's)."""
+    before = {sig: signal.getsignal(sig) for sig in _HANDLED}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
 
 
 def _context(tmp_path, code: str, nproc: int = 1) -> SubprocessContext:
@@ -68,11 +80,23 @@ def test_a_worker_ignoring_the_stop_signal_is_killed_after_the_timeout(tmp_path)
     assert 1 <= time.monotonic() - started < 10
 
 
-def test_torch_starts_workers_with_the_signal_handler_the_agent_replaces(monkeypatch) -> None:
-    assert "_terminate_process_handler" in PContext.start.__code__.co_names  # looked up when workers start
+@pytest.mark.timeout(60)
+def test_torch_starts_workers_with_the_signal_handler_the_agent_replaces(tmp_path, monkeypatch) -> None:
+    """By behaviour: once replaced, starting workers (``PContext.start``) registers ours for the signals
+    torch handles, not torch's ``_terminate_process_handler``."""
     monkeypatch.setattr(mp_api, "_terminate_process_handler", mp_api._terminate_process_handler)
-    ours = lambda signum, frame: None  # noqa: E731
-    assert _torch_compat.use_signal_handler(ours) and mp_api._terminate_process_handler is ours
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
+
+    def ours(signum, frame) -> None:
+        pass
+
+    assert _torch_compat.use_signal_handler(ours)
+    context = _context(tmp_path, "pass")
+    context.start()  # (the fixture puts the handlers back)
+    try:
+        assert {sig: signal.getsignal(sig) for sig in _HANDLED} == {sig: ours for sig in _HANDLED}
+    finally:
+        context.close()
 
 
 def test_every_launch_setting_passed_on_is_one_the_worker_spec_takes() -> None:

@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     from unicron_elastic.cluster_cli import add_cluster_commands
 
     add_cluster_commands(sub)
+    from unicron_elastic.slurm.cli import add_slurm_commands
+
+    add_slurm_commands(sub)
     sim = sub.add_parser(
         "simulate",
         help="regenerate the paper's evaluation: multi-task table and trace-a/trace-b",

@@ -80,11 +80,21 @@ def _stop_on_signals(stop, on_sigterm=None) -> None:
 def _cmd_node(args: argparse.Namespace) -> int:
     from unicron_elastic.node.daemon import NodeDaemon
 
+    job = None
+    if args.slurm:  # one task per node of a pool allocation: SLURM's node name, and SLURM's drain drains it
+        from unicron_elastic.slurm.job import current_job
+
+        job = current_job()
+    name = args.name or (job.node if job is not None else socket.gethostname())
     with _store(args) as store:
-        store.keys.node(args.name)  # refuses a name with '/'
-        daemon = NodeDaemon(store, args.name, args.slots, ttl=args.ttl, launcher_args=args.launcher_arg,
+        store.keys.node(name)  # refuses a name with '/'
+        daemon = NodeDaemon(store, name, args.slots, ttl=args.ttl, launcher_args=args.launcher_arg,
                             leave_timeout=args.leave_timeout)
         _stop_on_signals(daemon.stop, on_sigterm=daemon.drain)  # SIGTERM drains; Ctrl-C, SIGHUP stop now
+        if job is not None and args.slurm_poll > 0:
+            from unicron_elastic.slurm.watch import NodeWatch
+
+            NodeWatch(job.node, daemon.drain, args.slurm_poll).start()
         return daemon.run()
 
 
@@ -190,13 +200,20 @@ def add_cluster_commands(sub) -> None:
                           "(SIGTERM drains the node first; Ctrl-C, SIGHUP or a second SIGTERM stop at once)")
     add_etcd_options(node, timeout=DAEMON_TIMEOUT_S)
     node.add_argument("--slots", type=positive_int, required=True, help="workers this node runs (its GPUs)")
-    node.add_argument("--name", default=socket.gethostname(), help="node name (default: the host name)")
+    node.add_argument("--name", default=None,
+                      help="node name (default: the host name; with --slurm, SLURMD_NODENAME)")
     node.add_argument("--ttl", type=positive_int, default=2, help="lease TTL of the node, seconds")
     node.add_argument("--launcher-arg", action="append", default=[],
                       help="extra unicron-run flag for every task (repeatable), e.g. --launcher-arg=--node-ttl=1")
     node.add_argument("--leave-timeout", type=bounded(86400), default=60.0,
                       help="seconds a launcher asked to leave its task at a step boundary (the plan moved the node) "
                            "gets before it is stopped, and a drain waits for the plan without the node; default 60")
+    node.add_argument("--slurm", action="store_true",
+                      help="run as this node's task of a SLURM step (srun --ntasks-per-node=1 --no-kill "
+                           "--kill-on-bad-exit=0): named SLURMD_NODENAME, drained when SLURM drains the node")
+    node.add_argument("--slurm-poll", type=bounded(86400, allow_zero=True), default=10.0,
+                      help="with --slurm: seconds between two looks at the node's state in SLURM "
+                           "(0: never; default 10)")
     node.set_defaults(func=_cmd_node)
 
     cluster = sub.add_parser("cluster", help="a whole cluster on this machine, for demos and tests")

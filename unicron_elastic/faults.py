@@ -5,13 +5,23 @@ workers call :func:`maybe_fail` at every micro-batch, bucket and around the
 optimizer step; with ``$UNICRON_FAULTS`` unset it returns at once), like
 TorchFT's event injector. The test helpers module re-exports these names
 for tests and demos.
+
+A planned fault never passes silently: each firing is appended to
+``$UNICRON_FAULT_LOG``, and a process that reached fault points as a rank
+reports, when it exits, every fault planned for that rank (in its first
+incarnation) that did not fire, because the rank never reached that point
+(it never computed that micro-batch or bucket at that step, or the run ended
+first): one line on stderr (``unicron_faults: fault_not_fired ...``) and one
+JSON line in ``$UNICRON_FAULT_LOG`` + :data:`UNFIRED_SUFFIX`.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -20,6 +30,8 @@ FAULTS_ENV = "UNICRON_FAULTS"
 FAULT_LOG_ENV = "UNICRON_FAULT_LOG"
 FAULT_KINDS = ("kill", "exit", "raise", "hang", "stop", "stop_node")
 FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step", "before_first_group")
+#: Appended to ``$UNICRON_FAULT_LOG``'s path: where the faults that did not fire are reported (JSON lines).
+UNFIRED_SUFFIX = ".unfired"
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,7 @@ def _first_incarnation() -> bool:
 
 
 _FIRED: dict[int, int] = {}
+_RANKS: set[int] = set()  # the ranks this process reached fault points as
 
 
 def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
@@ -128,7 +141,8 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
     """Fire the fault planned for this point, if any (workers call this).
 
     Each firing is appended to ``$UNICRON_FAULT_LOG`` (one JSON line) first, so a
-    test can assert that the fault really happened.
+    test can assert that the fault really happened. The first call as a rank
+    arranges for :func:`report_unfired` to run when the process exits.
 
     Raises:
         ValueError: ``$UNICRON_FAULTS`` is malformed (the message names it).
@@ -136,6 +150,10 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
     raw = os.environ.get(FAULTS_ENV)
     if not raw:
         return
+    if rank not in _RANKS:
+        if not _RANKS:
+            atexit.register(report_unfired)
+        _RANKS.add(rank)
     for index, (spec, fault) in enumerate(planned_faults(raw)):
         if (fault.rank, fault.step, fault.micro_batch, fault.bucket, fault.at) != (rank, step, micro_batch, bucket, at):
             continue
@@ -161,6 +179,42 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "stop_node":
             _stop_node()
+
+
+def unfired() -> list[dict]:
+    """The faults planned for the ranks this process reached fault points as that have not fired (their specs).
+
+    Only in a rank's first incarnation: a fault of a restarted worker's rank
+    fired, or not, in the one before it.
+    """
+    raw = os.environ.get(FAULTS_ENV)
+    if not raw or not _RANKS or not _first_incarnation():
+        return []
+    return [spec for index, (spec, fault) in enumerate(planned_faults(raw))
+            if fault.rank in _RANKS and not _FIRED.get(index)]
+
+
+def report_unfired() -> list[dict]:
+    """Report the faults of :func:`unfired` (at exit): a line on stderr each, and JSON lines in
+    ``$UNICRON_FAULT_LOG`` + :data:`UNFIRED_SUFFIX`.
+
+    Returns:
+        Their specs.
+    """
+    try:
+        specs = unfired()
+    except ValueError:  # (a malformed plan was an error where it was read)
+        return []
+    log_path = os.environ.get(FAULT_LOG_ENV)
+    for spec in specs:
+        sys.stderr.write(f"unicron_faults: fault_not_fired {json.dumps(spec)} pid={os.getpid()}: the rank never "
+                         f"reached that point (it did not compute that micro-batch or bucket at that step, or the "
+                         f"run ended first)\n")
+        if log_path:
+            with open(log_path + UNFIRED_SUFFIX, "a") as f:
+                f.write(json.dumps({**spec, "pid": os.getpid(), "time": time.time(), "fired": False}) + "\n")
+    sys.stderr.flush()
+    return specs
 
 
 def _stop_node() -> None:

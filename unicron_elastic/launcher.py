@@ -8,6 +8,11 @@ c10d TCP store; the agent is :class:`~unicron_elastic.agent.UnicronAgent`.
 torchrun has no hook for a custom agent, so :func:`launch` rebuilds the short
 part of ``torch.distributed.launcher.api.launch_agent`` that creates the agent.
 
+``--slurm``: one task of a SLURM step per node (:func:`apply_slurm`): the run
+id comes from ``SLURM_JOB_ID``, the node's name from ``SLURMD_NODENAME``;
+SIGUSR1 (SLURM's warning) stops the node like SIGTERM (exit code 138) and a
+drain of the node makes it leave at a step boundary (docs/slurm.md).
+
 Stopping: SIGTERM, SIGINT, SIGHUP (and SIGQUIT) stop the whole job from the
 start (before the private etcd is started): the workers get the signal, then
 etcd and every temp dir are removed and the exit code is 128 + the signal.
@@ -36,10 +41,18 @@ from unicron_elastic.agent import UnicronAgent, _torch_compat
 from unicron_elastic.agent.agent import make_detectors
 from unicron_elastic.agent.api import ALL_DETECTORS, AgentConfig, NodeGaveUp
 from unicron_elastic.agent.ladder import LadderPolicy
-from unicron_elastic.agent.signals import begin_shutdown, install_leave_signal, install_stop_signals, stop_signals_deferred
+from unicron_elastic.agent.signals import (
+    LEAVE_SIGNAL,
+    begin_shutdown,
+    install_leave_signal,
+    install_preemption_signal,
+    install_stop_signals,
+    stop_signals_deferred,
+)
 from unicron_elastic.api import ConfigError, EtcdBinaryNotFoundError, EtcdStartError
 from unicron_elastic.detection.hang import HangThresholds
 from unicron_elastic.logging import configure_logging
+from unicron_elastic.slurm.api import SlurmCommandError, SlurmJob
 from unicron_elastic.store.embedded import EmbeddedEtcd
 
 log = structlog.get_logger(__name__)
@@ -77,6 +90,15 @@ def get_parser() -> argparse.ArgumentParser:
                             "the node daemon passes its own name)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics (events, actions, detection latency) on this port")
+    slurm = parser.add_argument_group("SLURM (docs/slurm.md)")
+    slurm.add_argument("--slurm", action="store_true",
+                       help="run as this node's task of a SLURM step (srun --ntasks-per-node=1 --no-kill "
+                            "--kill-on-bad-exit=0): run id from SLURM_JOB_ID (and the restart count), node name "
+                            "from SLURMD_NODENAME, SIGUSR1 stops like SIGTERM, a drained node leaves at a step "
+                            "boundary")
+    slurm.add_argument("--slurm-poll", type=float, default=10.0,
+                       help="with --slurm: seconds between two looks at this node's state in SLURM (a drain); "
+                            "0: never look (default 10)")
     parser.add_argument(
         "--log-format",
         choices=("auto", "json", "console"),
@@ -105,6 +127,45 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     return config
 
 
+def apply_slurm(args: argparse.Namespace, job: SlurmJob) -> None:
+    """``--slurm``: the flags a SLURM job step gives (those the user gave win).
+
+    ``--rdzv-id``: :attr:`~unicron_elastic.slurm.api.SlurmJob.run_id`
+    (``<job>-<restart count>``); ``--node-name``: ``SLURMD_NODENAME``;
+    ``--metrics-port P``: ``P`` + the node's index in the job (nodes may share a host).
+
+    Raises:
+        ConfigError: ``--standalone`` (a private etcd per node cannot be one
+            store), no ``--rdzv-endpoint``, or a bad ``--slurm-poll``.
+    """
+    if args.standalone:
+        raise ConfigError("--slurm with --standalone: every node would start an etcd of its own; give "
+                          "--rdzv-endpoint (a site etcd, or $(unicron slurm endpoint) inside the allocation)")
+    if not args.rdzv_endpoint:
+        raise ConfigError("--slurm needs --rdzv-endpoint: a site etcd, or $(unicron slurm endpoint) for the members "
+                          "`unicron slurm etcd` runs inside the allocation")
+    if not (args.slurm_poll >= 0 and args.slurm_poll < 86400):
+        raise ConfigError(f"--slurm-poll {args.slurm_poll}: seconds from 0 (never) to 86400")
+    if args.rdzv_id in (None, "", "none"):
+        args.rdzv_id = job.run_id
+    if not args.node_name:
+        args.node_name = job.node
+    if args.metrics_port is not None:
+        args.metrics_port += job.node_index
+    log.info("slurm_step", job=job.requeue_id, restart_count=job.restart_count, node=job.node,
+             run_id=args.rdzv_id, node_name=args.node_name, nodes=len(job.nodes))
+
+
+def _watch_slurm_node(job: SlurmJob, interval: float) -> None:
+    """``--slurm``: leave at a step boundary (the leave signal to this process) when SLURM drains the node."""
+    import os
+
+    from unicron_elastic.slurm.watch import NodeWatch
+
+    if interval > 0:
+        NodeWatch(job.node, lambda: os.kill(os.getpid(), LEAVE_SIGNAL), interval).start()
+
+
 def launch(
     config: LaunchConfig, entrypoint: Any, args: list[str], agent: AgentConfig | None = None,
     shutdown_timeout: int | None = None,
@@ -123,7 +184,9 @@ def launch(
     Returns:
         The workers' return values by global rank; empty when the run had
         finished before this node joined (its rendezvous closed after a node
-        passed the exit barrier: :class:`~unicron_elastic.rendezvous.handler.RunFinished`).
+        passed the exit barrier: :class:`~unicron_elastic.rendezvous.handler.RunFinished`),
+        or when a stop signal came once this node's workers had all succeeded
+        (in the exit barrier: training is finished, exit code 0).
 
     Raises:
         ChildFailedError: A worker failed and the agent gave up.
@@ -183,6 +246,10 @@ def launch(
     except ChildFailedError:
         raise
     except Exception as exc:
+        if isinstance(exc, SignalException) and elastic_agent.finished:  # (in the exit barrier: the work is done)
+            log.info("stopped_after_training_finished", signal=exc.sigval.name)
+            shutdown_rdzv = False
+            return {}
         # A signal or a node giving up must not close the rendezvous for the others.
         if isinstance(exc, NodeGaveUp) or type(exc).__name__ == "SignalException":
             shutdown_rdzv = False
@@ -244,18 +311,29 @@ def main(argv: list[str] | None = None) -> None:
         ChildFailedError: The training failed (torch's ``@record`` writes the
             error file and the exit code is 1).
         SystemExit: 2 for bad input or an etcd that cannot be used (one
-            ``unicron-run: error:`` line), 75 when the node gave up, 128 + N
-            after signal N.
+            ``unicron-run: error:`` line; with ``--slurm``, also outside a
+            SLURM step or when ``scontrol`` fails), 75 when the node gave up,
+            128 + N after signal N (138: SLURM's SIGUSR1).
     """
     parser = get_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_format)
     install_stop_signals()  # before anything is started that would need cleaning up
     install_leave_signal()
+    if args.slurm:
+        install_preemption_signal()  # before any other thread starts
     try:
+        job = None
+        if args.slurm:
+            from unicron_elastic.slurm.job import current_job
+
+            job = current_job()
+            apply_slurm(args, job)
         unicron = agent_config(args)
         if args.metrics_port is not None:
             _serve_metrics(args.metrics_port)
+        if job is not None:
+            _watch_slurm_node(job, args.slurm_poll)
         _run(args, unicron)
     except NodeGaveUp as exc:
         log.error("node_gave_up", reason=str(exc), exit_code=exc.exit_code)
@@ -264,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("stopped_by_signal", signal=exc.sigval.name)
         raise SystemExit(128 + int(exc.sigval)) from None
     except (ConfigError, EtcdBinaryNotFoundError, EtcdStartError, RendezvousConnectionError,
-            RendezvousStateError) as exc:
+            RendezvousStateError, SlurmCommandError) as exc:
         parser.exit(2, f"{parser.prog}: error: {' '.join(str(exc).split())}\n")  # one line, even for etcd's log
 
 

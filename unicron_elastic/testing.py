@@ -6,6 +6,7 @@ happen to real processes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -17,6 +18,7 @@ from unicron_elastic.faults import (  # noqa: F401 - re-exported: tests and demo
     FAULT_LOG_ENV,
     FAULT_POINTS,
     FAULTS_ENV,
+    UNFIRED_SUFFIX,
     Fault,
     fail_at,
     faults_env,
@@ -25,6 +27,12 @@ from unicron_elastic.faults import (  # noqa: F401 - re-exported: tests and demo
 )
 from unicron_elastic.node.processes import child_pids, process_tree, signal_tree  # noqa: F401 - re-exported for tests
 from unicron_elastic.store.keys import MeetingKeys
+
+
+def unfired_faults(log_path: str | os.PathLike[str]) -> list[dict]:
+    """The faults the workers reported as not fired when they exited (``log_path``: the run's fault log)."""
+    path = Path(str(log_path) + UNFIRED_SUFFIX)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def kill_node(launcher_pid: int, sig: int = signal.SIGKILL) -> list[int]:

@@ -1,7 +1,20 @@
-"""The one place that touches torch's launcher and agent internals, for every supported torch (2.8 to 2.13).
+"""Where torch's launcher and agent internals differ between the supported releases (2.8 to 2.13).
 
-What differs between releases is chosen by what the installed torch has
-(a field, a parameter, a flag), never by its version string:
+This module is the one place that chooses between releases, not the only one
+that touches torch's internals: :class:`~unicron_elastic.agent.agent.UnicronAgent`
+subclasses ``LocalElasticAgent`` and overrides its private methods
+(``_rendezvous``, ``_assign_worker_ranks``, ``_start_workers``,
+``_monitor_workers``, ``_stop_workers``, ``_shutdown``, ``_exit_barrier``)
+and reads its private fields (``_worker_group``, ``_pcontext``,
+``_exit_barrier_timeout``); those are the same from 2.8 to 2.13, and the
+``compat`` test selection runs the agent through each of them (a launch,
+per-rank restart, SIGTERM and Ctrl-C, ``--shutdown-timeout``, a node loss)
+on the oldest supported release. The rendezvous backend
+(:mod:`unicron_elastic.rendezvous`) builds on torch's
+``DynamicRendezvousHandler`` the same way.
+
+What differs between releases is chosen here by what the installed torch
+has (a field, a parameter, a flag), never by its version string:
 
 * the launch settings a ``WorkerSpec`` takes (``event_log_handler`` 2.8,
   ``numa_options`` 2.9, the ``duplicate_*_filters`` and ``virtual_local_rank``

@@ -53,6 +53,7 @@ from unicron_elastic.agent.signals import (
     leave_requested,
     raise_if_orphaned,
     raise_pending_stop,
+    signal_for_workers,
     stop_signals_deferred,
 )
 from unicron_elastic.api import ConfigError, StoreError
@@ -122,6 +123,7 @@ class UnicronAgent(LocalElasticAgent):
         self._closed = False  # stopping for good (signal, error, end of run): never act or respawn again
         self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
         self.left = False  # asked to leave: the workers leave the data-parallel group at a step boundary
+        self.finished = False  # every worker of this node succeeded (torch's exit barrier comes only then)
         self._pm = plugin_manager()
         self._detectors = make_detectors(self.config, self._pm)
         self._started = False
@@ -234,6 +236,7 @@ class UnicronAgent(LocalElasticAgent):
 
         A node that left the task (:meth:`leave_at_step_boundary`) does not wait: the others train on.
         """
+        self.finished = not self.left
         if self.left:
             log.info("exit_barrier_skipped", reason="this node left the task")
             return
@@ -275,7 +278,8 @@ class UnicronAgent(LocalElasticAgent):
             super()._shutdown(death_sig)  # (no workers to stop: they are ours to stop)
         finally:
             self._pcontext = pcontext
-        _torch_compat.stop_workers(pcontext, death_sig, self.shutdown_timeout if timeout is None else timeout)
+        _torch_compat.stop_workers(pcontext, signal_for_workers(death_sig),
+                                   self.shutdown_timeout if timeout is None else timeout)
 
     def _close_for_good(self) -> None:
         """Under the lock: no detection acts and no worker is respawned from now on.
@@ -409,10 +413,10 @@ class UnicronAgent(LocalElasticAgent):
             rank, current = self.workers().get(local_rank, (-1, None))
             if current is None or current.pid != pid:
                 return  # a process torch already replaced (restart-all): not a new failure
+            if not self._stopping:  # first: the etcd write below can take etcd's request timeout (a lost leader)
+                self._notify_failed(rank)  # its peers may wait in a collective with it: not a hang
             if self._meeting is not None and not self._stopping:  # (stopping: close() revokes the lease)
                 self._meeting.worker_exited(rank)  # peers regrouping stop waiting for it now
-            if not self._stopping:
-                self._notify_failed(rank)  # its peers may wait in a collective with it: not a hang
             if self._stopping or self._give_up is not None:
                 return
             state = self._state(rank)

@@ -25,7 +25,6 @@ from unicron_elastic.node import NODE_DAEMON_ENV
 from unicron_elastic.store.lease import KeptLease
 
 log = structlog.get_logger(__name__)
-_THIS_NODE = "this node"  # the node of every rank a hang detector watches (its agent's own)
 
 
 def _own_rank(ctx: DetectorContext, rank: int) -> bool:
@@ -220,10 +219,12 @@ class HangDetector(Detector):
             self._changed.clear()
             now = time.monotonic()
             with self._lock:
-                reports = {rank: m.report(rank, _THIS_NODE) for rank, m in self.monitors.items()}
-                verdict = hang_verdict(reports, {_THIS_NODE}, now)  # (every monitor is of this agent's node: alive)
+                reports = {rank: m.report(rank) for rank, m in self.monitors.items()}
+                verdict = hang_verdict(reports, now)
                 found = [(rank, self.monitors[rank].finding(now)) for rank in verdict.hung]
                 deadlines = [d for d in (m.deadline() for m in self.monitors.values()) if d is not None]
+            if found:  # who was blamed, and who was spared because it kept saying it waits on its group
+                log.info("hang_verdict", hung=list(verdict.hung), spared_waiting=list(verdict.waiting))
             for rank, finding in found:
                 self.ctx.hang(rank, finding)
             sleep = self.interval if not deadlines else min(self.interval, max(min(deadlines) - now, 0.0) + 0.001)

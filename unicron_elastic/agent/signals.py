@@ -4,6 +4,9 @@ SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the node (torch's ``SignalException``),
 deferred across steps that must not be cut in half and ignored once the
 clean-up began; SIGUSR2 (:data:`LEAVE_SIGNAL`) asks the agent to leave its
 task at the next step boundary. A node daemon's death stops its launcher too.
+Under SLURM (``unicron-run --slurm``), SIGUSR1 (:data:`PREEMPT_SIGNAL`,
+SLURM's warning before the end of the allocation) stops the node as SIGTERM
+does; its workers, which SLURM signals too, never see it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ log = structlog.get_logger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: The signal that makes ``unicron-run`` leave its task at the next step boundary (a node the plan takes away).
 LEAVE_SIGNAL = signal.SIGUSR2
+#: SLURM's warning signal (``--signal=USR1@N``): stops ``unicron-run --slurm`` like SIGTERM (exit code 138).
+PREEMPT_SIGNAL = signal.SIGUSR1
 _shutting_down = threading.Event()  # set once the process cleans up: later stop signals are ignored
 _leave_requested = threading.Event()  # LEAVE_SIGNAL arrived: the agent acts on it at its next monitor interval
 _leave_ready = threading.Event()  # workers run under the monitor loop: a leave can be acted on (else it is a stop)
@@ -103,6 +108,33 @@ def install_stop_signals() -> None:
         return
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop_signal)
+
+
+def install_preemption_signal() -> None:
+    """Make :data:`PREEMPT_SIGNAL` (SIGUSR1) stop this process as SIGTERM does, and keep it from every child.
+
+    SLURM signals every process of a step, the workers and their data
+    loaders included, and SIGUSR1's default action ends a process; the
+    launcher alone acts on it (its agent then stops the workers with
+    SIGTERM: :func:`signal_for_workers`). So the signal is blocked in the
+    main thread, which starts the workers (a blocked signal stays blocked
+    across ``fork`` and ``exec``: every descendant ignores it), and one
+    thread started first keeps it unblocked, to receive it; Python then runs
+    the handler in the main thread. Call it in the main thread before any
+    other thread starts (threads inherit the mask of the thread that starts them).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(PREEMPT_SIGNAL, _on_stop_signal)
+    receiver = threading.Thread(target=threading.Event().wait, name="unicron-signal-receiver", daemon=True)
+    receiver.start()  # (its mask is the main thread's before the block: it receives the signal)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {PREEMPT_SIGNAL})
+
+
+def signal_for_workers(sig: int) -> int:
+    """The signal that stops the workers after the launcher got ``sig``: SIGTERM for :data:`PREEMPT_SIGNAL`
+    (the workers have it blocked, see :func:`install_preemption_signal`), else ``sig`` itself."""
+    return signal.SIGTERM if sig == PREEMPT_SIGNAL else sig
 
 
 def _on_leave_signal(signum: int, frame: object) -> None:

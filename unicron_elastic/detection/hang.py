@@ -19,9 +19,9 @@ repeats it while it waits (``waiting``, see
 :class:`~unicron_elastic.strategy.watch.GroupWatch`): it is alive and not the
 one to blame, so its deadline moves with every such report. The peer that
 stopped answering sends nothing (a stopped process cannot), so its silence
-makes it the hung one. :func:`hang_verdict` is the decision over every rank's
-report and the nodes' liveness: a rank of a node whose lease expired is not
-blamed alone, its node is lost.
+makes it the hung one. :func:`hang_verdict` is the decision over the reports
+of one agent's ranks (an agent hears only its own node's workers); a node
+that froze altogether is decided by its lease, not here.
 
 When another worker of the task fails, every survivor may stall in a
 collective with it (or with a survivor that is already regrouping) until it
@@ -38,7 +38,7 @@ configuration has warmed up (statistics are reset per configuration).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from unicron_elastic.api import ConfigError
@@ -230,10 +230,10 @@ class IterationMonitor:
         """Seconds without a heartbeat that are not yet a hang: ``hang_factor`` x mean, at least ``min_silence``."""
         return max(self.thresholds.hang_factor * self.mean, self.thresholds.min_silence)
 
-    def report(self, rank: int, node: str) -> RankReport:
-        """What this monitor knows of ``rank`` (on ``node``), for :func:`hang_verdict`."""
+    def report(self, rank: int) -> RankReport:
+        """What this monitor knows of ``rank``, for :func:`hang_verdict`."""
         phase = "waiting" if self.waiting else "paused" if self.paused else "running"
-        return RankReport(rank, node, phase, self.last_beat, self.deadline())
+        return RankReport(rank, phase, self.last_beat, self.deadline())
 
     def check(self, now: float) -> Finding | None:
         """A hang finding if the worker has been silent too long (reported once per hang)."""
@@ -261,7 +261,6 @@ class RankReport:
 
     Attributes:
         rank: The global rank.
-        node: The node it runs on.
         phase: ``running`` (computing: its heartbeats count), ``waiting``
             (blocked on its group, saying so), ``paused`` (a declared pause).
         last_sign: Monotonic time of its last heartbeat or wait report.
@@ -271,7 +270,6 @@ class RankReport:
     """
 
     rank: int
-    node: str
     phase: str
     last_sign: float
     deadline: float | None
@@ -282,41 +280,35 @@ class HangVerdict:
     """Who stopped answering, and who is only waiting on them.
 
     Attributes:
-        hung: Ranks silent past their deadline on a live node: restart each (SEV2).
-        lost_nodes: Nodes whose lease expired: lost as a whole (SEV1), their
-            ranks are not blamed one by one.
+        hung: Ranks silent past their deadline: restart each (SEV2).
         waiting: Ranks blocked on their group and still saying so: spared.
     """
 
     hung: tuple[int, ...]
-    lost_nodes: tuple[str, ...]
     waiting: tuple[int, ...]
 
 
-def hang_verdict(reports: Mapping[int, RankReport], live_nodes: Collection[str], now: float) -> HangVerdict:
-    """Decide, from every rank's report and the nodes' liveness, which ranks are hung.
+def hang_verdict(reports: Mapping[int, RankReport], now: float) -> HangVerdict:
+    """Decide, from the reports of one agent's ranks, which of them are hung.
 
     A rank waiting on its group keeps reporting while it waits, so it stays
     within its deadline: only the rank that went silent is blamed, never the
-    peers blocked on it. A node whose lease expired (not in ``live_nodes``)
-    is lost as a whole: its ranks cannot report, and nobody on it can restart
-    them. A slow rank is never blamed while its heartbeats (or its wait
-    reports) keep coming within its deadline.
+    peers blocked on it. A slow rank is never blamed while its heartbeats (or
+    its wait reports) keep coming within its deadline. An agent hears its
+    own node's ranks only: a node that froze is not decided here but by its
+    lease, which expires (the node detector of every other agent, SEV1).
 
     Args:
         reports: Rank -> its report.
-        live_nodes: Nodes whose lease is alive.
         now: Monotonic time of the decision.
 
     Returns:
-        The verdict (ranks and nodes sorted).
+        The verdict (ranks sorted).
     """
-    hung, lost, waiting = [], set(), []
+    hung, waiting = [], []
     for rank, report in sorted(reports.items()):
-        if report.node not in live_nodes:
-            lost.add(report.node)
-        elif report.deadline is not None and now > report.deadline:
+        if report.deadline is not None and now > report.deadline:
             hung.append(rank)
         elif report.phase == "waiting":
             waiting.append(rank)
-    return HangVerdict(tuple(hung), tuple(sorted(lost)), tuple(waiting))
+    return HangVerdict(tuple(hung), tuple(waiting))

@@ -153,7 +153,7 @@ class MeetingKeys:
     FINISHED = "unicron-dp/finished"  # the step training ended at
     STOP = "unicron-dp/stop"  # the step after which members stop (a rank's SIGTERM, agreed in that step's exchange)
     LIVENESS = "unicron-dp/liveness"  # present when live/<rank> keys are kept
-    SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot's head (JSON naming its pieces; an agent's TCPStore)
+    SNAPSHOT = "unicron-snapshot/state"  # the in-memory snapshot's head (JSON naming its step and pieces; an agent's TCPStore)
 
     @staticmethod
     def snapshot(shard: str | None = None, slot: int = 0) -> str:
@@ -167,9 +167,9 @@ class MeetingKeys:
         return f"{key}/pieces/{tag}/{int(index)}"
 
     @staticmethod
-    def snapshot_step(shard: str, slot: int) -> str:
-        """The step of the in-memory snapshot of one model shard in one slot (written after it)."""
-        return f"unicron-snapshot/step/{shard}/{int(slot)}"
+    def snapshot_pending(key: str) -> str:
+        """The uploads announced under the head ``key`` (``tag:pieces;`` each), whose pieces a newer commit deletes."""
+        return f"{key}/pending"
 
     @staticmethod
     def snapshot_host(group_rank: int) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["STRATEGY_NAME", "UnicronMegatronStrategy"]
+from unicron_elastic.strategy.stages import run_forward_step
+
+__all__ = ["STRATEGY_NAME", "UnicronMegatronStrategy", "run_forward_step"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,7 +22,7 @@ def __getattr__(name: str) -> Any:
     Raises:
         AttributeError: Another name.
     """
-    if name in __all__:
+    if name in ("STRATEGY_NAME", "UnicronMegatronStrategy"):
         from unicron_elastic.strategy import lightning
 
         return getattr(lightning, name)

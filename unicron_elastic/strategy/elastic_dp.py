@@ -60,6 +60,12 @@ shard of another replica. A failure after some stages reduced keeps those
 stages' buckets (per coordinate) and recomputes only what the unreduced
 stages need: stages below every unreduced stage run forward only.
 
+With pipeline parallelism a weight tied across the first and the last stage
+(megatron-core's shared word embedding) has its reduced gradient sums added
+over both stages before the commit, and the commit also carries the leading
+replica's squared gradient norm (:mod:`~unicron_elastic.strategy.stage_sums`,
+:attr:`ElasticDataParallel.grad_norm`).
+
 With a loss scaler (``overflow``, see :mod:`~unicron_elastic.strategy.precision`)
 the commit also carries each shard's verdict on its reduced gradients, so
 every rank of every shard skips the same steps.
@@ -83,6 +89,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Generator
@@ -107,6 +114,7 @@ from unicron_elastic.strategy.pipeline import StageLinks, forward_only, run_pipe
 from unicron_elastic.strategy.protocol import Protocol
 from unicron_elastic.strategy.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
 from unicron_elastic.strategy.requests import RequestReader
+from unicron_elastic.strategy.stage_sums import ReplicaSums
 from unicron_elastic.strategy.transport import GlooTransport, is_peer_failure
 from unicron_elastic.strategy.watch import GroupWatch
 
@@ -210,6 +218,11 @@ class ElasticDataParallel(JoiningPath):
         self.bucket_numel = bucket_numel
         #: This shard's gradient sums (made by :meth:`bind`).
         self.gradients: GradientBuffer | None = None
+        #: With TP x PP > 1: the tied weight's sum across stages and the replica's gradient norm (made by :meth:`bind`).
+        self.sums: ReplicaSums | None = None
+        #: Take the replica's gradient norm in each step's commit (:attr:`grad_norm`; TP x PP > 1).
+        self.measure_norm = False
+        self._squared_norm: float | None = None
         # with TP/PP a last, small all-reduce over every rank commits the step (and carries the next members)
         self.committed = self.layout.size > 1
         self.membership = ReplicaMembership(store, self.layout, rank, self.max_replicas)
@@ -239,15 +252,20 @@ class ElasticDataParallel(JoiningPath):
             self._note_incarnations()
             if self._publishes():
                 self._publish_members()
+            if model is not None:
+                self.tie()
 
     def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Give the engine its model and optimizer (when it was made without): its gradient buckets.
 
         Raises:
-            ConfigError: The model has no parameter that requires a gradient.
+            ConfigError: The model has no parameter that requires a gradient, or holds a weight tied across
+                pipeline stages that cannot be kept tied.
         """
-        self.gradients = GradientBuffer([p for p in model.parameters() if p.requires_grad], self.grad_dtype,
-                                        self.bucket_numel)
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.gradients = GradientBuffer([p for _, p in named], self.grad_dtype, self.bucket_numel)
+        if self.committed:  # the tied weight's sum and the replica's norm
+            self.sums = ReplicaSums(self.gradients.params, [name for name, _ in named], self.layout, self.rank)
         self.model, self.optimizer = model, optimizer
         self.protocol.buckets = len(self.bounds) + self.committed
         if self.committed:
@@ -692,14 +710,7 @@ class ElasticDataParallel(JoiningPath):
     def _reduce(self, effect: E.Reduce) -> tuple[torch.Tensor, list[int] | None]:
         local = effect.local
         if self.committed and effect.bucket == len(self.bounds):  # the step's commit, over every rank
-            if self.world_pg is None:
-                raise RuntimeError("the group failed before the step's commit")
-            payload = self._encode(self._offer(effect.offer), torch.int64, self._overflowed()).to(self.transport.device)
-            with self.watch.waiting("commit"):
-                self.world_pg.allreduce([payload]).wait()
-            said = self._exchanged(payload.cpu())
-            self.overflow_agreed = said.overflow
-            return local.new_zeros(0), said.members
+            return local.new_zeros(0), self._commit(effect)
         if self.pg is None:
             raise RuntimeError("the group failed before this reduction (membership sync)")
         start, end = self.bounds[effect.bucket]
@@ -724,8 +735,76 @@ class ElasticDataParallel(JoiningPath):
             return False
         return self.overflow(reduced, self._plan.num_micro_batches)
 
+    def _commit(self, effect: E.Reduce) -> list[int]:
+        """The step's commit over every rank (TP x PP > 1), after the tied weight's gradients are summed.
+
+        One all-reduce of float64 slots carries the next step's members, the
+        shards' overflow verdicts, a stop request and, when the norm is
+        measured, the leading replica's shards' squared gradient norms.
+
+        Returns:
+            The members the commit carries.
+
+        Raises:
+            RuntimeError: The group failed (gloo's error), or was gone already.
+        """
+        if self.world_pg is None:
+            raise RuntimeError("the group failed before the step's commit")
+        reduced = self.gradients.reduced_sum()
+        sums = self.sums
+        if sums.tied is not None:
+            sums.exchange(reduced, self.world_pg, self._peer(sums.tied.peer_stage), self.watch.waiting)
+        squared = sums.squared_norm(reduced) if self.measure_norm and self.leader else 0.0
+        slots = self._encode(self._offer(effect.offer), torch.float64, self._overflowed())
+        payload = torch.cat([slots, torch.tensor([squared], dtype=torch.float64)]).to(self.transport.device)
+        with self.watch.waiting("commit"):
+            self.world_pg.allreduce([payload]).wait()
+        payload = payload.cpu()
+        said = self._exchanged(payload[:-1])
+        self.overflow_agreed = said.overflow
+        self._squared_norm = float(payload[-1]) if self.measure_norm else None
+        return said.members
+
+    def _peer(self, stage: int) -> int:
+        """The rank (in the world group) of this replica's ``stage`` with this rank's tensor rank."""
+        return self.layout.neighbour(self.members, self.rank, stage)
+
+    def tie(self) -> None:
+        """Make the copies of a weight tied across stages equal: the first stage's values (start of training).
+
+        A member calls it once its model is bound (a joiner receives tied
+        copies with its state). Every rank of the first and the last stage
+        takes part, tied weight or not, so a mismatch is refused on both ends.
+
+        Raises:
+            ConfigError: The first and the last stage do not hold matching copies.
+            RuntimeError: The peer failed, or there is no group.
+        """
+        sums = self.sums
+        if sums is None or sums.pipeline_end is None:
+            return
+        if self.world_pg is None:
+            raise RuntimeError("no group to tie the pipeline stages' weights in")
+        sums.tie(self.world_pg, self._peer(sums.pipeline_end), self.watch.waiting)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The norm of the whole replica's gradients of the last step (reduced sum / B, each parameter once).
+
+        Taken in the step's commit (TP x PP > 1) when :attr:`measure_norm` is
+        set; None otherwise, and until a step committed.
+        """
+        if self._squared_norm is None:
+            return None
+        return math.sqrt(self._squared_norm) / self._plan.num_micro_batches
+
     def _set_gradients(self, effect: E.SetGradients) -> None:
-        """``p.grad`` = the reduced sum / B (NaN where another shard overflowed: the scaler skips the step here too)."""
+        """``p.grad`` = the reduced sum / B (NaN where another shard overflowed: the scaler skips the step here too).
+
+        With a weight tied across stages, its part of the sum is first the sum over both stages.
+        """
+        if self.sums is not None:
+            self.sums.apply(self.gradients.reduced_sum())
         self.gradients.set_gradients(self._plan.num_micro_batches, self.committed and self.overflow_agreed)
 
     def begin_step(self, step: int) -> StepReport:
@@ -742,6 +821,7 @@ class ElasticDataParallel(JoiningPath):
                 regroup left it out): it must :meth:`join`.
         """
         self.requests.prefetched = None  # (a read begun with an earlier step: the membership sync reads afresh)
+        self._squared_norm = None
         try:
             return self._run(self.protocol.begin_step(step))
         except Retired:

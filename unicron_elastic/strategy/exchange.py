@@ -1,8 +1,10 @@
-"""The integer slots a step's last exchange carries besides gradients: next members, overflow verdict, stop request.
+"""The slots a step's last exchange carries besides gradients: next members, overflow verdict, stop request.
 
-They ride in the last gradient bucket (or the commit with TP x PP > 1, or
-the members' agreement) and are summed like it, so no extra collective runs
-per step: ``[count, members..., 0..., overflow, stop]``. Only the leader
+They ride in the last gradient bucket (in the gradients' dtype), in the
+commit with TP x PP > 1 (float64, followed by the replica's squared gradient
+norm) or in the members' agreement (int64), and are summed like it, so no
+extra collective runs per step: ``[count, members..., 0..., overflow, stop]``.
+Every value is a small integer, exact in any of those dtypes. Only the leader
 offers members (the others send zeros); any rank's overflow or stop counts.
 """
 

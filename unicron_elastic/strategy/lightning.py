@@ -68,16 +68,20 @@ from unicron_elastic.strategy.elastic_dp import ElasticDataParallel, Retired, St
 from unicron_elastic.strategy.engine_options import EngineHooks, EngineOptions
 from unicron_elastic.strategy.environment import UnicronEnvironment
 from unicron_elastic.strategy.feed import MicroBatchFeed
+from unicron_elastic.strategy.megatron_checks import check_configs, check_wrappers
 from unicron_elastic.strategy.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.model_groups import check_groups
 from unicron_elastic.strategy.parallel import build_world, check_sizes, destroy_world, drop_world, rebuild_world
 from unicron_elastic.strategy.pipeline import SCHEDULES
-from unicron_elastic.strategy.precision import check_module, check_precision, overflowed, scaled, start_scale
+from unicron_elastic.strategy.precision import (check_module, check_precision, loss_scaler, overflowed, scaled,
+                                                start_scale)
 from unicron_elastic.strategy.replicas import ModelParallel
 from unicron_elastic.strategy.rng import micro_batch_rng, micro_batch_seed
 from unicron_elastic.strategy.shard_checkpoints import load_shard, save_shard
 from unicron_elastic.strategy.sigterm import SigtermTakeover
 from unicron_elastic.strategy.snapshot_places import PeerServers
 from unicron_elastic.strategy.snapshots import DiskCheckpoints, MemorySnapshot
+from unicron_elastic.strategy.stages import MegatronStage
 from unicron_elastic.strategy.transport import nccl_error_handling, transport_for
 from unicron_elastic.worker import get_worker
 
@@ -121,8 +125,11 @@ class UnicronMegatronStrategy(DDPStrategy):
     ``schedule`` then name replicas, and the data-parallel size changes in
     whole replicas. The LightningModule builds its megatron-core layers in
     ``configure_model()`` (``parallel_state`` is initialized then) and, with
-    PP > 1, only its stage's layers; it implements
-    ``pipeline_forward(batch, input_tensor)`` (see docs/strategy.md).
+    PP > 1, only its stage's layers; it implements Megatron-LM's
+    ``forward_step(data_iterator, model)`` or ``pipeline_forward(batch,
+    input_tensor)`` (see docs/strategy.md). A weight tied across the first and
+    the last stage is kept tied, and clipping by norm uses the whole replica's
+    norm.
 
     Args:
         global_batch: Samples per optimizer step, constant across failures and
@@ -215,6 +222,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._last_beat: float | None = None
         self._losses: list[torch.Tensor] = []
         self._feed: MicroBatchFeed | None = None
+        self._stage: Any = None  # this pipeline stage's forward of one micro-batch (set at fit)
         self._rng: dict[str, Any] | None = None
         self._memory: MemorySnapshot | None = None
         self._disk: DiskCheckpoints | None = None
@@ -391,10 +399,24 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     @contextmanager
     def model_sharded_context(self) -> Iterator[None]:
-        """Lightning's context of ``configure_model()``: a joiner is admitted first (its world must exist)."""
+        """Lightning's context of ``configure_model()``: a joiner is admitted first (its world must exist).
+
+        Raises:
+            ConfigError: On a CPU, megatron-core's constructor asked for CUDA to tie the embedding across
+                stages (the message says how to build the model instead).
+        """
         self._admit()
         with super().model_sharded_context():
-            yield
+            try:
+                yield
+            except AssertionError as exc:
+                if self.root_device.type != "cpu" or "CUDA" not in str(exc) or self.pp == 1:
+                    raise
+                raise ConfigError("configure_model: megatron-core's LanguageModule moves the tied word embedding to "
+                                  "CUDA for its initial all-reduce over the embedding group; on a CPU build the model "
+                                  "with pg_collection=ProcessGroupCollection.use_mpu_process_groups() whose embd is "
+                                  "None (unicron_megatron makes the two copies equal itself; see "
+                                  f"docs/strategy.md, 'Bringing a Megatron-LM model'): {exc}") from exc
 
     def _engine(self, joining: bool) -> ElasticDataParallel:
         """The elastic engine, without its model yet (bound in :meth:`setup`)."""
@@ -468,9 +490,10 @@ class UnicronMegatronStrategy(DDPStrategy):
 
         Raises:
             ConfigError: Manual optimization, several optimizers, gradient accumulation;
-                with TP x PP > 1 gradient clipping by norm (it would see this shard's
-                norm only); with PP > 1 a module without ``pipeline_forward``; a
-                ``*-mixed`` precision on the CPU around megatron-core's layers.
+                with PP > 1 a module without ``forward_step`` or ``pipeline_forward``
+                (or with both); a ``*-mixed`` precision on the CPU around
+                megatron-core's layers; megatron-core's DDP wrapper or optimizers;
+                a weight tied across stages that cannot be kept tied.
         """
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
@@ -485,6 +508,9 @@ class UnicronMegatronStrategy(DDPStrategy):
             log.info("rank_rejoined", step=None, state_from=None, finished_before_join=True)
             return
         self.engine.bind(module, self.optimizers[0])
+        self._bind_stages(module)
+        if not self.joining:  # (a joiner's tied copies come with its state)
+            self.engine.tie()
         if self.layout.stage(self.env.launch_rank) < self.pp - 1:  # (a stage that scales no loss: once, not per
             start_scale(self.precision_plugin, self.root_device)  # micro-batch)
         if self._memory is not None and self.engine.leader:
@@ -495,11 +521,61 @@ class UnicronMegatronStrategy(DDPStrategy):
             log.info("rank_rejoined", step=self.joined_at, state_from=self.engine.state_source,
                      finished_before_join=self.finished_before_join)
 
+    def _bind_stages(self, module: Any) -> None:
+        """This stage's forward and, with TP x PP > 1, clipping by the replica's gradient norm.
+
+        Lightning's precision plugin clips with ``clip_grad_by_norm``; with
+        TP x PP > 1 that would clip each shard by its own norm, so the plugin's
+        is replaced by :meth:`_clip_by_global_norm` for this fit.
+        """
+        if self.pp > 1:
+            last = self.layout.stage(self.env.launch_rank) == self.pp - 1
+            self._stage = MegatronStage(module, last) if callable(getattr(module, "forward_step", None)) \
+                else module.pipeline_forward
+        if self.layout.size > 1:
+            self.engine.measure_norm = True  # (one pass over this shard's reduced sums, on the leading replica)
+            self.precision_plugin.clip_grad_by_norm = self._clip_by_global_norm
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The norm of the whole replica's gradients as Lightning clips them in this step (TP x PP > 1).
+
+        Every parameter counted once, as megatron-core counts it: a tied
+        weight's copy on the last stage and the tensor-parallel ranks' copies of
+        a replicated parameter (a layer norm) are not counted again. Taken from
+        the reduced gradients in the step's commit, divided by the number of
+        micro-batches and, with a loss scaler, by the scale being unscaled
+        (read it up to the optimizer step). None with TP = PP = 1 (Lightning
+        computes it) and before the step's gradients are reduced.
+        """
+        norm = self.engine.grad_norm if self.engine is not None else None
+        scaler = loss_scaler(self.precision_plugin)
+        if norm is not None and scaler is not None and scaler.is_enabled():
+            norm /= scaler.get_scale()
+        return norm
+
+    def _clip_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Lightning's clipping by norm with the whole replica's norm (:attr:`grad_norm`), on every shard alike.
+
+        Raises:
+            RuntimeError: No norm was taken in this step.
+        """
+        norm = self.grad_norm
+        if norm is None:
+            raise RuntimeError("unicron_megatron: clipping by norm, but this step's commit took no gradient norm")
+        if norm + 1e-6 <= clip_val:  # (torch clamps the coefficient at 1: nothing to scale; older releases'
+            return                    # docs do not say they clamp)
+        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        device = params[0].grad.device if params else self.root_device
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.tensor(norm, dtype=torch.float32, device=device))
+
     def _check_fit(self, trainer: Any, module: Any) -> None:
         """What this strategy cannot train, as clear errors.
 
         Raises:
-            ConfigError: See :meth:`setup`.
+            ConfigError: See :meth:`setup`; and megatron-core's DDP wrappers or optimizers, configs the
+                strategy would train wrongly, groups it cannot rebuild
+                (:mod:`~unicron_elastic.strategy.megatron_checks`, :mod:`~unicron_elastic.strategy.model_groups`).
         """
         if not module.automatic_optimization:
             raise ConfigError("unicron_megatron needs automatic optimization")
@@ -508,13 +584,17 @@ class UnicronMegatronStrategy(DDPStrategy):
         if trainer.accumulate_grad_batches != 1:
             raise ConfigError("unicron_megatron accumulates micro-batches itself: use micro_batch/global_batch, "
                               "not accumulate_grad_batches")
-        if self.layout.size > 1 and trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            raise ConfigError("gradient clipping by norm with tensor/pipeline parallelism would clip each shard by "
-                              "its own norm: use gradient_clip_algorithm='value', or clip in the module")
-        if self.pp > 1 and not callable(getattr(module, "pipeline_forward", None)):
-            raise ConfigError(f"pipeline_model_parallel_size={self.pp}: the LightningModule must implement "
-                              "pipeline_forward(batch, input_tensor) (see docs/strategy.md)")
+        stages = [name for name in ("forward_step", "pipeline_forward") if callable(getattr(module, name, None))]
+        if self.pp > 1 and len(stages) != 1:
+            raise ConfigError(f"pipeline_model_parallel_size={self.pp}: the LightningModule must implement one of "
+                              "forward_step(data_iterator, model) -> (output_tensor, loss_func) (Megatron-LM's "
+                              "shape) or pipeline_forward(batch, input_tensor) (see docs/strategy.md); "
+                              f"it has {stages or 'neither'}")
         check_module(self.precision_plugin, module, self.root_device)
+        check_wrappers(module, self.optimizers)
+        if not self.finished_before_join:  # (else the model was built in a world of its own, and trains nothing)
+            check_configs(module, self.tp, self.pp)
+            check_groups(module)
 
     # -- state ---------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -603,14 +683,17 @@ class UnicronMegatronStrategy(DDPStrategy):
         return scaled(self.precision_plugin, loss)  # (16-mixed: the backward of the scaled loss)
 
     def _stage_forward(self, module: Any, batch: Any, input_tensor: torch.Tensor | None) -> torch.Tensor:
-        """One micro-batch through this rank's pipeline stage (``module.pipeline_forward``); the loss on the last.
+        """One micro-batch through this rank's pipeline stage; the loss on the last.
+
+        The module's ``forward_step`` in Megatron-LM's shape (:class:`~unicron_elastic.strategy.stages.MegatronStage`),
+        or its ``pipeline_forward(batch, input_tensor)``.
 
         Raises:
             ConfigError: The last stage's ``pipeline_forward`` returned no loss, or another stage no tensor.
         """
         stage = self.layout.stage(self.env.launch_rank)
         with self._micro_batch_rng(stage), self.precision_plugin.train_step_context():
-            output = module.pipeline_forward(batch, input_tensor)
+            output = self._stage(batch, input_tensor)
         if stage == self.pp - 1:
             output = _loss_of(output)
             self._losses.append(output.detach())

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.store.keys import MeetingKeys as K
+from unicron_elastic.strategy.model_groups import check_groups, rebind_groups, release_groups
 from unicron_elastic.strategy.replicas import ModelParallel
 
 log = structlog.get_logger(__name__)
@@ -98,55 +99,6 @@ def build_world(store: dist.Store, generation: int, rank: int, world_size: int, 
              tp=tensor_parallel, pp=pipeline_parallel, seconds=round(time.monotonic() - started, 3))
 
 
-def release_tensor_parallel_groups(module: torch.nn.Module) -> int:
-    """Drop the megatron-core layers' references to their tensor-parallel group (before the world is destroyed).
-
-    A group object lives as long as something refers to it, and gloo closes a
-    group's connections only when the object goes: a layer still holding the
-    group would keep a tensor-parallel peer blocked in a collective with this
-    rank waiting for the collective timeout. :func:`rebind_tensor_parallel_groups`
-    gives the layers the new world's group.
-
-    Returns:
-        How many layers held one.
-    """
-    released = 0
-    for layer in module.modules():
-        if isinstance(getattr(layer, "tp_group", None), dist.ProcessGroup):
-            layer.tp_group = None
-            released += 1
-    return released
-
-
-def rebind_tensor_parallel_groups(module: torch.nn.Module) -> int:
-    """Point the megatron-core layers of ``module`` at the current world's tensor-parallel group.
-
-    megatron-core's parallel layers (``ColumnParallelLinear``,
-    ``RowParallelLinear``, ``VocabParallelEmbedding``) keep the ``tp_group``
-    they were built with. After :func:`build_world` made a new world, that
-    group is destroyed; each layer's ``tp_group`` is set to the new one (the
-    same ranks of this replica, renumbered). Layers that keep other groups
-    (e.g. a ``pg_collection``) are not rebound.
-
-    Returns:
-        How many layers were rebound.
-    """
-    if not megatron_available():
-        return 0
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0
-    group = parallel_state.get_tensor_model_parallel_group()
-    rebound = 0
-    for layer in module.modules():
-        if hasattr(layer, "tp_group") and (layer.tp_group is None or isinstance(layer.tp_group, dist.ProcessGroup)) \
-                and layer.tp_group is not group:
-            layer.tp_group = group
-            rebound += 1
-    return rebound
-
-
 def rebuild_world(store: dist.Store, generation: int, layout: ModelParallel, members: list[int], rank: int,
                   timeout: timedelta = timedelta(seconds=60), backend: str = "gloo",
                   module: torch.nn.Module | None = None) -> tuple[int, int]:
@@ -160,30 +112,35 @@ def rebuild_world(store: dist.Store, generation: int, layout: ModelParallel, mem
         rank: This launch rank.
         timeout: The world's collective timeout.
         backend: ``gloo`` or ``nccl``.
-        module: The model, if built: its megatron-core layers get the new tensor-parallel group.
+        module: The model, if built: every group its megatron-core modules hold becomes the new world's
+            group of the same role (:mod:`~unicron_elastic.strategy.model_groups`).
 
     Returns:
         This rank's rank and the size of the new world.
 
     Raises:
         RuntimeError: A member is gone while the world forms.
-        ConfigError: See :func:`check_sizes`.
+        ConfigError: See :func:`check_sizes`; or the model holds a group that is not megatron-core's.
     """
     index, size = layout.world_rank(members, rank), len(members) * layout.size
+    if module is not None:
+        release_groups(module)  # (each group's role is read from the world about to be destroyed)
     build_world(store, generation, index, size, layout.tensor, layout.pipeline, timeout, backend)
     if module is not None:
-        rebind_tensor_parallel_groups(module)
+        rebind_groups(module)
+        check_groups(module)
     return index, size
 
 
 def drop_world(module: torch.nn.Module | None = None) -> None:
     """Destroy the world now so that peers blocked in it with this rank fail at once.
 
-    With tensor parallelism the layers' references to their group are
-    dropped first (its connections close only when the object goes) and a
-    collection frees what a traceback may still hold.
+    The model's references to the world's groups are dropped first
+    (:func:`~unicron_elastic.strategy.model_groups.release_groups`: a group's
+    connections close only when the object goes) and a collection frees what a
+    traceback may still hold.
     """
-    collect = module is not None and release_tensor_parallel_groups(module)
+    collect = module is not None and release_groups(module)
     destroy_world()
     if collect:
         gc.collect()

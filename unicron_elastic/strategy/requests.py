@@ -10,6 +10,7 @@ last bucket, in which every other rank waits, carries no store round trip.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as StillReading
 from typing import Any
 
 import structlog
@@ -21,6 +22,11 @@ log = structlog.get_logger(__name__)
 #: How long the leader's read of the join/leave requests rides out an etcd outage before it reports
 #: none (training goes on; the requests are seen at a later step).
 REQUESTS_PATIENCE_S = 1.0
+#: How long the end of a step waits for the read begun while it computed. A read still pending then
+#: (etcd failing over to another member, which takes up to a leader election) counts as no request:
+#: they are seen at a later step, and the leader's step does not stall long enough to be taken for a
+#: hang (``--hang-min-silence``, 0.5 s by default).
+STEP_END_WAIT_S = 0.2
 
 
 class RequestReader:
@@ -57,12 +63,19 @@ class RequestReader:
     def count_for(self, step: int, proposal: bool) -> int:
         """The counter for ``step``'s members: the read begun while ``step - 1`` computed, else read now.
 
+        The read begun earlier is waited for at most :data:`STEP_END_WAIT_S`
+        (0, no request, if it is still pending: the next read is queued behind it).
+
         Raises:
             StoreUnavailableError: etcd stayed unreachable for :data:`REQUESTS_PATIENCE_S`.
         """
         prefetched, self.prefetched = self.prefetched, None
         if proposal and prefetched is not None and step == prefetched[0] + 1:
-            return prefetched[1].result()  # read while this rank computed: no round trip at the step's end
+            try:  # read while this rank computed: no round trip at the step's end
+                return prefetched[1].result(timeout=STEP_END_WAIT_S)
+            except StillReading:
+                log.info("requests_read_pending", step=step, waited_s=STEP_END_WAIT_S)
+                return 0
         return self.count()
 
     def withdraw_leave(self) -> None:

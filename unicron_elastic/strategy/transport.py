@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from abc import ABC, abstractmethod
 from datetime import timedelta
 
@@ -80,18 +81,28 @@ class GlooTransport(CollectiveTransport):
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         super().__init__(device)
         self._connections: dict[int, set[tuple[int, str]]] = {}  # id(pg) -> its sockets (fd, inode)
+        self._stores: dict[int, dist.Store] = {}  # id(pg) -> its rendezvous view (gloo calls it while it lives)
 
     def new_group(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-        """A gloo group; the sockets it connects while it forms (its full mesh) are noted as its own."""
+        """A gloo group; the connections of its full mesh are noted as its own (:func:`group_connections`)."""
+        rendezvous = RendezvousRecord(store)
         before = stream_sockets()
-        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-        self._connections[id(pg)] = stream_sockets() - before
+        pg = dist.ProcessGroupGloo(rendezvous, rank, size, timeout)
+        opened = stream_sockets() - before
+        own = group_connections(opened, rendezvous.published(), rendezvous.received())
+        if size > 1 and not own:
+            log.warning("gloo_connections_not_found", opened=len(opened), size=size,
+                        reason="no socket opened while the group formed names an address its members published: "
+                               "an interrupt cannot fail its operations in flight (they wait for the timeout)")
+        self._connections[id(pg)] = own
+        self._stores[id(pg)] = rendezvous
         return pg
 
     def abort(self, pg: dist.ProcessGroup) -> None:
         """Shut the group's connections down (:meth:`interrupt`) and forget them; the engine releases the group."""
         self.interrupt(pg)
         self._connections.pop(id(pg), None)
+        self._stores.pop(id(pg), None)
 
     def interrupt(self, pg: dist.ProcessGroup) -> None:
         """Shut down the group's connections: its operations in flight fail here and at every peer.
@@ -101,9 +112,11 @@ class GlooTransport(CollectiveTransport):
         frozen peer lasts until the group's timeout. A connection shut down
         makes gloo fail that operation at once ("Connection closed by peer"),
         here and at the peers, as a reset would. Only the group's own
-        connected sockets are touched (noted when it formed, and only while
-        the descriptor still names the same socket); its listening socket is
-        left alone (gloo's listener aborts the process on an error).
+        connected sockets are touched (:func:`group_connections`: noted when
+        it formed, and only while the descriptor still names the same socket);
+        a socket another thread opened meanwhile (an etcd reconnect, a
+        snapshot upload) is not, nor is the group's listening socket (gloo's
+        listener aborts the process on an error).
         """
         for fd, inode in self._connections.get(id(pg), ()):
             shut_down(fd, inode)
@@ -111,6 +124,124 @@ class GlooTransport(CollectiveTransport):
             pg.abort()
         except RuntimeError:
             pass
+
+
+class RendezvousRecord(dist.Store):
+    """The store a gloo group forms in, noting the values its members publish there (their addresses).
+
+    gloo's full mesh is built by each rank publishing its listening address
+    in the store and reading the others'. Every operation goes to ``store``
+    as it is; the values this rank wrote and the ones it read under other keys
+    are kept, so the group's connections can be told from any other socket
+    (:func:`group_connections`).
+    """
+
+    def __init__(self, store: dist.Store) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self._store = store
+        self._set: dict[str, bytes] = {}
+        self._got: dict[str, bytes] = {}
+        self.set_timeout(store.timeout)
+
+    def published(self) -> list[bytes]:
+        """The values this rank wrote (its own address)."""
+        return list(self._set.values())
+
+    def received(self) -> list[bytes]:
+        """The values it read under keys it did not write (its peers' addresses)."""
+        return [value for key, value in self._got.items() if key not in self._set]
+
+    def set(self, key: str, value: str | bytes) -> None:  # noqa: D102 - c10d semantics
+        self._set[key] = value.encode() if isinstance(value, str) else bytes(value)
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:  # noqa: D102 - c10d semantics
+        value = self._store.get(key)
+        self._got[key] = bytes(value)
+        return value
+
+    def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:  # noqa: D102
+        if override_timeout is None:
+            self._store.wait(keys)
+        else:
+            self._store.wait(keys, override_timeout)
+
+    def check(self, keys: list[str]) -> bool:  # noqa: D102 - c10d semantics
+        return self._store.check(keys)
+
+    def add(self, key: str, num: int) -> int:  # noqa: D102 - c10d semantics
+        return self._store.add(key, num)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:  # noqa: D102
+        return self._store.compare_set(key, expected_value, desired_value)
+
+    def delete_key(self, key: str) -> bool:  # noqa: D102 - c10d semantics
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:  # noqa: D102 - c10d semantics
+        return self._store.num_keys()
+
+
+def group_connections(opened: set[tuple[int, str]], published: list[bytes],
+                      received: list[bytes]) -> set[tuple[int, str]]:
+    """Those of the sockets ``opened`` while a gloo group formed that are the group's own connections.
+
+    A connection of the group's full mesh either was accepted by this rank's
+    listener (its local address is the one this rank ``published``) or
+    connects to a peer's listener (its remote address is one this rank
+    ``received`` from a peer). gloo publishes each address as a ``sockaddr``
+    (family, port, address), so an endpoint counts when its ``sockaddr`` bytes
+    appear in those values. Anything else opened meanwhile, by another thread
+    of the process, is not the group's.
+    """
+    own = set()
+    for fd, inode in opened:
+        ends = _endpoints(fd, inode)
+        if ends is None:
+            continue
+        local, remote = ends
+        if any(_names(value, local) for value in published) or any(_names(value, remote) for value in received):
+            own.add((fd, inode))
+    return own
+
+
+def _endpoints(fd: int, inode: str) -> tuple[tuple[int, str, int], tuple[int, str, int]] | None:
+    """``((family, host, port) local, (family, host, port) remote)`` of a connected stream socket, or None."""
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}") != inode:
+            return None
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        local, remote = sock.getsockname(), sock.getpeername()
+        return (sock.family, local[0], local[1]), (sock.family, remote[0], remote[1])
+    except OSError:  # not connected (a listener)
+        return None
+    finally:
+        sock.detach()  # the descriptor is not ours
+
+
+def _names(value: bytes, endpoint: tuple[int, str, int]) -> bool:
+    """Whether ``value`` holds ``endpoint`` as a ``sockaddr_in``/``sockaddr_in6`` (a v4-mapped IPv6 address
+    matches its IPv4 form too)."""
+    family, host, port = endpoint
+    forms = [(family, host)]
+    if family == socket.AF_INET6 and host.startswith("::ffff:") and "." in host:
+        forms.append((socket.AF_INET, host[len("::ffff:"):]))
+    for form_family, form_host in forms:
+        head = struct.pack("=H", form_family) + struct.pack("!H", port)
+        address = socket.inet_pton(form_family, form_host.split("%", 1)[0])
+        offset = 0 if form_family == socket.AF_INET else 4  # (sockaddr_in6: a flow label before the address)
+        at = value.find(head)
+        while at >= 0:
+            start = at + len(head) + offset
+            if value[start:start + len(address)] == address:
+                return True
+            at = value.find(head, at + 1)
+    return False
 
 
 def stream_sockets() -> set[tuple[int, str]]:

@@ -16,7 +16,7 @@ thread does two things while a wait lasts:
 * after ``check_after`` seconds it asks ``gone()`` every ``poll`` seconds
   whether a member is gone (its liveness key: deleted when its agent
   restarted it, expired with its node's lease when the node froze); once one
-  is, it calls ``interrupt(reason)``, which makes the wait fail here as a
+  is, it calls ``interrupt(reason)`` (once per wait), which makes the wait fail here as a
   reset would (:meth:`~unicron_elastic.strategy.transport.CollectiveTransport.interrupt`),
   and the engine regroups without the member.
 
@@ -134,20 +134,25 @@ class GroupWatch:
                         self._safe_report(True)
             if now >= next_poll:
                 next_poll = now + times.poll
-                self._check(since, waited)
+                if self._check(since, waited):
+                    next_poll = float("inf")  # interrupted once: this wait is failing, the next one is watched
 
-    def _check(self, since: float, waited: float) -> None:
-        """Ask whether a member is gone; if so (and the same wait still lasts) interrupt the group."""
+    def _check(self, since: float, waited: float) -> bool:
+        """Ask whether a member is gone; if so (and the same wait still lasts) interrupt the group.
+
+        Returns:
+            Whether it interrupted the wait.
+        """
         try:
             reason = self._gone()
         except Exception as exc:  # noqa: BLE001 - an unreachable store: the collective's own timeout remains
             log.debug("group_watch_check_failed", error=str(exc)[:200])
-            return
+            return False
         if reason is None:
-            return
+            return False
         with self._lock:
             if self._since != since:
-                return  # the wait ended meanwhile
+                return False  # the wait ended meanwhile
             what = self._what
         log.warning("dp_wait_interrupted", waiting_on=what, waited_s=round(waited, 3), reason=reason[:200])
         self.interrupted += 1
@@ -155,6 +160,7 @@ class GroupWatch:
             self._interrupt(reason)
         except Exception:  # noqa: BLE001 - the collective's own timeout remains
             log.exception("group_watch_interrupt_failed")
+        return True
 
     def _safe_report(self, waiting: bool) -> None:
         try:

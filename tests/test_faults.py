@@ -1,0 +1,59 @@
+"""A planned fault that cannot fire where it was placed is reported when the process ends, never ignored.
+
+Each case runs a process that reaches fault points as a rank (as a worker
+does), then exits normally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from unicron_elastic.testing import fail_at, faults_env, unfired_faults
+
+# rank 2 computes micro-batches 2 and 5 of step 3 (3 members, 6 micro-batches), as in the example's old docstring
+WORKER = """
+from unicron_elastic.faults import maybe_fail
+for step in range(6):
+    for micro_batch in (2, 5):
+        maybe_fail(2, step, micro_batch=micro_batch)
+    maybe_fail(2, step, bucket=0)
+"""
+
+
+def _run(tmp_path: Path, faults, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **faults_env(faults, str(tmp_path / "faults.log")), **env})
+
+
+def test_a_fault_on_a_micro_batch_the_rank_never_computes_is_reported_as_not_fired(tmp_path: Path) -> None:
+    never = fail_at(rank=2, step=3, micro_batch=1, kind="raise")  # rank 2 never computes micro-batch 1
+    late = fail_at(rank=2, step=9, bucket=0, kind="raise")  # the run ends at step 5
+    other = fail_at(rank=0, step=3, micro_batch=0, kind="raise")  # another rank's: not this process's to report
+    done = _run(tmp_path, [never, late, other])
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "faults.log").exists()  # nothing fired
+    reported = unfired_faults(tmp_path / "faults.log")
+    assert [(f["rank"], f["step"], f["micro_batch"], f["bucket"], f["fired"]) for f in reported] == [
+        (2, 3, 1, None, False), (2, 9, None, 0, False)]
+    assert done.stderr.count("unicron_faults: fault_not_fired") == 2 and '"micro_batch": 1' in done.stderr
+
+
+def test_a_fault_that_fired_is_not_reported(tmp_path: Path) -> None:
+    code = WORKER.replace("maybe_fail(2, step, micro_batch=micro_batch)",
+                          "try:\n            maybe_fail(2, step, micro_batch=micro_batch)\n"
+                          "        except RuntimeError:\n            pass")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **faults_env([fail_at(rank=2, step=3, micro_batch=5, kind="raise")],
+                                                          str(tmp_path / "faults.log"))})
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["micro_batch"] for line in (tmp_path / "faults.log").read_text().splitlines()] == [5]
+    assert unfired_faults(tmp_path / "faults.log") == [] and "fault_not_fired" not in done.stderr
+
+
+def test_a_restarted_worker_does_not_report_its_first_incarnations_fault(tmp_path: Path) -> None:
+    done = _run(tmp_path, [fail_at(rank=2, step=3, micro_batch=1)], UNICRON_WORKER_RESTARTS="1")
+    assert done.returncode == 0 and unfired_faults(tmp_path / "faults.log") == []

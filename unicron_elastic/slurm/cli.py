@@ -1,0 +1,77 @@
+"""``unicron slurm etcd`` and ``unicron slurm endpoint``: the store inside a SLURM allocation.
+
+Bad input, a process outside a SLURM job and a failing ``scontrol`` are one
+``unicron: error: ...`` line and exit code 2 (``unicron``'s ``main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from unicron_elastic.cli_options import bounded
+
+#: Default members of the allocation's etcd (survives losing one node).
+DEFAULT_MEMBERS = 3
+
+
+def _members_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--members", type=int, default=DEFAULT_MEMBERS,
+                        help=f"members on the job's first N nodes (odd, 1-5; default {DEFAULT_MEMBERS}: "
+                             "losing any one node keeps the store)")
+    parser.add_argument("--port-base", type=int, default=None,
+                        help="first port of the members (clients PORT+i, peers PORT+5+i; default: derived from "
+                             "the job id, 20000-32759)")
+
+
+def _cmd_etcd(args: argparse.Namespace) -> int:
+    from unicron_elastic.slurm.etcd import serve
+    from unicron_elastic.slurm.job import current_job
+
+    return serve(current_job(), args.members, args.port_base, grace=args.grace)
+
+
+def _cmd_endpoint(args: argparse.Namespace) -> int:
+    from unicron_elastic.slurm.api import endpoint_list
+    from unicron_elastic.slurm.etcd import layout_of, wait_for_cluster
+    from unicron_elastic.slurm.job import current_job
+
+    layout = layout_of(current_job(), args.members, args.port_base)
+    if args.wait is not None and not wait_for_cluster(layout, args.wait):
+        print(f"unicron: error: the etcd members {endpoint_list(layout)} did not answer within {args.wait:g}s "
+              "(is `unicron slurm etcd` running as a step of this job?)", file=sys.stderr)
+        return 1
+    print(endpoint_list(layout), flush=True)
+    return 0
+
+
+def _cmd_requeue(args: argparse.Namespace) -> int:
+    from unicron_elastic.slurm.job import current_job, requeue_unless_cancelled
+
+    job = current_job()
+    if requeue_unless_cancelled(job):
+        print(f"requeued job {job.requeue_id}", flush=True)
+        return 0
+    return 1
+
+
+def add_slurm_commands(sub) -> None:
+    """Add ``slurm`` (``etcd``, ``endpoint``, ``requeue``) to ``unicron``'s sub-commands."""
+    slurm = sub.add_parser("slurm", help="run inside a SLURM allocation (docs/slurm.md)")
+    verbs = slurm.add_subparsers(dest="verb", required=True)
+    etcd = verbs.add_parser(
+        "etcd", help="one etcd member on each of the job's first --members nodes (run it as a step: "
+                     "srun --ntasks-per-node=1 --overlap --no-kill --kill-on-bad-exit=0 unicron slurm etcd &)")
+    _members_option(etcd)
+    etcd.add_argument("--grace", type=bounded(86400, allow_zero=True), default=60.0,
+                      help="seconds a member outlives SLURM's SIGTERM (the launchers stop meanwhile; default 60)")
+    etcd.set_defaults(func=_cmd_etcd)
+    endpoint = verbs.add_parser("endpoint", help="print the members of `unicron slurm etcd` as one --rdzv-endpoint "
+                                                 "list (the same flags)")
+    _members_option(endpoint)
+    endpoint.add_argument("--wait", type=bounded(86400), default=None, metavar="SECONDS",
+                          help="first wait until a majority of the members answers (exit 1 if not within SECONDS)")
+    endpoint.set_defaults(func=_cmd_endpoint)
+    requeue = verbs.add_parser("requeue", help="requeue this job (an array task by its own id) unless it was "
+                                               "cancelled; exit 1 if it was")
+    requeue.set_defaults(func=_cmd_requeue)
