@@ -123,8 +123,8 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         Under ``unicron-run``, when torch's state holds a complete round, its quiet participants' heartbeats are
         stamped from their place keys first, and the announcement also tells them to heartbeat until this node
         joined. torch's exit from the last round (this node removes itself from its participants) runs here,
-        before the announcement: a write folding this node in must not be undone by that exit (it is a no-op
-        when torch runs it again).
+        before the announcement, and not again in torch's ``next_rendezvous``: a write that folded this node into
+        the next round meanwhile must not be undone by it (:class:`_LeftAlready`).
 
         Returns:
             The announcement to withdraw once this node joined (None: no status store).
@@ -138,7 +138,10 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         try:
             running = self.rejoin and quiet.stamp_live(self.backend, self.status_store, self.get_run_id()) is not None
             self._stop_heartbeats()
-            self._op_executor.run(_RendezvousExitOp(), self._get_deadline(self._settings.timeout.join))
+            executor = self._op_executor
+            if not isinstance(executor, _LeftAlready):
+                executor = self._op_executor = _LeftAlready(executor)
+            executor.leave(self._get_deadline(self._settings.timeout.join))
             ttl = max(2, int(self._settings.keep_alive_interval.total_seconds()))
             return fold.Joining(self.status_store, self.get_run_id(), self._this_node, ttl, waiting=running)
         except StoreError as exc:
@@ -307,6 +310,36 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         """
         self._shared_tcp_store_server = None
         self._bootstrap_store_info = None
+
+
+class _LeftAlready:
+    """torch's rendezvous op executor, except for the exit op that follows :meth:`leave` (skipped once).
+
+    torch's ``next_rendezvous`` runs the exit op (leave the last round) then the join op. With the fold
+    (:mod:`~unicron_elastic.rendezvous.fold`), the handler leaves before it announces itself; by the time torch's
+    exit op runs, another node may already have folded this one into the next round, and torch's exit would
+    remove it again.
+
+    Args:
+        inner: torch's executor.
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self._left = False
+
+    def leave(self, deadline: float) -> None:
+        """Run torch's exit op now; torch's next one is skipped."""
+        self.inner.run(_RendezvousExitOp(), deadline)
+        self._left = True
+
+    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
+        """See torch's ``_RendezvousOpExecutor.run``."""
+        if self._left and isinstance(state_handler, _RendezvousExitOp):
+            self._left = False
+            return
+        self._left = False
+        self.inner.run(state_handler, deadline, update_deadline)
 
 
 def _default_gate(store: StatusStore, options: BackendOptions) -> JoinGate:
