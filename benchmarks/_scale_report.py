@@ -257,16 +257,15 @@ def verdicts(data: dict[str, Any], requests_budget: float, writes_budget: float,
                     f"no join run of {JOIN_NODES} nodes"))
     else:
         j = joins[0]["result"]
-        round_s = j.get("round_s", float("nan"))  # (runs before it was measured: the agents' time)
-        if "round_s" not in j:
-            round_s = j["all_s"]
+        round_s = j["round_s"] if "round_s" in j else j["all_s"]  # (before it was timed apart: the agents')
         done = not math.isnan(round_s)
         ok = done and round_s <= JOIN_TARGET_S
         cores = j.get("emulation_cores", float("nan"))
         verdict = "met" if ok else ("cannot be decided" if cores >= SATURATED_CORES else "NOT met")
         out.append((f"{JOIN_NODES} nodes joining one run complete their round within {JOIN_TARGET_S:.0f} s", verdict,
-                    f"round complete for {j.get('ranked', j['joined'])}/{j['n']} in {_f(round_s)} s, "
-                    f"{j['rdzv_txns']} rendezvous transactions ({j['rdzv_conflicts']} lost); every agent up "
+                    (f"round complete for {j['ranked']}/{j['n']} in {_f(round_s)} s, " if "ranked" in j else
+                     "the round not timed apart in this run, ")
+                    + f"{j['rdzv_txns']} rendezvous transactions ({j['rdzv_conflicts']} lost); every agent up "
                     f"(ranks through the c10d store, meeting point): {j['joined']}/{j['n']} in {_f(j['all_s'])} s "
                     f"({j['failed']} failed); emulation {cores:.2f} cores, etcd "
                     f"{j.get('etcd_cores', float('nan')):.2f} cores"))
