@@ -583,7 +583,10 @@ class EmuCluster:
         from unicron_elastic.store.client import StatusStore
 
         install_meter()
-        os.environ["UNICRON_NODE_DAEMON"] = "1"  # the agents' node records are the daemons' (as under `unicron node`)
+        # the agents' node records are the daemons' (as under `unicron node`); put back by close(), since
+        # processes this process starts later (other tests' launchers) would wait for a plan to admit them
+        self._daemon_env = os.environ.get("UNICRON_NODE_DAEMON")
+        os.environ["UNICRON_NODE_DAEMON"] = "1"
         self.config, self.settings = config, settings
         self.cluster = config.cluster
         self.endpoint = ",".join(f"{h}:{p}" for h, p in config.members)
@@ -713,6 +716,10 @@ class EmuCluster:
         for store in self.stores.values():
             with contextlib.suppress(Exception):
                 store.close()
+        if self._daemon_env is None:
+            os.environ.pop("UNICRON_NODE_DAEMON", None)
+        else:
+            os.environ["UNICRON_NODE_DAEMON"] = self._daemon_env
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.embedded import EmbeddedEtcdCluster
-from unicron_elastic.testing import kill_node, process_tree
+from unicron_elastic.testing import json_log_entries, kill_node, process_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "examples" / "elastic_dp_worker.py"
@@ -129,17 +129,6 @@ def _worker_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def _events(log: Path) -> list[dict]:
-    found = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue
-    return found
-
-
 @dataclass(frozen=True)
 class Outcome:
     """One run: what was lost, what it cost, and every check that failed (empty: all passed)."""
@@ -212,7 +201,7 @@ def one_run(victim: str, pin: bool) -> Outcome:
 def _judge(out: Path, log: Path, code: int | None, worker: int | None, what: str, lost_at: float,
            lost_wall: float, probe: Probe, failures: list[str]) -> Outcome:
     """The checks of one run, from its own files."""
-    events = _events(log)
+    events = json_log_entries(log)
     lapses = [e for e in events if e.get("event") == "lease_lost"]
     restarted = sorted(e.get("rank") for e in events if e.get("event") == "worker_restarted")
     moves = [e for e in events if e.get("event") == "etcd_failover"]

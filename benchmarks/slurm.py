@@ -35,6 +35,7 @@ from pathlib import Path
 
 from unicron_elastic.slurm.loopback import LoopbackSlurm
 from unicron_elastic.store.embedded import EmbeddedEtcd
+from unicron_elastic.testing import json_log_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = os.path.dirname(sys.executable)
@@ -61,15 +62,7 @@ def _times(out: Path, rank: int) -> list[dict]:
 
 
 def _entries(out: Path) -> list[dict]:
-    found = []
-    for path in sorted(out.glob("node-*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    found.append(json.loads(line))
-                except ValueError:
-                    pass
-    return found
+    return [e for path in sorted(out.glob("node-*.log")) for e in json_log_entries(path)]
 
 
 def _submit(slurm: LoopbackSlurm, out: Path, run_flags: str = "", **extra: str) -> str:

@@ -368,6 +368,26 @@ class StepTimes(pl.Callback):
                 f.write(json.dumps({"step": trainer.global_step - 1, "t": time.time(), "pid": os.getpid()}) + "\n")
 
 
+def add_kill_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--kill-*`` flags: one SIGKILL placed by rank, step and micro-batch (:func:`plan_kill`)."""
+    parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
+    parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
+    parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
+
+
+def plan_kill(parser: argparse.ArgumentParser, args: argparse.Namespace, **shape: Any) -> None:
+    """Put the fault the ``--kill-*`` flags place in the environment the strategy reads (once per job: a
+    restarted rank inherits it), refused where it could never fire (:func:`kill_fault`, with ``shape``'s
+    members and schedule)."""
+    if args.kill_rank is None or FAULTS_ENV in os.environ:
+        return
+    fault = kill_fault(parser, args.kill_rank, args.kill_step, args.kill_micro_batch, steps=args.steps,
+                       world=int(os.environ.get("WORLD_SIZE", "1")),
+                       micro_batches=args.global_batch // args.micro_batch,
+                       replica_size=args.tensor_parallel * args.pipeline_parallel, **shape)
+    os.environ.update(faults_env([fault], str(args.out / "faults.log")))
+
+
 def kill_fault(parser: argparse.ArgumentParser, rank: int, step: int, micro_batch: int, *, steps: int, world: int,
                micro_batches: int, replica_size: int = 1, members: list[int] | None = None,
                schedule: dict[int, list[int]] | None = None) -> Fault:
@@ -441,23 +461,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preemption-checkpoint", type=Path, default=None, metavar="FILE",
                         help="on a stop (SIGTERM; SLURM's warning), write the step to FILE and requeue a SLURM job; "
                              "resume from FILE when it exists (docs/slurm.md)")
-    parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
-    parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
-    parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
+    add_kill_arguments(parser)
     return parser
 
 
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
-    if args.kill_rank is not None and FAULTS_ENV not in os.environ:
-        fault = kill_fault(parser, args.kill_rank, args.kill_step, args.kill_micro_batch, steps=args.steps,
-                           world=int(os.environ.get("WORLD_SIZE", "1")),
-                           micro_batches=args.global_batch // args.micro_batch,
-                           replica_size=args.tensor_parallel * args.pipeline_parallel,
-                           members=[int(r) for r in args.members.split(",")] if args.members else None,
-                           schedule={int(k): v for k, v in json.loads(args.schedule).items()})
-        os.environ.update(faults_env([fault], str(args.out / "faults.log")))
+    plan_kill(parser, args, members=[int(r) for r in args.members.split(",")] if args.members else None,
+              schedule={int(k): v for k, v in json.loads(args.schedule).items()})
 
     pl.seed_everything(0, verbose=False)
     megatron = args.megatron or args.tensor_parallel * args.pipeline_parallel > 1

@@ -40,9 +40,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_gpt import HoldForJoiner, LossRecord, SlowDown, Tokens, kill_fault
+from lightning_gpt import HoldForJoiner, LossRecord, SlowDown, Tokens, add_kill_arguments, plan_kill
 from unicron_elastic.strategy import UnicronMegatronStrategy, run_forward_step  # also registers the strategy
-from unicron_elastic.testing import FAULTS_ENV, faults_env
 
 
 def sdpa_core_attention() -> type:
@@ -212,21 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
                         help="before STEP, wait (at most 120 s) until every rank is a member or asks to join")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank ...")
-    parser.add_argument("--kill-step", type=int, default=2, help="... at this step ...")
-    parser.add_argument("--kill-micro-batch", type=int, default=0, help="... before computing this micro-batch")
+    add_kill_arguments(parser)
     return parser
 
 
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
-    if args.kill_rank is not None and FAULTS_ENV not in os.environ:
-        fault = kill_fault(parser, args.kill_rank, args.kill_step, args.kill_micro_batch, steps=args.steps,
-                           world=int(os.environ.get("WORLD_SIZE", "1")),
-                           micro_batches=args.global_batch // args.micro_batch,
-                           replica_size=args.tensor_parallel * args.pipeline_parallel)
-        os.environ.update(faults_env([fault], str(args.out / "faults.log")))
+    plan_kill(parser, args)
     pl.seed_everything(0, verbose=False)
     rank = int(os.environ.get("RANK", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -247,7 +239,8 @@ def main() -> None:
         gradient_clip_val=args.clip_grad)
     trainer.fit(module, DataLoader(Tokens(), batch_size=args.micro_batch))
     trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
-    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source, "pid": os.getpid(),
+    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+               "pid": os.getpid(),
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "losses": losses.losses, "grad_norms": norms.norms}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))

@@ -16,6 +16,7 @@ import pytest
 
 from unicron_elastic.api import EtcdConfig
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
+from unicron_elastic.testing import json_log_entries  # noqa: F401 - the tests import it from here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
@@ -215,16 +216,6 @@ def newest_snapshot(output: str) -> int | None:
     return max(common) if common else None
 
 
-def json_log_entries(path: str | os.PathLike[str]) -> list[dict]:
-    """The JSON lines of a ``--log-format=json`` launcher log (other lines, e.g. torch's, skipped)."""
-    entries = []
-    for line in Path(path).read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                entries.append(json.loads(line))
-            except ValueError:
-                pass
-    return entries
 
 
 _QUIET_EVENTS = {"detector_disabled", "snapshot_server_started", "node_registered", "command"}

@@ -89,6 +89,28 @@ def test_corrupt_state_raises_state_error(backend: UnicronRendezvousBackend, sto
         backend.get_state()
 
 
+def test_a_quiet_look_decodes_the_state_only_when_it_was_written_and_finds_it_corrupt(
+        backend: UnicronRendezvousBackend, store) -> None:
+    from unicron_elastic.rendezvous import quiet
+    from unicron_elastic.rendezvous.backend import encode_state
+
+    assert quiet.look(backend, store, "run1", None) == (None, 0)  # no state yet, nobody announced
+    _, token, _ = backend.set_state(pickle.dumps({"round": 3}))
+    store.put(store.keys.rdzv_waiting("run1", "n1"), b"1")
+    checked, waiting = quiet.look(backend, store, "run1", None)
+    assert checked == token and waiting == 1
+    reads = []
+    real_get = backend.get_state
+    backend.get_state = lambda: reads.append(1) or real_get()  # type: ignore[method-assign]
+    assert quiet.look(backend, store, "run1", checked) == (checked, 1) and reads == []  # unchanged: not read
+    store.put(backend.key, b"not a rendezvous state")
+    with pytest.raises(RendezvousStateError, match="corrupt"):
+        quiet.look(backend, store, "run1", checked)
+    store.put(backend.key, encode_state(b"not a pickle"))  # a document, but not torch's state
+    with pytest.raises(RendezvousStateError, match="corrupt"):
+        quiet.look(backend, store, "run1", checked)
+
+
 def test_state_is_stored_as_json_not_pickle(backend: UnicronRendezvousBackend, store) -> None:
     backend.set_state(pickle.dumps({"round": 3}))
     assert store.get_json(backend.key)["format"] == "torch-dynamic-rendezvous/v1"

@@ -10,6 +10,7 @@ to 2,048 nodes; a change that makes any of them grow with the cluster fails here
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import replace
@@ -33,6 +34,7 @@ BYTES_MAX = 600  # payload bytes, whatever the run's size (torch's state is not 
 
 @pytest.mark.timeout(90)
 def test_steady_state_costs_each_node_the_same_and_a_loss_is_told_to_its_run_only(etcd) -> None:
+    daemon_env = os.environ.get("UNICRON_NODE_DAEMON")
     config = replace(etcd.config, cluster="scale-test", reconnect_timeout=30.0)
     cluster = emu.EmuCluster(config, emu.Settings(ttl=TTL, monitor_interval=0.5), coordinators=1)
     per_run = NODES // RUNS
@@ -78,3 +80,4 @@ def test_steady_state_costs_each_node_the_same_and_a_loss_is_told_to_its_run_onl
         assert events <= len(survivors) + 10, events  # one per survivor, a few for the coordinator: not per node
     finally:
         cluster.close()
+    assert os.environ.get("UNICRON_NODE_DAEMON") == daemon_env  # (later launchers would wait for a plan to admit them)

@@ -190,8 +190,8 @@ _PREEMPTED = textwrap.dedent("""
     os.kill(child.pid, signal.SIGUSR1)  # what SLURM does to every process of the step
     time.sleep(0.2)
     print("child_alive", child.poll() is None, flush=True)
-    os.kill(os.getpid(), signal.SIGUSR1)
-    try:
+    try:  # (the receiving thread may take it before os.kill returns: os.kill then raises it)
+        os.kill(os.getpid(), signal.SIGUSR1)
         for _ in range(100):
             time.sleep(0.05)
         print("not stopped", flush=True)

@@ -121,3 +121,15 @@ def _keep_liveness(store: object, procs: list) -> None:
                 store.delete_key(MeetingKeys.live(rank))  # type: ignore[attr-defined]
                 del running[rank]
         time.sleep(0.002)
+
+
+def json_log_entries(path: str | os.PathLike[str]) -> list[dict]:
+    """The JSON lines of a ``--log-format=json`` launcher log (other lines, e.g. torch's, skipped)."""
+    entries = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                entries.append(json.loads(line))
+            except ValueError:
+                pass
+    return entries

@@ -76,6 +76,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     _resumed: bool = False  # torch's heartbeats run again while a node announces it enters the rendezvous
     _announced: int = 0  # announcements seen at the last look
     _look_at: float = 0.0  # monotonic time of the next look at the announcements
+    _checked: int | None = None  # the revision of torch's state a quiet look last decoded
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Wait for the plan to admit this node, then join the running round (rejoin) or the next one."""
@@ -152,7 +153,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         if not self.rejoin:
             super()._start_heartbeats()
             return
-        self._quiet, self._resumed, self._announced, self._look_at = True, False, 0, 0.0
+        self._quiet, self._resumed, self._announced, self._look_at, self._checked = True, False, 0, 0.0, None
 
     def _stop_heartbeats(self) -> None:
         """Stop torch's heartbeats (this node enters the rendezvous, or shuts it down): not quiet any more."""
@@ -164,10 +165,12 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         """torch's count of nodes waiting for the next round; while quiet, 0 unless a node announced itself.
 
         A quiet node looks at the announcements every ``keep_alive_interval``; while there is one it sends
-        torch's heartbeats again and answers from torch's state.
+        torch's heartbeats again and answers from torch's state. Each look also checks torch's state when it
+        was written since the last look, in the same request (:func:`~unicron_elastic.rendezvous.quiet.look`).
 
         Raises:
             RendezvousConnectionError: etcd stayed unreachable.
+            RendezvousStateError: torch's state in etcd is corrupt.
         """
         if not self._quiet:
             return super().num_nodes_waiting()
@@ -175,7 +178,11 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         if now >= self._look_at:
             self._look_at = now + self._settings.keep_alive_interval.total_seconds()
             try:
-                self._announced = quiet.announced(self.status_store, self.get_run_id())  # type: ignore[arg-type]
+                if self.backend is None:  # (a handler not made by create_handler: no state to check)
+                    self._announced = quiet.announced(self.status_store, self.get_run_id())  # type: ignore[arg-type]
+                else:
+                    store: StatusStore = self.status_store  # type: ignore[assignment]
+                    self._checked, self._announced = quiet.look(self.backend, store, self.get_run_id(), self._checked)
             except StoreError as exc:
                 raise RendezvousConnectionError(f"the connection to etcd has failed: {exc}") from exc
             if self._announced and not self._resumed:

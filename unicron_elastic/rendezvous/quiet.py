@@ -17,6 +17,8 @@ its round runs, a node is *quiet*:
   with it). torch's own check (a participant
   without a heartbeat for ``keep_alive_interval x keep_alive_max_attempt`` is dead and removed) then removes only
   the nodes that are gone;
+* the same look (:func:`look`, one request) reads the revision of torch's state; only when it changed is the
+  state read and decoded, so a corrupt state stops the node as torch's own sync would;
 * a quiet node that sees an announcement sends torch's heartbeats again and answers ``num_nodes_waiting`` from
   torch's state (the stamps keep it alive until its own heartbeats take over), until no announcement is left.
 
@@ -32,6 +34,7 @@ import time
 from datetime import datetime, timezone
 
 import structlog
+from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.keys import MeetingKeys
@@ -98,6 +101,39 @@ def stamp_live(backend, store: StatusStore, run_id: str) -> int | None:
             return len(stamped)
         time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))
     raise RuntimeError(f"the heartbeats of run {run_id!r} could not be stamped: {STAMP_ATTEMPTS} conflicts in a row")
+
+
+def look(backend, store: StatusStore, run_id: str, checked: int | None) -> tuple[int | None, int]:
+    """A quiet node's look, one request: the announcements, and torch's state checked if it was written.
+
+    A quiet node does not sync torch's state, so this is where a state that cannot be read is found, as
+    torch's own sync would find it: the state is read and decoded only when its revision is not ``checked``.
+
+    Args:
+        backend: The run's :class:`~unicron_elastic.rendezvous.backend.UnicronRendezvousBackend`.
+        store: The status store.
+        run_id: The run.
+        checked: The state's revision at the last look (None: never looked).
+
+    Returns:
+        The revision now checked, and how many nodes announced they enter the run's rendezvous.
+
+    Raises:
+        RendezvousStateError: The state in etcd is corrupt.
+        StoreError: etcd refused or could not be reached (the look).
+        RendezvousConnectionError: etcd stayed unreachable (the read of a state written since).
+    """
+    revision, waiting = store.revision_and_count(backend.key, store.keys.rdzv_waiting(run_id))
+    if revision is None or revision == checked:
+        return revision, waiting
+    current = backend.get_state()  # (decodes the document: RendezvousStateError when it is not one)
+    if current is None:
+        return None, waiting
+    try:
+        pickle.loads(current[0])  # noqa: S301 - torch's own state format (see the module doc)
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes make pickle raise
+        raise RendezvousStateError("The rendezvous state is corrupt. See inner exception for details.") from exc
+    return current[1], waiting
 
 
 def announced(store: StatusStore, run_id: str) -> int:

@@ -366,6 +366,21 @@ class StatusStore:
         items = self.call(lambda c: list(c.get_prefix(prefix, sort_order=order, limit=limit)), f"get {prefix}*")
         return [_kv(v, m) for v, m in items]
 
+    def revision_and_count(self, key: str, prefix: str) -> tuple[int | None, int]:
+        """In one request: the revision of ``key``'s last write (None if absent) and how many keys are under
+        ``prefix``; no value is transferred."""
+        from etcd3 import utils
+        from etcd3.etcdrpc import RangeRequest, RequestOp, TxnRequest
+
+        request = TxnRequest(success=[
+            RequestOp(request_range=RangeRequest(key=key.encode(), keys_only=True)),
+            RequestOp(request_range=RangeRequest(key=prefix.encode(), range_end=utils.prefix_range_end(
+                prefix.encode()), count_only=True))])
+        resp = self.call(lambda c: c.kvstub.Txn(request, c.timeout, credentials=c.call_credentials,
+                                                metadata=c.metadata), f"revision of {key}, count {prefix}*")
+        found, counted = resp.responses[0].response_range, resp.responses[1].response_range
+        return (int(found.kvs[0].mod_revision) if found.kvs else None), int(counted.count)
+
     def count_prefix(self, prefix: str) -> int:
         """How many keys there are under ``prefix`` (counted by etcd, nothing transferred)."""
         resp = self.call(lambda c: c.get_prefix_response(prefix, count_only=True), f"count {prefix}*")

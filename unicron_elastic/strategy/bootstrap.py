@@ -48,7 +48,50 @@ class MemberGoneError(dist.DistNetworkError):
                          f"for {list(keys)} in the meeting store: the group cannot form")
 
 
-class WatchfulStore(dist.Store):
+class ForwardingStore(dist.Store):
+    """A c10d store that sends every operation to ``store`` as it is: the base of the wrappers that change a few.
+
+    Keep the object referenced while groups made from it live: torch calls its
+    Python methods, and once collected they fail ("Not implemented").
+
+    Args:
+        store: The store every operation goes to.
+    """
+
+    def __init__(self, store: dist.Store) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self._store = store
+        self.set_timeout(store.timeout)
+
+    def set(self, key: str, value: str | bytes) -> None:  # noqa: D102 - c10d semantics
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:  # noqa: D102 - c10d semantics
+        return self._store.get(key)
+
+    def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:  # noqa: D102
+        if override_timeout is None:
+            self._store.wait(keys)
+        else:
+            self._store.wait(keys, override_timeout)
+
+    def check(self, keys: list[str]) -> bool:  # noqa: D102 - c10d semantics
+        return self._store.check(keys)
+
+    def add(self, key: str, num: int) -> int:  # noqa: D102 - c10d semantics
+        return self._store.add(key, num)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:  # noqa: D102
+        return self._store.compare_set(key, expected_value, desired_value)
+
+    def delete_key(self, key: str) -> bool:  # noqa: D102 - c10d semantics
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:  # noqa: D102 - c10d semantics
+        return self._store.num_keys()
+
+
+class WatchfulStore(ForwardingStore):
     """A c10d store whose blocking reads (``get``, ``wait``) give up when a watched rank is gone.
 
     Other operations go to ``store`` as they are. The overall timeout of a
@@ -63,12 +106,8 @@ class WatchfulStore(dist.Store):
     """
 
     def __init__(self, store: dist.Store, gone: Callable[[], list[int]], every: float = WATCH_EVERY_S) -> None:
-        super().__init__()  # required by the pybind trampoline
-        self._store, self._gone, self._every = store, gone, every
-        self.set_timeout(store.timeout)
-
-    def set(self, key: str, value: str | bytes) -> None:  # noqa: D102 - c10d semantics
-        self._store.set(key, value)
+        super().__init__(store)
+        self._gone, self._every = gone, every
 
     def get(self, key: str) -> bytes:
         """The value of ``key`` once it exists.
@@ -107,20 +146,6 @@ class WatchfulStore(dist.Store):
             time.sleep(min(delay, max(deadline - now, 0.0)))
             delay = min(delay * 2, POLL_MAX_S)
 
-    def check(self, keys: list[str]) -> bool:  # noqa: D102 - c10d semantics
-        return self._store.check(keys)
-
-    def add(self, key: str, num: int) -> int:  # noqa: D102 - c10d semantics
-        return self._store.add(key, num)
-
-    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:  # noqa: D102
-        return self._store.compare_set(key, expected_value, desired_value)
-
-    def delete_key(self, key: str) -> bool:  # noqa: D102 - c10d semantics
-        return self._store.delete_key(key)
-
-    def num_keys(self) -> int:  # noqa: D102 - c10d semantics
-        return self._store.num_keys()
 
 
 def gone_ranks(store: dist.Store, ranks: Sequence[int]) -> list[int]:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError
+from unicron_elastic.strategy.bootstrap import ForwardingStore
 
 log = structlog.get_logger(__name__)
 
@@ -126,7 +127,7 @@ class GlooTransport(CollectiveTransport):
             pass
 
 
-class RendezvousRecord(dist.Store):
+class RendezvousRecord(ForwardingStore):
     """The store a gloo group forms in, noting the values its members publish there (their addresses).
 
     gloo's full mesh is built by each rank publishing its listening address
@@ -137,11 +138,9 @@ class RendezvousRecord(dist.Store):
     """
 
     def __init__(self, store: dist.Store) -> None:
-        super().__init__()  # required by the pybind trampoline
-        self._store = store
+        super().__init__(store)
         self._set: dict[str, bytes] = {}
         self._got: dict[str, bytes] = {}
-        self.set_timeout(store.timeout)
 
     def published(self) -> list[bytes]:
         """The values this rank wrote (its own address)."""
@@ -159,27 +158,6 @@ class RendezvousRecord(dist.Store):
         value = self._store.get(key)
         self._got[key] = bytes(value)
         return value
-
-    def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:  # noqa: D102
-        if override_timeout is None:
-            self._store.wait(keys)
-        else:
-            self._store.wait(keys, override_timeout)
-
-    def check(self, keys: list[str]) -> bool:  # noqa: D102 - c10d semantics
-        return self._store.check(keys)
-
-    def add(self, key: str, num: int) -> int:  # noqa: D102 - c10d semantics
-        return self._store.add(key, num)
-
-    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:  # noqa: D102
-        return self._store.compare_set(key, expected_value, desired_value)
-
-    def delete_key(self, key: str) -> bool:  # noqa: D102 - c10d semantics
-        return self._store.delete_key(key)
-
-    def num_keys(self) -> int:  # noqa: D102 - c10d semantics
-        return self._store.num_keys()
 
 
 def group_connections(opened: set[tuple[int, str]], published: list[bytes],
