@@ -331,6 +331,7 @@ class EmuAgent:
         self.waiting_seen = 0  # times num_nodes_waiting said > 0 (torch's agent would restart every worker)
         self.steps = 0
         self.joined_at: float | None = None
+        self.rendezvous_at: float | None = None  # torch's round complete for this node (its rank known)
         self._stop = threading.Event()
         self._killed = False
         self._thread: threading.Thread | None = None
@@ -400,6 +401,7 @@ class EmuAgent:
         s = self.settings
         self.handler = handler = self.make_handler()
         self.info = info = handler.next_rendezvous()
+        self.rendezvous_at = time.monotonic()
         spec = SimpleNamespace(role="default", local_world_size=s.nproc)
         if handler.past_round is not None and handler.rejoined:
             nodes, world = handler.past_round

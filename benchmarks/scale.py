@@ -12,8 +12,10 @@ Scenarios, each a function of N:
   rounds form one after the other; then the etcd requests and bytes per node per second by kind over a window;
 * ``loss``: one node of a run lost (its leases lapse, nothing cleaned up): the time until each surviving
   node of its run is told (p50, p99, max) and the watch events and writes the loss causes in total;
-* ``join``: N agents joining one run at once (``--nnodes=N``): the time until every one has its rank, with the
-  rendezvous transactions and their conflicts counted;
+* ``join``: N agents joining one run at once (``--nnodes=N``): the time until torch's round is complete for
+  every one (its rank known: the round), and until every agent is up (its ranks assigned through the c10d
+  store, its meeting point and liveness keys written), with the rendezvous transactions and their conflicts
+  counted;
 * ``plan``: N node records and 100 tasks: a node lost or joined -> the new plan in etcd (median, p99), and the
   plan's size in etcd;
 * ``failover``: the leading coordinator lost at N nodes: the time until the standby has planned an event that
@@ -227,16 +229,19 @@ def join_storm(server, n: int, settings: emu.Settings) -> dict[str, Any]:
     started = time.monotonic()
     for agent in agents:
         agent.start()
-    deadline = started + max(120.0, 1.0 * n)
+    deadline = started + max(60.0, 0.25 * n)
     result: dict[str, Any] = {"n": n}
     try:
         while time.monotonic() < deadline and not all(a.joined.is_set() or a.failed for a in agents):
             time.sleep(0.05)
         done = [a.joined_at - started for a in agents if a.joined_at is not None]
+        ranked = [a.rendezvous_at - started for a in agents if a.rendezvous_at is not None]
         snap = emu.METER.snapshot()
         result.update(_cores(cpu, _cpu(server)))
         rdzv = {k: v for (r, k, fam), v in snap["calls"].items() if fam == "rdzv"}
         result.update({
+            "ranked": len(ranked), "round_s": max(ranked) if len(ranked) == n else float("nan"),
+            "round_p50_s": emu.percentile(ranked, 0.5),
             "joined": len(done), "failed": sum(1 for a in agents if a.failed),
             "all_s": max(done) if len(done) == n else float("nan"),
             "p50_s": emu.percentile(done, 0.5),
@@ -471,6 +476,9 @@ def run(args: argparse.Namespace) -> None:
             result["wall_s"] = time.monotonic() - began
             print(json.dumps({"scenario": scenario, **result}, default=str)[:2000], flush=True)
             _save({**meta, "scenario": scenario, "n": n, "result": result})
+    import _scale_report
+
+    _scale_report.report(_load())
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import binascii
 import json
 import random
 import time
+from collections.abc import Callable
 
 import structlog
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
@@ -65,6 +66,9 @@ class UnicronRendezvousBackend(RendezvousBackend):
         self._store = store
         self.key = store.keys.rdzv(run_id)
         self.conflicts = 0  # compare-and-sets lost in a row
+        #: Applied to the state before each write (the handler's :class:`~unicron_elastic.rendezvous.fold.Folder`:
+        #: the nodes announced as joining are folded into a forming round); None: written as torch made it.
+        self.fold: Callable[[bytes], bytes] | None = None
 
     @property
     def name(self) -> str:
@@ -96,6 +100,8 @@ class UnicronRendezvousBackend(RendezvousBackend):
                 current = self.get_state()
                 return None if current is None else (*current, False)
         try:
+            if self.fold is not None:
+                state = self.fold(state)
             result = self._store.cas(self.key, encode_state(state), expected)
             current = result.current
             if not self._back_off(result.succeeded):

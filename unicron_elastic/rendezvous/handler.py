@@ -18,11 +18,12 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
+    _RendezvousExitOp,
 )
 
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
 from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate, PlanGate
-from unicron_elastic.rendezvous import quiet
+from unicron_elastic.rendezvous import fold, quiet
 from unicron_elastic.rendezvous.options import BackendOptions, parse_options
 from unicron_elastic.rendezvous.rounds import RunRounds, initial_round, raise_places
 from unicron_elastic.api import StoreError
@@ -116,25 +117,33 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         return info
 
     # -- a running round costs etcd nothing per node and second (rendezvous/quiet.py) -----------------------
-    def _announce(self) -> quiet.Announcement | None:
-        """Before torch's rendezvous under ``unicron-run``: keep a running round's live nodes alive in torch's eyes.
+    def _announce(self) -> fold.Joining | None:
+        """Before torch's rendezvous: leave the last round, then announce this node as joining the next one.
 
-        When torch's state holds a complete round, its quiet participants' heartbeats are stamped from their
-        place keys, then this node announces itself, so that they heartbeat again until it has joined.
+        Under ``unicron-run``, when torch's state holds a complete round, its quiet participants' heartbeats are
+        stamped from their place keys first, and the announcement also tells them to heartbeat until this node
+        joined. torch's exit from the last round (this node removes itself from its participants) runs here,
+        before the announcement, and not again in torch's ``next_rendezvous``: a write that folded this node into
+        the next round meanwhile must not be undone by it (:class:`_LeftAlready`).
 
         Returns:
-            The announcement to withdraw once this node joined (None: nothing runs, or not ``unicron-run``).
+            The announcement to withdraw once this node joined (None: no status store).
 
         Raises:
             RendezvousConnectionError: etcd stayed unreachable.
+            RendezvousTimeoutError: This node could not leave the last round within the join timeout.
         """
-        if not self.rejoin or self.status_store is None or self.backend is None:
+        if self.status_store is None or self.backend is None:
             return None
         try:
-            if quiet.stamp_live(self.backend, self.status_store, self.get_run_id()) is None:
-                return None  # no round runs: nobody is quiet
+            running = self.rejoin and quiet.stamp_live(self.backend, self.status_store, self.get_run_id()) is not None
+            self._stop_heartbeats()
+            executor = self._op_executor
+            if not isinstance(executor, _LeftAlready):
+                executor = self._op_executor = _LeftAlready(executor)
+            executor.leave(self._get_deadline(self._settings.timeout.join))
             ttl = max(2, int(self._settings.keep_alive_interval.total_seconds()))
-            return quiet.Announcement(self.status_store, self.get_run_id(), str(self._this_node), ttl)
+            return fold.Joining(self.status_store, self.get_run_id(), self._this_node, ttl, waiting=running)
         except StoreError as exc:
             raise RendezvousConnectionError(f"the connection to etcd has failed: {exc}") from exc
 
@@ -309,6 +318,36 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         self._bootstrap_store_info = None
 
 
+class _LeftAlready:
+    """torch's rendezvous op executor, except for the exit op that follows :meth:`leave` (skipped once).
+
+    torch's ``next_rendezvous`` runs the exit op (leave the last round) then the join op. With the fold
+    (:mod:`~unicron_elastic.rendezvous.fold`), the handler leaves before it announces itself; by the time torch's
+    exit op runs, another node may already have folded this one into the next round, and torch's exit would
+    remove it again.
+
+    Args:
+        inner: torch's executor.
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self._left = False
+
+    def leave(self, deadline: float) -> None:
+        """Run torch's exit op now; torch's next one is skipped."""
+        self.inner.run(_RendezvousExitOp(), deadline)
+        self._left = True
+
+    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
+        """See torch's ``_RendezvousOpExecutor.run``."""
+        if self._left and isinstance(state_handler, _RendezvousExitOp):
+            self._left = False
+            return
+        self._left = False
+        self.inner.run(state_handler, deadline, update_deadline)
+
+
 def _default_gate(store: StatusStore, options: BackendOptions) -> JoinGate:
     """:class:`PlanGate` under a node daemon (``$UNICRON_NODE_DAEMON`` names the node), else :class:`OpenGate`."""
     from unicron_elastic.env import node_daemon
@@ -356,5 +395,6 @@ def create_handler(params: RendezvousParameters, gate: JoinGate | None = None) -
     handler.task = options.task
     handler.status_store = store
     handler.backend = backend
+    backend.fold = fold.Folder(store, params.run_id, handler._settings, handler._this_node)
     return handler
 

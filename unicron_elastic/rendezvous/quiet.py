@@ -13,7 +13,8 @@ its round runs, a node is *quiet*:
 * a node that enters torch's rendezvous while a round is complete (to grow the run by a restart of every node,
   or because its own workers are restarted all together) first *stamps* torch's heartbeat of every participant
   whose place is held by that participant's agent (:func:`stamp_live`: one compare-and-set), then *announces*
-  itself (:class:`Announcement`: a key on a lease of its own, gone with it). torch's own check (a participant
+  itself (:class:`~unicron_elastic.rendezvous.fold.Joining` with ``waiting``: a key on a lease of its own, gone
+  with it). torch's own check (a participant
   without a heartbeat for ``keep_alive_interval x keep_alive_max_attempt`` is dead and removed) then removes only
   the nodes that are gone;
 * the same look (:func:`look`, one request) reads the revision of torch's state; only when it changed is the
@@ -37,7 +38,6 @@ from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.keys import MeetingKeys
-from unicron_elastic.store.lease import KeptLease
 
 log = structlog.get_logger(__name__)
 
@@ -101,35 +101,6 @@ def stamp_live(backend, store: StatusStore, run_id: str) -> int | None:
             return len(stamped)
         time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))
     raise RuntimeError(f"the heartbeats of run {run_id!r} could not be stamped: {STAMP_ATTEMPTS} conflicts in a row")
-
-
-class Announcement:
-    """This node enters torch's rendezvous while a round may be running: quiet nodes heartbeat again meanwhile.
-
-    A key under ``rdzv-waiting/<run>/`` on a lease of its own: gone when :meth:`close` revokes it, or
-    within ``ttl`` when this node is lost.
-
-    Args:
-        store: The status store.
-        run_id: The run.
-        node: This node's identity in torch's rendezvous.
-        ttl: The lease's TTL (seconds).
-
-    Raises:
-        StoreError: etcd refused or could not be reached.
-    """
-
-    def __init__(self, store: StatusStore, run_id: str, node: str, ttl: int) -> None:
-        self.lease = KeptLease(store, ttl)
-        try:
-            store.put(store.keys.rdzv_waiting(run_id, node), b"1", lease=self.lease.id)
-        except BaseException:
-            self.lease.close(revoke=True)
-            raise
-
-    def close(self) -> None:
-        """Withdraw the announcement (revokes its lease)."""
-        self.lease.close(revoke=True)
 
 
 def look(backend, store: StatusStore, run_id: str, checked: int | None) -> tuple[int | None, int]:

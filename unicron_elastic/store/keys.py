@@ -13,6 +13,7 @@
     /unicron/<cluster>/commands/<node>/<seq>   actions for one agent
     /unicron/<cluster>/rdzv/<run_id>           DynamicRendezvous state bytes
     /unicron/<cluster>/rdzv-waiting/<run_id>/<node>  a node entering a running run's rendezvous (on its lease)
+    /unicron/<cluster>/rdzv-joining/<run_id>/<node>  a node joining the run's next round (on its lease)
     /unicron/<cluster>/c10d/<run_id>/<key>     c10d store keys of one run
     /unicron/<cluster>/leader/<name>           leader election
 """
@@ -118,6 +119,11 @@ class Keys:
     def rdzv_waiting(self, run_id: str, node: str | None = None) -> str:
         """Prefix of the announcements of nodes entering a running round's rendezvous (the key of ``node``'s)."""
         prefix = f"{self.prefix}rdzv-waiting/{_check_part('run_id', run_id)}/"
+        return prefix if node is None else prefix + _check_part("node", node)
+
+    def rdzv_joining(self, run_id: str, node: str | None = None) -> str:
+        """Prefix of the announcements of nodes joining a run's next round (the key of ``node``'s)."""
+        prefix = f"{self.prefix}rdzv-joining/{_check_part('run_id', run_id)}/"
         return prefix if node is None else prefix + _check_part("node", node)
 
     def c10d(self, run_id: str) -> str:
