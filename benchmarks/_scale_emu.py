@@ -3,7 +3,7 @@
 What runs is the project's own code: :class:`~unicron_elastic.node.daemon.NodeDaemon` (its lease, its record,
 its command watch and loop), the agent's side of etcd as ``unicron-run`` drives it (the ``unicron`` rendezvous
 handler with torch's dynamic rendezvous and its heartbeats, torch's rank assignment in the c10d store,
-:class:`~unicron_elastic.agent.meeting.MeetingPoint` with one liveness key per rank, the node detector,
+:class:`~unicron_elastic.agent.meeting_point.MeetingPoint` with one liveness key per rank, the node detector,
 ``num_nodes_waiting`` polled at torchrun's monitor interval), the data-parallel leader's request read each step
 (:class:`~unicron_elastic.strategy.engine.requests.RequestReader`), and :class:`~unicron_elastic.coordinator.service.Coordinator`.
 What is replaced: process creation (a launcher is a thread), the training (a thread that steps; only the leader of a
@@ -394,7 +394,7 @@ class EmuAgent:
     def _join(self) -> None:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-        from unicron_elastic.agent.meeting import RoundStart
+        from unicron_elastic.agent.meeting_point import RoundStart
         from unicron_elastic.rendezvous.api import max_world, ranks_past_round
         from unicron_elastic.agent.detectors import NodeHealthDetector
 
@@ -478,7 +478,7 @@ class EmuAgent:
 
 
 def _meeting_point_class():
-    from unicron_elastic.agent.meeting import MeetingPoint
+    from unicron_elastic.agent.meeting_point import MeetingPoint
 
     class _EmuMeetingPoint(MeetingPoint):
         """The agent's meeting point without its snapshot server's TCPStore (its address is published as is)."""

@@ -276,7 +276,7 @@ def test_c10d_store_works_through_torch_apis(store: StatusStore) -> None:
 
 def _running(etcd_config: EtcdConfig, run_id: str, nproc: int = 2):
     """A one-node round of ``run_id`` formed through torch's rendezvous, its agent's meeting point open."""
-    from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+    from unicron_elastic.agent.meeting_point import MeetingPoint, RoundStart
     from unicron_elastic.rendezvous.api import max_world
 
     handler = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout="20"))
@@ -356,7 +356,7 @@ def test_a_round_whose_workers_never_said_growable_is_not_grown(etcd_config: Etc
 
 def _lose_place(etcd_config: EtcdConfig, run_id: str, handler: UnicronRendezvousHandler):
     """Place 1 of ``handler``'s round: its node started workers and was lost (seen, agent gone, not done)."""
-    from unicron_elastic.agent.meeting import MeetingPoint
+    from unicron_elastic.agent.meeting_point import MeetingPoint
 
     lost = MeetingPoint(handler.status_store, run_id, handler.current_round(), 5, 1, 2, host="127.0.0.1")
     lost.close()  # the lease goes with its keys; no exit barrier: the place is free
@@ -399,7 +399,7 @@ def test_a_round_without_a_live_agent_for_the_settle_time_is_given_up(etcd_confi
 def test_a_node_whose_place_was_taken_while_its_lease_lapsed_gives_it_up(etcd_config: EtcdConfig,
                                                                          store: StatusStore) -> None:
     from unicron_elastic.api import PlaceTakenError
-    from unicron_elastic.agent.meeting import MeetingPoint
+    from unicron_elastic.agent.meeting_point import MeetingPoint
 
     first, point = _running(etcd_config, "fence")
     lost: list[bool] = []
@@ -470,7 +470,7 @@ def test_a_running_round_is_quiet_and_a_node_entering_the_rendezvous_keeps_it_al
     itself, so the participant sees it waiting and the round re-forms with both."""
     import unicron_elastic.rendezvous.handler as handler_module
     import unicron_elastic.rendezvous.rounds as rounds_module
-    from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+    from unicron_elastic.agent.meeting_point import MeetingPoint, RoundStart
     from unicron_elastic.rendezvous.backend import decode_state
 
     monkeypatch.setattr(rounds_module, "GROWABLE_WAIT_S", 0.0)  # the round's workers never said growable

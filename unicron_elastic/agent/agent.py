@@ -42,7 +42,7 @@ from unicron_elastic.agent import _torch_compat, detectors
 from unicron_elastic.agent.api import AgentConfig, Detector, NodeGaveUp
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.ladder import LEFT_OUT, Action, RankHistory, Rung, climb
-from unicron_elastic.agent.meeting import MeetingPoint
+from unicron_elastic.agent.meeting_point import MeetingPoint
 from unicron_elastic.agent.rank_state import RankState
 from unicron_elastic.agent.signals import (
     begin_shutdown,

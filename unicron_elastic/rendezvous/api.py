@@ -1,7 +1,7 @@
 """The rendezvous' contract with the agent: a round's records and the ranks of places past a round (no I/O).
 
 The ``unicron`` rendezvous (:mod:`~unicron_elastic.rendezvous.handler`, :mod:`~unicron_elastic.rendezvous.rounds`)
-and the agent (:mod:`~unicron_elastic.agent.meeting`) both read these records in a round's meeting space;
+and the agent (:mod:`~unicron_elastic.agent.meeting_point`) both read these records in a round's meeting space;
 the store side (reading and writing them) is :mod:`~unicron_elastic.rendezvous.rounds`. A leaf: it imports
 nothing of its own package.
 

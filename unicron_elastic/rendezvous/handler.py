@@ -213,7 +213,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         before this node gives the round up (every node would restart). A
         place taken while its node's lease had lapsed is lost to that node
         (its renewal is create-only: :meth:`MeetingPoint._rekey
-        <unicron_elastic.agent.meeting.MeetingPoint._rekey>`).
+        <unicron_elastic.agent.meeting_point.MeetingPoint._rekey>`).
 
         Returns:
             The rendezvous of the running round as that place's rank, or None
