@@ -379,8 +379,7 @@ class EmuAgent:
             last_call_timeout="1")
         with _CREATE, _handler_store(self.store):
             handler = create_handler(params, gate=self.gate)
-        handler.rejoin = True  # as UnicronAgent sets it
-        handler.local_world_size = s.nproc
+        handler.join_running_rounds(s.nproc)  # as UnicronAgent does
         return handler
 
     def _run(self) -> None:
@@ -403,10 +402,11 @@ class EmuAgent:
         self.info = info = handler.next_rendezvous()
         self.rendezvous_at = time.monotonic()
         spec = SimpleNamespace(role="default", local_world_size=s.nproc)
-        if handler.past_round is not None and handler.rejoined:
-            nodes, world = handler.past_round
-            self.workers = [SimpleNamespace(local_rank=i, global_rank=r, world_size=world)
-                            for i, r in enumerate(ranks_past_round(nodes, world, info.rank, s.nproc))]
+        joined = handler.round_joined
+        if joined is not None and joined.past_round is not None:
+            past = joined.past_round
+            self.workers = [SimpleNamespace(local_rank=i, global_rank=r, world_size=past.world)
+                            for i, r in enumerate(ranks_past_round(past.nodes, past.world, info.rank, s.nproc))]
         else:  # torch's own assignment through the c10d store (rank 0 reads every agent's role)
             self.workers = SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank, info.world_size,
                                                                    spec)
