@@ -25,6 +25,8 @@ from unicron_elastic.store import StatusStore
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.keys import MeetingKeys
 
+from conftest import wait_for
+
 pytestmark = pytest.mark.compat  # the backend contract and the handler's use of torch's rendezvous internals
 
 @pytest.fixture()
@@ -432,6 +434,28 @@ def test_a_round_without_a_live_agent_for_the_settle_time_is_given_up(etcd_confi
     began = time.monotonic()
     assert _arriving(etcd_config, "gone")._rejoin_running_round() is None  # torch's next round
     assert time.monotonic() - began >= 0.3
+
+
+def test_a_place_deleted_is_told_as_lost_unless_its_owner_marked_it_left_or_it_is_ours(store: StatusStore) -> None:
+    from unicron_elastic.agent.meeting import PlacesWatch
+    from unicron_elastic.rendezvous.api import PlaceOwner
+
+    prefix = store.keys.meeting("places") + "0/"
+    lost: list[str] = []
+    owners = {p: PlaceOwner(f"node{p}", "h", 100 + p, 0, p) for p in range(4)}
+    for p, owner in owners.items():
+        store.put(prefix + MeetingKeys.agent(p), owner.encode())
+    watch = PlacesWatch(store, prefix, own=0, on_peer_lost=lambda node, revision: lost.append(node))
+    try:
+        store.put(prefix + MeetingKeys.agent(2), PlaceOwner("node2", "h", 102, 0, 2, left=True).encode())
+        store.put(prefix + MeetingKeys.agent(4), PlaceOwner("node4", "h", 104, 0, 4).encode())  # taken after the watch
+        for p in (0, 2, 1, 4):  # ours, left on purpose, lost, lost
+            store.delete(prefix + MeetingKeys.agent(p))
+        assert wait_for(lambda: len(lost) >= 2, deadline_s=5)
+        time.sleep(0.2)  # (nothing more comes)
+        assert lost == ["node1", "node4"]
+    finally:
+        watch.cancel()
 
 
 def test_a_node_whose_place_was_taken_while_its_lease_lapsed_gives_it_up(etcd_config: EtcdConfig,

@@ -102,6 +102,24 @@ def test_lease_expiry_is_seen_by_a_watcher(store: StatusStore) -> None:
     watch.cancel()
 
 
+def test_a_watch_of_deletes_only_gets_each_delete_with_the_value_it_deleted(store: StatusStore) -> None:
+    events = []
+    watch = PrefixWatch(store, store.keys.nodes(), events.append, deletes_only=True)
+    try:
+        for i in range(5):  # puts (many writers) cost the watch nothing
+            store.put(store.keys.node(f"d{i}"), f"v{i}")
+        store.put(store.keys.node("d1"), "v1 again")
+        store.delete(store.keys.node("d1"))
+        assert wait_for(lambda: events, deadline_s=5)
+        store.put(store.keys.node("d9"), "late")
+        store.delete(store.keys.node("d9"))
+        assert wait_for(lambda: len(events) == 2, deadline_s=5)
+        assert [(e.kind, e.key, e.previous) for e in events] == [
+            ("delete", store.keys.node("d1"), b"v1 again"), ("delete", store.keys.node("d9"), b"late")]
+    finally:
+        watch.cancel()
+
+
 def test_lease_revoke_deletes_keys_at_once(store: StatusStore) -> None:
     lease = KeptLease(store, ttl=5)
     store.put(store.keys.node("n2"), "x", lease=lease.id)

@@ -282,7 +282,9 @@ class PlacesWatch:
     """The places of one round, as their owners' agent keys say: a node lost is told within its lease TTL.
 
     One watch per node on the round's place keys (:attr:`MeetingKeys.PLACES`): a lost node's place vanishes
-    with its lease, seen by the run's other nodes only (not by every node of the cluster).
+    with its lease, seen by the run's other nodes only (not by every node of the cluster). The watch gets
+    deletes only, each with the owner it deleted: the places taken while a round forms (N nodes, each seen
+    by the others) cost it nothing, so a round of N nodes sends N events per loss, not N² while it forms.
 
     Args:
         store: The status store.
@@ -299,33 +301,16 @@ class PlacesWatch:
 
         self._base = prefix + MeetingKeys.PLACES
         self._own, self._on_peer_lost = own, on_peer_lost
-        self._lock = threading.Lock()
-        self.owners: dict[int, PlaceOwner] = {}
-        revision = store.revision()
-        for kv in store.get_prefix(self._base):
-            self._note(kv.key, kv.value)
-        self._watch = PrefixWatch(store, self._base, self._on_change, start_revision=revision + 1)
+        self._watch = PrefixWatch(store, self._base, self._on_change, deletes_only=True)
 
     def _place(self, key: str) -> int | None:
         suffix = key[len(self._base):]
         return int(suffix) if suffix.isdigit() else None
 
-    def _note(self, key: str, value: bytes) -> None:
-        place, owner = self._place(key), PlaceOwner.decode(value)
-        if place is not None and owner is not None:
-            with self._lock:
-                self.owners[place] = owner
-
     def _on_change(self, event) -> None:
-        if event.kind == "put":
-            self._note(event.key, event.value)
-            return
         place = self._place(event.key)
-        if place is None:
-            return
-        with self._lock:
-            owner = self.owners.pop(place, None)
-        if owner is None or owner.left or place == self._own:
+        owner = PlaceOwner.decode(event.previous) if event.kind == "delete" and event.previous else None
+        if place is None or owner is None or owner.left or place == self._own:
             return
         log.warning("peer_place_lost", place=place, node=owner.node, revision=event.revision)
         self._on_peer_lost(owner.node, event.revision)
