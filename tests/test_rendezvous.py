@@ -437,7 +437,7 @@ def test_a_round_without_a_live_agent_for_the_settle_time_is_given_up(etcd_confi
 
 
 def test_a_place_deleted_is_told_as_lost_unless_its_owner_marked_it_left_or_it_is_ours(store: StatusStore) -> None:
-    from unicron_elastic.agent.meeting import PlacesWatch
+    from unicron_elastic.agent.meeting_point import PlacesWatch
     from unicron_elastic.rendezvous.api import PlaceOwner
 
     prefix = store.keys.meeting("places") + "0/"
