@@ -3,7 +3,7 @@
 What runs is the project's own code: :class:`~unicron_elastic.node.daemon.NodeDaemon` (its lease, its record,
 its command watch and loop), the agent's side of etcd as ``unicron-run`` drives it (the ``unicron`` rendezvous
 handler with torch's dynamic rendezvous and its heartbeats, torch's rank assignment in the c10d store,
-:class:`~unicron_elastic.agent.meeting.MeetingPoint` with one liveness key per rank, the node detector,
+:class:`~unicron_elastic.agent.meeting_point.MeetingPoint` with one liveness key per rank, the node detector,
 ``num_nodes_waiting`` polled at torchrun's monitor interval), the data-parallel leader's request read each step
 (:class:`~unicron_elastic.strategy.engine.requests.RequestReader`), and :class:`~unicron_elastic.coordinator.service.Coordinator`.
 What is replaced: process creation (a launcher is a thread), the training (a thread that steps; only the leader of a
@@ -379,8 +379,7 @@ class EmuAgent:
             last_call_timeout="1")
         with _CREATE, _handler_store(self.store):
             handler = create_handler(params, gate=self.gate)
-        handler.rejoin = True  # as UnicronAgent sets it
-        handler.local_world_size = s.nproc
+        handler.join_running_rounds(s.nproc)  # as UnicronAgent does
         return handler
 
     def _run(self) -> None:
@@ -394,7 +393,7 @@ class EmuAgent:
     def _join(self) -> None:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-        from unicron_elastic.agent.meeting import RoundStart
+        from unicron_elastic.agent.meeting_point import RoundStart
         from unicron_elastic.rendezvous.api import max_world, ranks_past_round
         from unicron_elastic.agent.detectors import NodeHealthDetector
 
@@ -403,10 +402,11 @@ class EmuAgent:
         self.info = info = handler.next_rendezvous()
         self.rendezvous_at = time.monotonic()
         spec = SimpleNamespace(role="default", local_world_size=s.nproc)
-        if handler.past_round is not None and handler.rejoined:
-            nodes, world = handler.past_round
-            self.workers = [SimpleNamespace(local_rank=i, global_rank=r, world_size=world)
-                            for i, r in enumerate(ranks_past_round(nodes, world, info.rank, s.nproc))]
+        joined = handler.round_joined
+        if joined is not None and joined.past_round is not None:
+            past = joined.past_round
+            self.workers = [SimpleNamespace(local_rank=i, global_rank=r, world_size=past.world)
+                            for i, r in enumerate(ranks_past_round(past.nodes, past.world, info.rank, s.nproc))]
         else:  # torch's own assignment through the c10d store (rank 0 reads every agent's role)
             self.workers = SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank, info.world_size,
                                                                    spec)
@@ -478,7 +478,7 @@ class EmuAgent:
 
 
 def _meeting_point_class():
-    from unicron_elastic.agent.meeting import MeetingPoint
+    from unicron_elastic.agent.meeting_point import MeetingPoint
 
     class _EmuMeetingPoint(MeetingPoint):
         """The agent's meeting point without its snapshot server's TCPStore (its address is published as is)."""

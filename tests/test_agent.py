@@ -359,7 +359,7 @@ def test_a_rejoin_request_past_max_rejoins_or_followed_by_exit_0_is_not_a_rejoin
     agent = UnicronAgent.__new__(UnicronAgent)  # only the rejoin bookkeeping is used
     agent._lock, agent.node = threading.RLock(), "n0"
     agent.config = AgentConfig(ladder=LadderPolicy(max_rejoins=1), node="n0")
-    agent._worker_group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(task="t")))
+    agent._worker_group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "t")))
     agent._ranks = {1: RankState(RankHistory(resumable=True, rejoins=1), rejoining="left out"),
                     2: RankState(rejoining="left out")}
     with agent._lock:

@@ -155,9 +155,9 @@ def test_no_unit_imports_its_own_layer_or_above() -> None:
 
 
 def test_the_layering_finds_a_back_arrow() -> None:
-    graph = {"unicron_elastic.rendezvous.rounds": {"unicron_elastic.agent.meeting", "unicron_elastic.rendezvous.api"},
-             "unicron_elastic.rendezvous.api": set(), "unicron_elastic.agent.meeting": set()}
-    assert back_arrows(graph) == [("unicron_elastic.rendezvous.rounds", "unicron_elastic.agent.meeting",
+    graph = {"unicron_elastic.rendezvous.rounds": {"unicron_elastic.agent.meeting_point", "unicron_elastic.rendezvous.api"},
+             "unicron_elastic.rendezvous.api": set(), "unicron_elastic.agent.meeting_point": set()}
+    assert back_arrows(graph) == [("unicron_elastic.rendezvous.rounds", "unicron_elastic.agent.meeting_point",
                                    "rendezvous", "agent")]
 
 

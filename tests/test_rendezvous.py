@@ -273,18 +273,54 @@ def test_c10d_store_works_through_torch_apis(store: StatusStore) -> None:
     assert s.get("round0/x") == b"1"
 
 
+# -- the seam with the agent (rendezvous/api.py): what the handler offers, what it hands back --------------
+
+
+def test_the_unicron_handler_is_the_agents_seam_and_torchs_handlers_are_not() -> None:
+    """In-process: ``UnicronRendezvous`` is what the agent asks for; torch's c10d and static handlers are not it."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    from unicron_elastic.agent import agent as agent_module
+    from unicron_elastic.rendezvous.api import RoundJoined, RoundStart, UnicronRendezvous
+
+    def built(cls: type[DynamicRendezvousHandler]) -> DynamicRendezvousHandler:
+        store = dist.HashStore()
+        return cls.from_backend("seam", store, C10dRendezvousBackend(store, "seam"), 1, 3, local_addr="127.0.0.1")
+
+    unicron = built(UnicronRendezvousHandler)
+    assert isinstance(unicron, UnicronRendezvous) and agent_module._unicron(unicron) is unicron
+    assert (unicron.max_nodes, unicron.round_joined, unicron.rejoin) == (3, None, False)
+    with pytest.raises(RuntimeError, match="no round"):  # the agent asks only once a rendezvous completed
+        agent_module._round_joined(unicron)
+    with pytest.raises(ValueError, match="local_world_size"):
+        unicron.join_running_rounds(0)
+    unicron.join_running_rounds(4)
+    assert (unicron.rejoin, unicron.local_world_size) == (True, 4)
+    for other in (built(DynamicRendezvousHandler), StaticTCPRendezvous("127.0.0.1", 29500, 0, 1, "seam", 60)):
+        assert not isinstance(other, UnicronRendezvous)  # (--rdzv-backend=c10d or static)
+        assert agent_module._unicron(other) is None and agent_module._round_joined(other) is None
+    joined = RoundJoined(2, running=True, past_round=RoundStart(1, 2, 2, 4))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        joined.round = 3  # type: ignore[misc]
+    assert RoundJoined(0) == RoundJoined(0, running=False, past_round=None)
+
+
 # -- a node arriving at a running round: a lost place, or a new one (growth in place) --------------
 
 
 def _running(etcd_config: EtcdConfig, run_id: str, nproc: int = 2):
     """A one-node round of ``run_id`` formed through torch's rendezvous, its agent's meeting point open."""
-    from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+    from unicron_elastic.agent.meeting_point import MeetingPoint, RoundStart
     from unicron_elastic.rendezvous.api import max_world
 
     handler = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout="20"))
-    handler.rejoin, handler.local_world_size = True, nproc  # (what unicron-run's agent sets)
+    handler.join_running_rounds(nproc)  # (what unicron-run's agent does)
     info = handler.next_rendezvous()
-    assert (info.rank, info.world_size, handler.rejoined) == (0, 1, False)  # no round ran: torch's rendezvous
+    assert (info.rank, info.world_size, handler.round_joined.running) == (0, 1, False)  # no round ran: torch's rendezvous
     start = RoundStart(1, nproc, nproc, max_world(1, nproc, handler.max_nodes, nproc))
     point = MeetingPoint(handler.status_store, run_id, handler.current_round(), 5, 0, 1, host="127.0.0.1",
                          start=start)
@@ -295,7 +331,7 @@ def _running(etcd_config: EtcdConfig, run_id: str, nproc: int = 2):
 def _arriving(etcd_config: EtcdConfig, run_id: str, join_timeout: str = "20", nproc: int = 2
               ) -> UnicronRendezvousHandler:
     handler = create_handler(_params(etcd_config, run_id, last_call_timeout="1", join_timeout=join_timeout))
-    handler.rejoin, handler.local_world_size = True, nproc
+    handler.join_running_rounds(nproc)
     return handler
 
 
@@ -311,7 +347,9 @@ def test_a_node_arriving_at_a_growable_round_adds_a_place_up_to_the_max(etcd_con
             wider.next_rendezvous()
         second = _arriving(etcd_config, "grow")
         info = second.next_rendezvous()
-        assert (info.rank, info.world_size) == (1, 2) and second.rejoined and second.past_round == (1, 2)
+        joined = second.round_joined
+        assert (info.rank, info.world_size) == (1, 2) and joined.running and joined.past_round is not None
+        assert (joined.round, joined.past_round.nodes, joined.past_round.world) == (first.current_round(), 1, 2)
         assert list(ranks_past_round(1, 2, info.rank, 2)) == [2, 3] and max_world(1, 2, second.max_nodes, 2) == 4
         places = store.get(f"{store.keys.meeting('grow')}{first.current_round()}/{MeetingKeys.AGENTS_WORLD}")
         assert places is not None and int(places.value) == 2
@@ -348,7 +386,7 @@ def test_a_round_whose_workers_never_said_growable_is_not_grown(etcd_config: Etc
         began = time.monotonic()
         assert planned._rejoin_running_round() is None  # under a plan: torch's restart-all at the new size
         assert time.monotonic() - began >= 0.3  # once the wish held for SETTLE_S (not a lapsed lease's blip)
-        assert not planned.rejoined and planned.past_round is None
+        assert planned.round_joined is None
     finally:
         point.close()
 
@@ -358,7 +396,7 @@ def test_a_round_whose_workers_never_said_growable_is_not_grown(etcd_config: Etc
 
 def _lose_place(etcd_config: EtcdConfig, run_id: str, handler: UnicronRendezvousHandler):
     """Place 1 of ``handler``'s round: its node started workers and was lost (seen, agent gone, not done)."""
-    from unicron_elastic.agent.meeting import MeetingPoint
+    from unicron_elastic.agent.meeting_point import MeetingPoint
 
     lost = MeetingPoint(handler.status_store, run_id, handler.current_round(), 5, 1, 2, host="127.0.0.1")
     lost.close()  # the lease goes with its keys; no exit barrier: the place is free
@@ -380,7 +418,7 @@ def test_an_arriving_node_waits_out_a_lapsed_lease_instead_of_restarting_the_rou
         point._rekey(point.lease.id)  # the renewal puts the survivor's keys back
         thread.join(timeout=10)
         assert not thread.is_alive() and result[0] is not None
-        assert (result[0].rank, result[0].world_size) == (1, 2) and arriving.rejoined  # the lost node's place
+        assert (result[0].rank, result[0].world_size) == (1, 2) and arriving.round_joined.running  # the lost node's place
     finally:
         point.close()
 
@@ -399,7 +437,7 @@ def test_a_round_without_a_live_agent_for_the_settle_time_is_given_up(etcd_confi
 
 
 def test_a_place_deleted_is_told_as_lost_unless_its_owner_marked_it_left_or_it_is_ours(store: StatusStore) -> None:
-    from unicron_elastic.agent.meeting import PlacesWatch
+    from unicron_elastic.agent.meeting_point import PlacesWatch
     from unicron_elastic.rendezvous.api import PlaceOwner
 
     prefix = store.keys.meeting("places") + "0/"
@@ -423,7 +461,7 @@ def test_a_place_deleted_is_told_as_lost_unless_its_owner_marked_it_left_or_it_i
 def test_a_node_whose_place_was_taken_while_its_lease_lapsed_gives_it_up(etcd_config: EtcdConfig,
                                                                          store: StatusStore) -> None:
     from unicron_elastic.api import PlaceTakenError
-    from unicron_elastic.agent.meeting import MeetingPoint
+    from unicron_elastic.agent.meeting_point import MeetingPoint
 
     first, point = _running(etcd_config, "fence")
     lost: list[bool] = []
@@ -494,14 +532,14 @@ def test_a_running_round_is_quiet_and_a_node_entering_the_rendezvous_keeps_it_al
     itself, so the participant sees it waiting and the round re-forms with both."""
     import unicron_elastic.rendezvous.handler as handler_module
     import unicron_elastic.rendezvous.rounds as rounds_module
-    from unicron_elastic.agent.meeting import MeetingPoint, RoundStart
+    from unicron_elastic.agent.meeting_point import MeetingPoint, RoundStart
     from unicron_elastic.rendezvous.backend import decode_state
 
     monkeypatch.setattr(rounds_module, "GROWABLE_WAIT_S", 0.0)  # the round's workers never said growable
     monkeypatch.setattr(handler_module, "SETTLE_S", 0.1)
     conf = dict(last_call_timeout="1", join_timeout="30", keep_alive_interval="1", keep_alive_max_attempt="2")
     first = create_handler(_params(etcd_config, "quiet", **conf))
-    first.rejoin, first.local_world_size = True, 2
+    first.join_running_rounds(2)
     first.next_rendezvous()
     point = MeetingPoint(first.status_store, "quiet", first.current_round(), 5, 0, 1, host="127.0.0.1",
                          start=RoundStart(1, 2, 2, 4))
@@ -515,7 +553,8 @@ def test_a_running_round_is_quiet_and_a_node_entering_the_rendezvous_keeps_it_al
         assert store.get(key).mod_revision == written  # torch would have written a heartbeat every second
 
         second = create_handler(_params(etcd_config, "quiet", **conf))
-        second.rejoin, second.local_world_size, second.gate = True, 2, _GrowsByRestart()
+        second.join_running_rounds(2)
+        second.gate = _GrowsByRestart()
         joined: list = []
         thread = threading.Thread(target=lambda: joined.append(second.next_rendezvous()), daemon=True)
         thread.start()

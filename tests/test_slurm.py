@@ -42,7 +42,7 @@ from unicron_elastic.slurm.api import (
 )
 from unicron_elastic.slurm.job import current_job
 from unicron_elastic.slurm.preemption import PreemptionCheckpoint
-from unicron_elastic.slurm.watch import NodeWatch
+from unicron_elastic.slurm.drain_watch import NodeWatch
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
 from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan

@@ -25,7 +25,7 @@ import unicron_elastic.strategy.snapshots.wire as wire_module
 import unicron_elastic.strategy.snapshots.tiers as snapshots_module
 from test_safe_state import same
 from conftest import events_named
-from unicron_elastic.agent.meeting import MeetingPoint
+from unicron_elastic.agent.meeting_point import MeetingPoint
 from unicron_elastic.store import StatusStore
 from unicron_elastic.store.c10d import EtcdC10dStore
 from unicron_elastic.store.keys import MeetingKeys

@@ -92,7 +92,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
                             leave_timeout=args.leave_timeout)
         _stop_on_signals(daemon.stop, on_sigterm=daemon.drain)  # SIGTERM drains; Ctrl-C, SIGHUP stop now
         if job is not None and args.slurm_poll > 0:
-            from unicron_elastic.slurm.watch import NodeWatch
+            from unicron_elastic.slurm.drain_watch import NodeWatch
 
             NodeWatch(job.node, daemon.drain, args.slurm_poll).start()
         return daemon.run()

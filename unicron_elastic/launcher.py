@@ -160,7 +160,7 @@ def _watch_slurm_node(job: SlurmJob, interval: float) -> None:
     """``--slurm``: leave at a step boundary (the leave signal to this process) when SLURM drains the node."""
     import os
 
-    from unicron_elastic.slurm.watch import NodeWatch
+    from unicron_elastic.slurm.drain_watch import NodeWatch
 
     if interval > 0:
         NodeWatch(job.node, lambda: os.kill(os.getpid(), LEAVE_SIGNAL), interval).start()

@@ -42,7 +42,7 @@ from unicron_elastic.agent import _torch_compat, detectors
 from unicron_elastic.agent.api import AgentConfig, Detector, NodeGaveUp
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.ladder import LEFT_OUT, Action, RankHistory, Rung, climb
-from unicron_elastic.agent.meeting import MeetingPoint
+from unicron_elastic.agent.meeting_point import MeetingPoint
 from unicron_elastic.agent.rank_state import RankState
 from unicron_elastic.agent.signals import (
     begin_shutdown,
@@ -69,7 +69,7 @@ from unicron_elastic.env import (
     set_round,
 )
 from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
-from unicron_elastic.rendezvous.api import RoundStart, max_world, ranks_past_round
+from unicron_elastic.rendezvous.api import RoundJoined, RoundStart, UnicronRendezvous, max_world, ranks_past_round
 from unicron_elastic.store.client import StatusStore
 
 log = structlog.get_logger(__name__)
@@ -101,6 +101,26 @@ def make_detectors(config: AgentConfig, pm: Any = None) -> list[Detector]:
         raise ConfigError(f"--detectors: unknown detector(s) {', '.join(map(repr, unknown))}; "
                           f"known: {', '.join(sorted(provided))}")
     return [provided[name] for name in config.detectors]
+
+
+def _unicron(handler: Any) -> UnicronRendezvous | None:
+    """``handler`` if it is a ``unicron`` rendezvous handler; None for another backend's (torch's c10d, static, ...)."""
+    return handler if isinstance(handler, UnicronRendezvous) else None
+
+
+def _round_joined(handler: Any) -> RoundJoined | None:
+    """What the ``unicron`` rendezvous ``handler`` handed over about the round this node joined (None: another backend).
+
+    Raises:
+        RuntimeError: Asked before this node's first rendezvous completed.
+    """
+    rendezvous = _unicron(handler)
+    if rendezvous is None:
+        return None
+    joined = rendezvous.round_joined
+    if joined is None:
+        raise RuntimeError("the unicron rendezvous has handed over no round: this node joined none yet")
+    return joined
 
 
 class UnicronAgent(LocalElasticAgent):
@@ -138,20 +158,25 @@ class UnicronAgent(LocalElasticAgent):
         self._dir: str | None = tmp
         set_agent_socket(self._channel.path)
         self._meeting: MeetingPoint | None = None
-        handler = self._worker_group.spec.rdzv_handler
-        if hasattr(handler, "rejoin"):  # the unicron rendezvous: a returning node takes its place, no restart-all
-            handler.rejoin = True
-            handler.local_world_size = self._worker_group.spec.local_world_size  # (ranks of a place it adds)
+        rendezvous = self._unicron_rendezvous()
+        if rendezvous is not None:  # a returning node takes its place, no restart-all (ranks of a place it adds)
+            rendezvous.join_running_rounds(self._worker_group.spec.local_world_size)
 
     # -- set-up ----------------------------------------------------------------
+    def _unicron_rendezvous(self) -> UnicronRendezvous | None:
+        """The ``unicron`` rendezvous handler; None with another backend (torch's c10d, static, ...)."""
+        return _unicron(self._worker_group.spec.rdzv_handler)
+
     @property
     def store(self) -> StatusStore | None:
         """The etcd status store of the ``unicron`` rendezvous, if that is the backend."""
-        return getattr(self._worker_group.spec.rdzv_handler, "status_store", None)
+        rendezvous = self._unicron_rendezvous()
+        return rendezvous.status_store if rendezvous is not None else None
 
     @property
     def task(self) -> str:
-        return getattr(self._worker_group.spec.rdzv_handler, "task", "") or self._worker_group.spec.rdzv_handler.get_run_id()
+        rendezvous = self._unicron_rendezvous()
+        return (rendezvous.task if rendezvous is not None else "") or self._worker_group.spec.rdzv_handler.get_run_id()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
@@ -165,12 +190,12 @@ class UnicronAgent(LocalElasticAgent):
         )
         world_size = worker_group.workers[0].world_size if worker_group.workers else None
         log.info("agent_rendezvous_complete", world_size=world_size)
-        if getattr(worker_group.spec.rdzv_handler, "rejoined", False):
+        joined = _round_joined(worker_group.spec.rdzv_handler)
+        if joined is not None and joined.running:
             set_joiner()  # its workers join the running task from a replica
-        current_round = getattr(worker_group.spec.rdzv_handler, "current_round", None)
-        if current_round is not None:  # > 0: this run's workers were restarted all together (torch's restart-all)
-            set_round(current_round())
-        self._open_meeting(worker_group)
+        if joined is not None:  # > 0: this run's workers were restarted all together (torch's restart-all)
+            set_round(joined.round)
+        self._open_meeting(worker_group, joined)
         if self._meeting is not None and self._meeting.start is not None:  # the same for every worker of the run
             set_max_world(self._meeting.start.max_world)
         if not self._started:
@@ -182,18 +207,18 @@ class UnicronAgent(LocalElasticAgent):
                     log.exception("detector_start_failed", detector=detector.name)
 
     @staticmethod
-    def _round_start(worker_group: WorkerGroup) -> RoundStart | None:
+    def _round_start(worker_group: WorkerGroup, max_nodes: int) -> RoundStart | None:
         """This round as torch formed it, seen from this node (the round's first agent records it).
 
         Places that nodes add get this node's ``--nproc-per-node`` workers
-        each, up to ``--nnodes``' max.
+        each, up to ``max_nodes`` (``--nnodes``' max).
         """
         if not worker_group.workers:
             return None
-        handler, spec = worker_group.spec.rdzv_handler, worker_group.spec
+        spec = worker_group.spec
         nodes, world = worker_group.group_world_size, worker_group.workers[0].world_size
         return RoundStart(nodes, world, spec.local_world_size,
-                          max_world(nodes, world, handler.max_nodes, spec.local_world_size))
+                          max_world(nodes, world, max_nodes, spec.local_world_size))
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
                              spec: WorkerSpec) -> list[Worker]:
@@ -202,31 +227,38 @@ class UnicronAgent(LocalElasticAgent):
         torch's rank assignment would wait for the round's first agent, which
         assigned ranks only when the round formed: see :func:`ranks_past_round`.
         """
-        past = getattr(spec.rdzv_handler, "past_round", None)
-        if past is None or not getattr(spec.rdzv_handler, "rejoined", False):
+        joined = _round_joined(spec.rdzv_handler)
+        past = joined.past_round if joined is not None else None
+        if past is None:
             return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
-        nodes, world = past
+        world = past.world
         return [Worker(local_rank=i, global_rank=rank, role_rank=rank, world_size=world, role_world_size=world)
-                for i, rank in enumerate(ranks_past_round(nodes, world, group_rank, spec.local_world_size))]
+                for i, rank in enumerate(ranks_past_round(past.nodes, world, group_rank, spec.local_world_size))]
 
-    def _open_meeting(self, worker_group: WorkerGroup) -> None:
+    def _open_meeting(self, worker_group: WorkerGroup, joined: RoundJoined | None) -> None:
         """With the etcd rendezvous: the workers of this round meet in etcd, with liveness keys (nothing on one node).
 
         The meeting point also hosts this node's snapshot server, at the
         address the rendezvous advertises for this node (torch's rule:
         ``--local-addr``, else the FQDN).
+
+        Args:
+            worker_group: This round's workers.
+            joined: What the ``unicron`` rendezvous handed over about the round (None: another backend).
         """
-        store, handler = self.store, worker_group.spec.rdzv_handler
-        if store is None or not hasattr(handler, "current_round"):
+        rendezvous = _unicron(worker_group.spec.rdzv_handler)
+        store = rendezvous.status_store if rendezvous is not None else None
+        if rendezvous is None or store is None or joined is None:
             return
         if self._meeting is not None:
             self._meeting.close()
         watching = any(hasattr(d, "peer_lost") for d in self._detectors)
         under_daemon = node_daemon() is not None
-        self._meeting = MeetingPoint(store, handler.get_run_id(), handler.current_round(), self.config.node_ttl,
-                                     worker_group.group_rank, worker_group.group_world_size,
+        self._meeting = MeetingPoint(store, worker_group.spec.rdzv_handler.get_run_id(), joined.round,
+                                     self.config.node_ttl, worker_group.group_rank, worker_group.group_world_size,
                                      host=worker_group.spec.local_addr or socket.getfqdn(),
-                                     start=self._round_start(worker_group), on_place_lost=self.lost_place,
+                                     start=self._round_start(worker_group, rendezvous.max_nodes),
+                                     on_place_lost=self.lost_place,
                                      node=self.node, on_peer_lost=self._peer_lost if watching else None,
                                      on_lease_lost=self.lost_own_lease if under_daemon else None)
         self._meeting.export()

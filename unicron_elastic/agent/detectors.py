@@ -244,7 +244,7 @@ class NodeHealthDetector(Detector):
     point's lease (lost: :meth:`UnicronAgent.lost_own_lease
     <unicron_elastic.agent.agent.UnicronAgent.lost_own_lease>`): no lease here. Peers lost are
     told by the agent's meeting point, which watches the places of this node's round only
-    (:class:`~unicron_elastic.agent.meeting.PlacesWatch`): a loss reaches the run's nodes, not every
+    (:class:`~unicron_elastic.agent.meeting_point.PlacesWatch`): a loss reaches the run's nodes, not every
     node of the cluster.
     """
 

@@ -1,9 +1,10 @@
-"""The rendezvous' contract with the agent: a round's records and the ranks of places past a round (no I/O).
+"""The rendezvous' contract with the agent: a round's records, the ranks of places past a round, the handler's seam (no I/O).
 
 The ``unicron`` rendezvous (:mod:`~unicron_elastic.rendezvous.handler`, :mod:`~unicron_elastic.rendezvous.rounds`)
-and the agent (:mod:`~unicron_elastic.agent.meeting`) both read these records in a round's meeting space;
-the store side (reading and writing them) is :mod:`~unicron_elastic.rendezvous.rounds`. A leaf: it imports
-nothing of its own package.
+and the agent (:mod:`~unicron_elastic.agent.meeting_point`) both read these records in a round's meeting space;
+the store side (reading and writing them) is :mod:`~unicron_elastic.rendezvous.rounds`. What the handler
+offers the agent beyond torch's ``RendezvousHandler`` is :class:`UnicronRendezvous`, and what it hands back
+after each rendezvous one :class:`RoundJoined`. A leaf: it imports nothing of its own package.
 
 torch assigns ranks when a round forms. A node that adds a place to a running round
 (docs/rendezvous.md) takes the ranks after the round's, and every worker of the run agrees on the
@@ -14,6 +15,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from unicron_elastic.store.client import StatusStore
 
 
 @dataclass(frozen=True)
@@ -102,3 +107,57 @@ def ranks_past_round(nodes: int, world: int, place: int, nproc: int) -> range:
 def max_world(nodes: int, world: int, max_nodes: int, nproc: int) -> int:
     """The highest rank + 1 of a run that may grow from ``nodes`` to ``max_nodes`` nodes (``$UNICRON_MAX_WORLD``)."""
     return world + max(0, max_nodes - nodes) * nproc
+
+
+@dataclass(frozen=True)
+class RoundJoined:
+    """What the ``unicron`` rendezvous hands the agent about the round this node last joined.
+
+    Attributes:
+        round: The round (the run-wide number: its meeting space, ``$UNICRON_ROUND``).
+        running: This node joined the round while it ran (it took a lost node's place or added one;
+            docs/rendezvous.md), not as torch formed it: its workers start as joiners.
+        past_round: The round start, when this node's place is past it (the node grew the run, or took
+            the place of a node that had): its workers' ranks follow the round's (:func:`ranks_past_round`,
+            assigned by the agent). None: torch assigned them.
+    """
+
+    round: int
+    running: bool = False
+    past_round: RoundStart | None = None
+
+
+@runtime_checkable
+class UnicronRendezvous(Protocol):
+    """The handler's side of the seam with the agent: what a ``unicron`` rendezvous handler offers besides
+    torch's ``RendezvousHandler``.
+
+    ``unicron-run``'s agent asks ``isinstance(handler, UnicronRendezvous)``; torch's own handlers (c10d,
+    static, etcd) are not one, and none of this applies to them.
+
+    Attributes:
+        task: The task the run belongs to (``--rdzv-conf task=``; "": none).
+        status_store: The etcd status store the rendezvous keeps the run in (the agent publishes its
+            events and opens its meeting point there).
+    """
+
+    task: str
+    status_store: StatusStore | None
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes the run may have (``--nnodes``' max)."""
+
+    @property
+    def round_joined(self) -> RoundJoined | None:
+        """What this node's last rendezvous handed over (None before the first completed)."""
+
+    def join_running_rounds(self, local_world_size: int) -> None:
+        """From now on, join a round of the run that is running instead of making every node restart.
+
+        A node arriving while a round runs takes a lost node's place, or adds one with
+        ``local_world_size`` workers (docs/rendezvous.md); the round runs without torch's heartbeats.
+
+        Raises:
+            ValueError: ``local_world_size`` < 1.
+        """

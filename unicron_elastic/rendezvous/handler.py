@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousExitOp,
 )
 
+from unicron_elastic.rendezvous.api import RoundJoined
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
 from unicron_elastic.rendezvous.gate import JoinGate, JoinRequest, OpenGate, PlanGate
 from unicron_elastic.rendezvous import fold, quiet
@@ -41,13 +42,14 @@ class RunFinished(RendezvousGracefulExitError):
     """The run's rendezvous is closed because its training finished: a node of its newest round
     passed the exit barrier (its workers succeeded). A node arriving now has nothing to join; torch's
     agent returns without a result and ``unicron-run`` exits 0. Raised only under ``unicron-run``
-    (:attr:`UnicronRendezvousHandler.rejoin`): plain ``torchrun`` gets torch's ``RendezvousClosedError``."""
+    (:meth:`UnicronRendezvousHandler.join_running_rounds`): plain ``torchrun`` gets torch's ``RendezvousClosedError``."""
 
 
 class UnicronRendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous, gated by the coordinator's plan.
 
-    Built by :func:`create_handler`; ``gate`` and ``task`` are set there.
+    Built by :func:`create_handler`; ``gate`` and ``task`` are set there. Its seam with the agent is
+    :class:`~unicron_elastic.rendezvous.api.UnicronRendezvous`.
     """
 
     gate: JoinGate = OpenGate()
@@ -55,20 +57,12 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     status_store: StatusStore | None = None
     #: The run's etcd backend (for :func:`~unicron_elastic.rendezvous.quiet.stamp_live`).
     backend: UnicronRendezvousBackend | None = None
-    #: Set by ``unicron-run``'s agent: a node that arrives while the round runs takes the
-    #: place of a lost node instead of making every node restart (torch's ``num_nodes_waiting``).
+    #: Set by :meth:`join_running_rounds` (``unicron-run``'s agent): a node that arrives while the round runs
+    #: takes the place of a lost node instead of making every node restart (torch's ``num_nodes_waiting``).
     rejoin: bool = False
-    #: This node took a lost node's place in a running round, or added one (its workers join as joiners).
-    rejoined: bool = False
-    #: ``(nodes, world)`` of the running round as torch formed it, when this node joined it (None: torch formed
-    #: the round with this node).
-    round_shape: tuple[int, int] | None = None
-    #: :attr:`round_shape` when this node's place is past that round (it grew the run, or took the place of a
-    #: node that had): its workers' ranks follow the round's (the agent assigns them).
-    past_round: tuple[int, int] | None = None
-    #: Workers this node runs (``--nproc-per-node``; set by ``unicron-run``'s agent).
+    #: Workers this node runs (``--nproc-per-node``; set by :meth:`join_running_rounds`).
     local_world_size: int = 1
-    _rejoined_round: int = -1
+    _round_joined: RoundJoined | None = None  # what the last rendezvous hands the agent (:attr:`round_joined`)
     _joined_before: bool = False
     #: This node's round runs: no torch heartbeats, no reads of torch's state (:mod:`~unicron_elastic.rendezvous.quiet`).
     _quiet: bool = False
@@ -79,8 +73,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Wait for the plan to admit this node, then join the running round (rejoin) or the next one."""
-        self.rejoined = False
-        self.round_shape = self.past_round = None
+        self._round_joined = None
         if self.rejoin and not self._joined_before:  # a restart-all of this node is no rejoin
             info = self._rejoin_running_round()
             self._joined_before = True
@@ -106,6 +99,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         finally:
             if announcement is not None:
                 announcement.close()
+        self._round_joined = RoundJoined(self._state_holder.state.round)
         log.info(
             "rendezvous_joined",
             run_id=request.run_id,
@@ -213,7 +207,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         before this node gives the round up (every node would restart). A
         place taken while its node's lease had lapsed is lost to that node
         (its renewal is create-only: :meth:`MeetingPoint._rekey
-        <unicron_elastic.agent.meeting.MeetingPoint._rekey>`).
+        <unicron_elastic.agent.meeting_point.MeetingPoint._rekey>`).
 
         Returns:
             The rendezvous of the running round as that place's rank, or None
@@ -280,17 +274,48 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         it counts up to itself.
         """
         store = dist.PrefixStore(f"torch.rendezvous.{self.get_run_id()}.{round_}", self._store)  # torch's layout
-        self._rejoined_round = round_
         start = initial_round(rounds.store, prefix)
-        self.round_shape = None if start is None else (start.nodes, start.world)
-        self.past_round = self.round_shape if start is not None and group_rank >= start.nodes else None
-        world = nodes if start is None else (group_rank + 1 if self.past_round else start.nodes)
+        past = start if start is not None and group_rank >= start.nodes else None
+        world = nodes if start is None else (group_rank + 1 if past else start.nodes)
         addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
         port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
-        self.rejoined = True
+        self._round_joined = RoundJoined(round_, running=True, past_round=past)
         self._start_heartbeats()  # (quiet: this node is no participant of torch's round)
         log.warning("rendezvous_rejoined", run_id=self.get_run_id(), round=round_, rank=group_rank, nodes=nodes)
         return RendezvousInfo(store, group_rank, world, RendezvousStoreInfo(addr, port))
+
+    # -- the seam with the agent (rendezvous/api.py's UnicronRendezvous) ------------------------------------
+    def join_running_rounds(self, local_world_size: int) -> None:
+        """From now on, join a round of the run that is running instead of making every node restart.
+
+        ``unicron-run``'s agent calls it: a node arriving while a round runs takes a lost node's place,
+        or adds one with ``local_world_size`` workers (:meth:`_rejoin_running_round`); the round runs
+        quiet (:mod:`~unicron_elastic.rendezvous.quiet`), and a node arriving after the run finished gets
+        :class:`RunFinished`.
+
+        Raises:
+            ValueError: ``local_world_size`` < 1.
+        """
+        if local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+        self.rejoin = True
+        self.local_world_size = local_world_size
+
+    @property
+    def round_joined(self) -> RoundJoined | None:
+        """What this node's last rendezvous handed over (None before the first completed)."""
+        return self._round_joined
+
+    @property
+    def rejoined(self) -> bool:  # deprecated alias, remove in 0.3
+        """Deprecated: ``round_joined.running``."""
+        return self._round_joined is not None and self._round_joined.running
+
+    @property
+    def past_round(self) -> tuple[int, int] | None:  # deprecated alias, remove in 0.3
+        """Deprecated: ``round_joined.past_round`` (a ``RoundStart``; this is its ``(nodes, world)``)."""
+        past = self._round_joined.past_round if self._round_joined is not None else None
+        return None if past is None else (past.nodes, past.world)
 
     @property
     def max_nodes(self) -> int:
@@ -299,8 +324,9 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
 
     def current_round(self) -> int:
         """The rendezvous round this node last joined (-1 before the first)."""
-        if self.rejoined:
-            return self._rejoined_round
+        joined = self._round_joined
+        if joined is not None and joined.running:
+            return joined.round
         return int(getattr(self._state_holder.state, "round", -1))
 
     def _forget_agent_store(self) -> None:

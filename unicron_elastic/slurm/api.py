@@ -2,7 +2,7 @@
 
 Leaf module: no I/O. :mod:`unicron_elastic.slurm.job` reads the job from the
 environment and asks ``scontrol``; :mod:`unicron_elastic.slurm.etcd` runs the
-members; :mod:`unicron_elastic.slurm.watch` follows the node's state.
+members; :mod:`unicron_elastic.slurm.drain_watch` follows the node's state.
 """
 
 from __future__ import annotations
