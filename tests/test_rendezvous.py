@@ -96,15 +96,19 @@ def test_a_quiet_look_decodes_the_state_only_when_it_was_written_and_finds_it_co
     from unicron_elastic.rendezvous import quiet
     from unicron_elastic.rendezvous.backend import encode_state
 
-    assert quiet.look(backend, store, "run1", None) == (None, 0)  # no state yet, nobody announced
-    _, token, _ = backend.set_state(pickle.dumps({"round": 3}))
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    assert quiet.look(backend, store, "run1", None) == (None, 0, None)  # no state yet, nobody announced
+    state = _RendezvousState()
+    state.round = 3
+    _, token, _ = backend.set_state(pickle.dumps(state))
     store.put(store.keys.rdzv_waiting("run1", "n1"), b"1")
-    checked, waiting = quiet.look(backend, store, "run1", None)
-    assert checked == token and waiting == 1
+    assert quiet.look(backend, store, "run1", None) == (token, 1, 3)  # read: torch's round with it
+    checked = token
     reads = []
     real_get = backend.get_state
     backend.get_state = lambda: reads.append(1) or real_get()  # type: ignore[method-assign]
-    assert quiet.look(backend, store, "run1", checked) == (checked, 1) and reads == []  # unchanged: not read
+    assert quiet.look(backend, store, "run1", checked) == (checked, 1, None) and reads == []  # unchanged: not read
     store.put(backend.key, b"not a rendezvous state")
     with pytest.raises(RendezvousStateError, match="corrupt"):
         quiet.look(backend, store, "run1", checked)
@@ -522,6 +526,30 @@ class _GrowsByRestart:
 
     def grow(self, request, nodes: int) -> bool:
         return True
+
+
+def test_a_quiet_node_whose_round_torch_moved_past_enters_the_next_round(
+        etcd_config: EtcdConfig, store: StatusStore) -> None:
+    """A node that joined a running round is no participant of torch's: when the others go on to the next
+    round and its look comes too late to see them waiting, torch's round past its own still tells it to
+    enter the next round (it was left quiet in a round that had ended)."""
+    from unicron_elastic.rendezvous.backend import decode_state
+
+    conf = dict(last_call_timeout="1", join_timeout="30", keep_alive_interval="1", keep_alive_max_attempt="2")
+    first = create_handler(_params(etcd_config, "moved-on", **conf))
+    first.join_running_rounds(2)
+    first.next_rendezvous()
+    assert first.num_nodes_waiting() == 0  # quiet in its round
+    kv = store.get(store.keys.rdzv("moved-on"))
+    state = pickle.loads(decode_state(kv.value))
+    state.round += 1  # the others went on without it (as torch does once its round's participants left)
+    state.complete, state.participants, state.last_heartbeats = False, {}, {}
+    first.backend.set_state(pickle.dumps(state), kv.mod_revision)
+    deadline = time.monotonic() + 10
+    while first.num_nodes_waiting() == 0:  # seen at its next look (every keep_alive_interval)
+        assert time.monotonic() < deadline, "the node was left in a round that had ended"
+        time.sleep(0.1)
+    assert first.round_joined is not None and first.round_joined.round == state.round - 1
 
 
 def test_a_running_round_is_quiet_and_a_node_entering_the_rendezvous_keeps_it_alive(

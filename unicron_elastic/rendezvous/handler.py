@@ -70,6 +70,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     _announced: int = 0  # announcements seen at the last look
     _look_at: float = 0.0  # monotonic time of the next look at the announcements
     _checked: int | None = None  # the revision of torch's state a quiet look last decoded
+    _moved_on: bool = False  # torch's state is past this node's round: it must enter the next one
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Wait for the plan to admit this node, then join the running round (rejoin) or the next one."""
@@ -147,6 +148,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             super()._start_heartbeats()
             return
         self._quiet, self._resumed, self._announced, self._look_at, self._checked = True, False, 0, 0.0, None
+        self._moved_on = False
 
     def _stop_heartbeats(self) -> None:
         """Stop torch's heartbeats (this node enters the rendezvous, or shuts it down): not quiet any more."""
@@ -159,7 +161,10 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
 
         A quiet node looks at the announcements every ``keep_alive_interval``; while there is one it sends
         torch's heartbeats again and answers from torch's state. Each look also checks torch's state when it
-        was written since the last look, in the same request (:func:`~unicron_elastic.rendezvous.quiet.look`).
+        was written since the last look, in the same request (:func:`~unicron_elastic.rendezvous.quiet.look`):
+        when torch's round is past this node's (its round ended without it: a node that joined the running
+        round is no participant of torch's, and the others may have gone on to the next round while its look
+        came too late to see them waiting), it answers at least 1, so that it enters the next round too.
 
         Raises:
             RendezvousConnectionError: etcd stayed unreachable.
@@ -175,7 +180,9 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
                     self._announced = quiet.announced(self.status_store, self.get_run_id())  # type: ignore[arg-type]
                 else:
                     store: StatusStore = self.status_store  # type: ignore[assignment]
-                    self._checked, self._announced = quiet.look(self.backend, store, self.get_run_id(), self._checked)
+                    found = quiet.look(self.backend, store, self.get_run_id(), self._checked)
+                    self._checked, self._announced = found.checked, found.waiting
+                    self._note_round(found.round)
             except StoreError as exc:
                 raise RendezvousConnectionError(f"the connection to etcd has failed: {exc}") from exc
             if self._announced and not self._resumed:
@@ -185,7 +192,18 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
             elif not self._announced and self._resumed:
                 self._resumed = False
                 super()._stop_heartbeats()
-        return super().num_nodes_waiting() if self._announced else 0
+        waiting = super().num_nodes_waiting() if self._announced else 0
+        if self._announced:
+            self._note_round(self._state_holder.state.round)  # (synced by torch's count)
+        return max(waiting, 1) if self._moved_on else waiting
+
+    def _note_round(self, state_round: int | None) -> None:
+        """Whether torch's state is past the round this node runs in (then it must enter the next one)."""
+        joined = self._round_joined
+        if state_round is None or joined is None or state_round == joined.round or self._moved_on:
+            return
+        self._moved_on = True
+        log.warning("rendezvous_round_moved_on", run_id=self.get_run_id(), round=joined.round, now=state_round)
 
     def _rejoin_running_round(self) -> RendezvousInfo | None:
         """Join the running round: take a lost node's place, or grow the round by one place.

@@ -32,6 +32,7 @@ import pickle
 import random
 import time
 from datetime import datetime, timezone
+from typing import NamedTuple
 
 import structlog
 from torch.distributed.elastic.rendezvous import RendezvousStateError
@@ -103,7 +104,21 @@ def stamp_live(backend, store: StatusStore, run_id: str) -> int | None:
     raise RuntimeError(f"the heartbeats of run {run_id!r} could not be stamped: {STAMP_ATTEMPTS} conflicts in a row")
 
 
-def look(backend, store: StatusStore, run_id: str, checked: int | None) -> tuple[int | None, int]:
+class Look(NamedTuple):
+    """What a quiet node's look found.
+
+    Attributes:
+        checked: The revision of torch's state now checked (None: there is no state).
+        waiting: How many nodes announced they enter the run's rendezvous.
+        round: torch's round in the state, when the state was read (written since the last look).
+    """
+
+    checked: int | None
+    waiting: int
+    round: int | None = None
+
+
+def look(backend, store: StatusStore, run_id: str, checked: int | None) -> Look:
     """A quiet node's look, one request: the announcements, and torch's state checked if it was written.
 
     A quiet node does not sync torch's state, so this is where a state that cannot be read is found, as
@@ -116,7 +131,8 @@ def look(backend, store: StatusStore, run_id: str, checked: int | None) -> tuple
         checked: The state's revision at the last look (None: never looked).
 
     Returns:
-        The revision now checked, and how many nodes announced they enter the run's rendezvous.
+        The revision now checked, how many nodes announced they enter the run's rendezvous, and torch's
+        round when the state was read.
 
     Raises:
         RendezvousStateError: The state in etcd is corrupt.
@@ -125,15 +141,16 @@ def look(backend, store: StatusStore, run_id: str, checked: int | None) -> tuple
     """
     revision, waiting = store.revision_and_count(backend.key, store.keys.rdzv_waiting(run_id))
     if revision is None or revision == checked:
-        return revision, waiting
+        return Look(revision, waiting)
     current = backend.get_state()  # (decodes the document: RendezvousStateError when it is not one)
     if current is None:
-        return None, waiting
+        return Look(None, waiting)
     try:
-        pickle.loads(current[0])  # noqa: S301 - torch's own state format (see the module doc)
+        state = pickle.loads(current[0])  # noqa: S301 - torch's own state format (see the module doc)
     except Exception as exc:  # noqa: BLE001 - whatever the bytes make pickle raise
         raise RendezvousStateError("The rendezvous state is corrupt. See inner exception for details.") from exc
-    return current[1], waiting
+    round_ = getattr(state, "round", None)
+    return Look(current[1], waiting, round_ if isinstance(round_, int) else None)
 
 
 def announced(store: StatusStore, run_id: str) -> int:
