@@ -75,6 +75,28 @@ def test_plan_commands_statuses_and_state_are_written_together(store: StatusStor
         lease.close()
 
 
+def test_a_decision_larger_than_etcds_transaction_limit_is_written_in_several(store: StatusStore,
+                                                                             leader: Coordinator) -> None:
+    """etcd refuses a transaction of more than 128 operations: 300 nodes placed, then all lost at once (300
+    nodes' commands to delete), each decision written whole in transactions of at most MAX_TXN_OPS."""
+    nodes = 300
+    lease = store.grant_lease(30)
+    for i in range(nodes):
+        store.put(store.keys.node(f"n{i:03d}"), NodeRecord(f"n{i:03d}", 2).to_json(), lease=lease)
+    table = {str(2 * k): float(k) for k in (1, nodes // 2, nodes)}
+    doc = dict(spec_doc("big", 1.0, table), max_workers=2 * nodes, global_batch=2 * nodes)
+    store.put(store.keys.task_spec("big"), json.dumps(doc))
+    leader.step()
+    assert len(read_plan(store).tasks["big"].nodes) == nodes
+    assert len(store.get_prefix(store.keys.prefix + "commands/")) == nodes
+    store.call(lambda c: c.revoke_lease(lease), "revoke")  # every node lost at once
+    leader.step()
+    plan = read_plan(store)
+    share = plan.tasks.get("big")
+    assert not plan.nodes and (share is None or not share.nodes)
+    assert store.get_prefix(store.keys.prefix + "commands/") == []
+
+
 def test_a_deposed_leader_cannot_write_and_a_standby_loses_nothing(store: StatusStore, leader: Coordinator) -> None:
     lease = register(store, "n0")
     store.put(store.keys.task_spec("a"), json.dumps(spec_doc("a", 1.0, TABLE_A)))

@@ -292,13 +292,23 @@ class Coordinator:
                          tasks={n: list(t.nodes) for n, t in action.plan.tasks.items()},
                          commands=[(c.node, c.task) for c in action.commands])
         prefixes = tuple(keys.commands(n) for n in forget)
-        if len(puts) + len(commands) + len(prefixes) <= MAX_TXN_OPS:
-            self.election.fenced_txn({**puts, **commands}, delete_prefixes=prefixes)
-            return
-        self.election.fenced_txn(puts, delete_prefixes=prefixes)
-        items = list(commands.items())
-        for i in range(0, len(items), MAX_TXN_OPS):
-            self.election.fenced_txn(dict(items[i:i + MAX_TXN_OPS]))
+        for chunk_puts, chunk_prefixes in _chunks(list(puts.items()), prefixes, list(commands.items())):
+            self.election.fenced_txn(chunk_puts, delete_prefixes=chunk_prefixes)
+
+
+def _chunks(puts: list[tuple[str, str]], prefixes: tuple[str, ...],
+            commands: list[tuple[str, str]]) -> list[tuple[dict[str, str], tuple[str, ...]]]:
+    """The writes of one decision as transactions of at most :data:`MAX_TXN_OPS` operations each, in order.
+
+    The state and the plan first (``puts`` begins with them), then task statuses, the forgotten nodes'
+    commands deleted, the new commands: one transaction when they all fit.
+    """
+    ops: list[tuple[str, str | None]] = [*puts, *((p, None) for p in prefixes), *commands]
+    out = []
+    for i in range(0, len(ops), MAX_TXN_OPS):
+        chunk = ops[i:i + MAX_TXN_OPS]
+        out.append(({k: v for k, v in chunk if v is not None}, tuple(k for k, v in chunk if v is None)))
+    return out
 
 
 def _sans_generation(status: dict) -> dict:
