@@ -8,8 +8,7 @@ package must not import torch's rendezvous package (see ``entrypoint.py``).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from unicron_elastic._lazy import lazy_exports
 
 _EXPORTS = {
     "UnicronRendezvousBackend": "backend",
@@ -28,9 +27,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

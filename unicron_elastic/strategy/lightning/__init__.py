@@ -12,8 +12,7 @@ Names are imported lazily, so the torch-level modules import without Lightning.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from unicron_elastic._lazy import lazy_exports
 
 _EXPORTS = {
     "UnicronMegatronStrategy": "megatron_strategy",
@@ -23,14 +22,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """A name of :data:`_EXPORTS`, from its module (imported now).
-
-    Raises:
-        AttributeError: Another name.
-    """
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
