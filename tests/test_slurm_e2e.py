@@ -90,6 +90,35 @@ def endpoint(out: Path) -> str:
     return found.group(1)
 
 
+#: What a survivor's agent logs when the survivor was *behind*: its step's last all-reduce failed on it but
+#: completed on the others, who stepped their optimizer (a node lost at any instant may do that); it is
+#: left out of the record of the newest step and restarted to rejoin from a replica (docs/strategy.md
+#: "Failures inside a step"). The one case where a survivor restarts.
+BEHIND = re.compile(r"rank (\d+) \(step (\d+)\) was left out of generation \d+ \(members \[[^\]]*\], step (\d+)\)")
+
+
+def behind(out: Path) -> list[int]:
+    """The ranks restarted because they were behind the newest step's members (see :data:`BEHIND`)."""
+    return sorted({int(m[1]) for e in entries(out) if e["event"] == "worker_rejoining"
+                   and (m := BEHIND.search(e.get("reason", ""))) and int(m[2]) < int(m[3])})
+
+
+def check_survivors(out: Path, survivors: list[int], lost: list[int]) -> None:
+    """No survivor restarted, except one behind; each trained every step, one recovered without the lost ranks."""
+    late = behind(out)
+    assert sorted({e["rank"] for e in entries(out) if e["event"] == "worker_restarted"}) == late  # nobody else
+    assert set(late) <= set(survivors), (late, survivors)
+    summaries = {r: json.loads((out / f"rank{r}.json").read_text()) for r in survivors}
+    for r in survivors:
+        assert summaries[r]["global_step"] == STEPS
+        if r in late:  # restarted after the loss, it rejoined from a replica
+            assert summaries[r]["state_from"] == "replica" and summaries[r]["joined_at"] is not None, summaries[r]
+            continue
+        assert summaries[r]["joined_at"] is None
+        failed = [x for x in summaries[r]["reports"] if x["recoveries"]]
+        assert len(failed) == 1 and failed[0]["dead"] == sorted(lost + late), failed
+
+
 def same_params(out: Path, rank: int, baseline: list[torch.Tensor]) -> bool:
     params = torch.load(out / f"params{rank}.pt")
     return len(params) == len(baseline) and all(torch.equal(a, b) for a, b in zip(params, baseline))
@@ -140,14 +169,10 @@ def test_a_lost_node_costs_the_survivors_one_ttl_nobody_restarts_and_the_node_jo
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", logs
     assert stall <= NODE_TTL + 1, f"survivors stalled {stall:.2f} s (target: node TTL + 1 = {NODE_TTL + 1} s)"
     print(f"\nlost node {victim} (an etcd follower's node): survivors' stall {stall:.3f} s")
-    assert not [e for e in entries(out) if e["event"] == "worker_restarted"]  # nobody restarted
+    check_survivors(out, survivors, lost)  # nobody restarted (unless behind)
     lost_events = [e for e in entries(out) if e["event"] == "error_event" and e.get("kind") == "lost_connection"]
     assert lost_events and {e["message"] for e in lost_events} == {f"lease of node {victim} expired"}
     summaries = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(3)}
-    for r in survivors:  # one process each, every step; one step recovered without the lost ranks
-        assert summaries[r]["joined_at"] is None and summaries[r]["global_step"] == STEPS
-        failed = [x for x in summaries[r]["reports"] if x["recoveries"]]
-        assert len(failed) == 1 and failed[0]["dead"] == lost, failed
     for r in lost:  # the returning node's rank took its place and joined from a replica
         assert summaries[r]["state_from"] == "replica" and 3 < summaries[r]["joined_at"] < STEPS, summaries[r]
     for r in range(3):
@@ -157,7 +182,7 @@ def test_a_lost_node_costs_the_survivors_one_ttl_nobody_restarts_and_the_node_jo
 @pytest.mark.timeout(900)
 def test_losing_the_node_of_the_etcd_leader_restarts_nobody(slurm, tmp_path: Path, gpt_baseline) -> None:
     out = tmp_path / "out"
-    job = submit(slurm, out, *TRAIN)
+    job = submit(slurm, out, *TRAIN, "--hold-for-joiner", str(STEPS - 2), "--hold-ranks", "2")  # (for a rank behind)
     members = endpoint(out)
     if slurm.etcd_leader(members) != "n3":
         slurm.move_etcd_leader(members, "n3")
@@ -170,15 +195,13 @@ def test_losing_the_node_of_the_etcd_leader_restarts_nobody(slurm, tmp_path: Pat
     assert slurm.etcd_leader(members) in ("n1", "n2")  # the store lost its leader and a survivor's member leads
     record = ended(slurm, job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (out / "batch.log").read_text()[-3000:]
-    assert len(survivors) == 2 and all(len(times(out, r)) == STEPS for r in survivors)
+    assert len(survivors) == 2 and all(len(times(out, r)) == STEPS for r in survivors if r not in behind(out))
     stall = stall_after(out, survivors, killed_at)
     print(f"\nlost node n3 (the etcd leader's node): survivors' stall {stall:.3f} s")
     # an election, then the lost node's lease (which the new leader extends) expires: more than a TTL
     assert stall <= NODE_TTL + 3, stall
-    assert not [e for e in entries(out) if e["event"] == "worker_restarted"]
+    check_survivors(out, survivors, ranks_of(out, "n3"))  # nobody restarted (unless behind)
     for r in survivors:
-        summary = json.loads((out / f"rank{r}.json").read_text())
-        assert summary["joined_at"] is None and summary["global_step"] == STEPS
         assert same_params(out, r, gpt_baseline), f"rank {r} diverged"
 
 
