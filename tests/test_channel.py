@@ -77,9 +77,57 @@ def test_worker_never_blocks_without_an_agent(tmp_path) -> None:
     started = time.perf_counter()
     for step in range(1000):
         w.heartbeat(step, 0.1)
+    w.set_paused(True)  # (a message that waits for room in a full queue does not wait for an agent that is gone)
     assert time.perf_counter() - started < 1.0
-    assert w.dropped == 1000
+    assert w.dropped == 1001
     assert WorkerChannel(agent_path="").active is False
+
+
+def _full_agent(tmp_path) -> tuple[socket.socket, WorkerChannel]:
+    """An agent socket nobody reads, and a worker that sent heartbeats until its queue was full (one dropped)."""
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent.bind(str(tmp_path / "agent.sock"))
+    w = WorkerChannel(agent_path=str(tmp_path / "agent.sock"), rank=0, deliver_within=0.3)
+    sent = 0
+    while w.dropped == 0:  # (Linux queues net.unix.max_dgram_qlen datagrams: 10 by default)
+        w.heartbeat(sent, 0.1)
+        sent += 1
+        assert sent < 100_000
+    return agent, w
+
+
+def test_a_full_agent_queue_drops_heartbeats_at_once_and_a_pause_only_after_waiting(tmp_path) -> None:
+    agent, w = _full_agent(tmp_path)
+    started = time.monotonic()
+    for step in range(100):
+        w.heartbeat(step, 0.1)
+    assert w.dropped == 101 and time.monotonic() - started < 0.5  # a heartbeat never waits
+    started = time.monotonic()
+    w.set_paused(True)  # nobody reads: it waits deliver_within (0.3 s), then it is dropped
+    assert w.dropped == 102 and time.monotonic() - started >= 0.3
+    agent.close()
+
+
+def test_a_pause_sent_while_the_agent_is_behind_reaches_it(tmp_path) -> None:
+    agent, w = _full_agent(tmp_path)
+    w.deliver_within = 30.0
+    received: list[dict] = []
+
+    def drain() -> None:  # the agent catches up after 0.2 s
+        time.sleep(0.2)
+        agent.settimeout(5.0)
+        while not received or received[-1]["t"] != "state":
+            received.append(json.loads(agent.recv(65536)))
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    started = time.monotonic()
+    w.set_paused(True)
+    waited = time.monotonic() - started
+    reader.join(10)
+    assert received[-1] == {"t": "state", "paused": True, "rank": 0} and w.dropped == 1  # delivered, not dropped
+    assert 0.15 <= waited < 10
+    agent.close()
 
 
 def test_run_step_retries_when_the_agent_says_reattempt(channel) -> None:

@@ -12,8 +12,13 @@ Use it from a training script (the Lightning strategy does it for you)::
         w.heartbeat(step, time.monotonic() - t0)
 
 Messages are JSON datagrams on the UNIX socket named by ``UNICRON_AGENT_SOCKET``.
-Sending never blocks: if the agent is gone, messages are dropped (counted in
-``dropped``). An uncaught exception is reported before the process dies
+If the agent is gone, messages are dropped at once (counted in ``dropped``).
+When it is only behind (its queue is full: Linux queues at most
+``net.unix.max_dgram_qlen`` datagrams, 10 by default, for all the node's
+workers), a heartbeat or a progress report is dropped (the next one replaces
+it), and any other message (a pause, a rejoin request, an exception) waits
+for room, at most ``deliver_within`` seconds: losing one would make the agent
+take a paused worker for hung or a left-out one for failed. An uncaught exception is reported before the process dies
 (:meth:`WorkerChannel.install_excepthook`; ``get_worker`` installs it). An
 uncaught exception whose class says ``rejoin = True`` (the engine's ``Excluded``:
 alive but left out of a membership record) first asks the agent to start the
@@ -27,6 +32,7 @@ import json
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -39,6 +45,8 @@ T = TypeVar("T")
 _MAX_TRACEBACK = 8000
 #: Longest reason a rejoin request carries (the agent refuses longer ones).
 MAX_REASON = 1000
+#: Messages that a later one of the same kind replaces: dropped when the agent's queue is full.
+LOSSY = frozenset({"beat", "progress"})
 
 
 def wants_rejoin(exc: BaseException | None) -> bool:
@@ -52,11 +60,14 @@ class WorkerChannel:
     Args:
         agent_path: The agent's socket; default from the environment.
         rank: Global rank; default ``$RANK``.
+        deliver_within: Seconds a message that is not :data:`LOSSY` waits for
+            room in the agent's queue before it is dropped.
     """
 
-    def __init__(self, agent_path: str | None = None, rank: int | None = None) -> None:
+    def __init__(self, agent_path: str | None = None, rank: int | None = None, deliver_within: float = 5.0) -> None:
         self.agent_path = agent_path if agent_path is not None else agent_socket()
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.deliver_within = deliver_within
         self.dropped = 0
         self.active = bool(self.agent_path)
         self._sock: socket.socket | None = None
@@ -70,13 +81,25 @@ class WorkerChannel:
             atexit.register(self.close)
 
     def _send(self, msg: dict[str, Any]) -> None:
+        """Send ``msg``; see the module's docstring for when it is dropped instead (counted in ``dropped``)."""
         if not self.active or self._sock is None:
             return
         msg["rank"] = self.rank
-        try:
-            self._sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), self.agent_path)
-        except OSError:  # agent gone, socket buffer full: never block training
-            self.dropped += 1
+        raw = json.dumps(msg, separators=(",", ":")).encode()
+        deadline = None if msg["t"] in LOSSY else time.monotonic() + self.deliver_within
+        pause = 0.001
+        while True:
+            try:
+                self._sock.sendto(raw, self.agent_path)
+                return
+            except BlockingIOError:  # the agent's queue is full: it is behind
+                if deadline is None or time.monotonic() >= deadline:
+                    break
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+            except OSError:  # the agent is gone: never block training
+                break
+        self.dropped += 1
 
     def hello(self, resumable: bool = False, leavable: bool = False, growable: bool = False) -> None:
         """Introduce this worker.
