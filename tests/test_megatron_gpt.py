@@ -114,17 +114,25 @@ def clipped_by_the_whole_models_norm(out: Path, reference: Path, ranks: list[int
                 assert norms[step] == pytest.approx(norm, rel=1e-5), (r, step)
 
 
+def reference(out: Path, tp: int, pp: int, replicas: int, *args: str) -> Path:
+    """A failure-free run: every rank trained from the start to the end, none restarted."""
+    proc = launch(out, tp, pp, replicas, [], *args)
+    assert "worker_restarted" not in proc.stderr, proc.stderr[-4000:]
+    for r in range(replicas * tp * pp):
+        assert summary(out, r)["trained"] and summary(out, r)["joined_at"] is None, summary(out, r)
+    return out
+
+
 @pytest.fixture(scope="session")
 def single_rank(failure_free) -> Path:
     """The model on one rank, TP = PP = 1 (trained once per session)."""
-    return failure_free("test_megatron_gpt.single_rank", lambda out: launch(out, 1, 1, 1) and out)
+    return failure_free("test_megatron_gpt.single_rank", lambda out: reference(out, 1, 1, 1))
 
 
 @pytest.fixture(scope="session")
 def failure_free_3d(failure_free) -> Path:
     """TP=2 x PP=2 x DP=2 without failures (trained once per session)."""
-    return failure_free("test_megatron_gpt.tp2-pp2-dp2", lambda out: launch(out, 2, 2, 2, [], "--hold-for-joiner", "4")
-                        and out)
+    return failure_free("test_megatron_gpt.tp2-pp2-dp2", lambda out: reference(out, 2, 2, 2, "--hold-for-joiner", "4"))
 
 
 def the_fault_fired(out: Path, victim: int) -> dict:
@@ -170,7 +178,7 @@ def test_each_layout_trains_the_model_defined_and_clips_by_its_norm(tmp_path: Pa
     tp, pp = LAYOUTS[name]
     out = failure_free_3d if (tp, pp) == (2, 2) else tmp_path
     if out is tmp_path:
-        launch(tmp_path, tp, pp, 2)
+        reference(tmp_path, tp, pp, 2)
     layout = ModelParallel(tp, pp)
     trains_the_model_defined(out, single_rank, layout)
     clipped_by_the_whole_models_norm(out, single_rank, list(range(2 * layout.size)))
