@@ -101,10 +101,14 @@ def test_a_full_agent_queue_drops_heartbeats_at_once_and_a_pause_only_after_wait
     started = time.monotonic()
     for step in range(100):
         w.heartbeat(step, 0.1)
-    assert w.dropped == 101 and time.monotonic() - started < 0.5  # a heartbeat never waits
+        w.waiting(True)  # (repeated while a rank waits on its group)
+    assert w.dropped == 201 and time.monotonic() - started < 0.5  # neither waits
     started = time.monotonic()
     w.set_paused(True)  # nobody reads: it waits deliver_within (0.3 s), then it is dropped
-    assert w.dropped == 102 and time.monotonic() - started >= 0.3
+    assert w.dropped == 202 and time.monotonic() - started >= 0.3
+    started = time.monotonic()
+    w.waiting(False)  # the end of a wait changes the agent's view too
+    assert w.dropped == 203 and time.monotonic() - started >= 0.3
     agent.close()
 
 

@@ -15,8 +15,8 @@ Messages are JSON datagrams on the UNIX socket named by ``UNICRON_AGENT_SOCKET``
 If the agent is gone, messages are dropped at once (counted in ``dropped``).
 When it is only behind (its queue is full: Linux queues at most
 ``net.unix.max_dgram_qlen`` datagrams, 10 by default, for all the node's
-workers), a heartbeat or a progress report is dropped (the next one replaces
-it), and any other message (a pause, a rejoin request, an exception) waits
+workers), a heartbeat, a progress report or a repeated "still waiting" is
+dropped (the next one replaces it), and any other message (a pause, a rejoin request, an exception) waits
 for room, at most ``deliver_within`` seconds: losing one would make the agent
 take a paused worker for hung or a left-out one for failed. An uncaught exception is reported before the process dies
 (:meth:`WorkerChannel.install_excepthook`; ``get_worker`` installs it). An
@@ -45,8 +45,14 @@ T = TypeVar("T")
 _MAX_TRACEBACK = 8000
 #: Longest reason a rejoin request carries (the agent refuses longer ones).
 MAX_REASON = 1000
-#: Messages that a later one of the same kind replaces: dropped when the agent's queue is full.
-LOSSY = frozenset({"beat", "progress"})
+
+
+def lossy(msg: dict[str, Any]) -> bool:
+    """Whether a later message replaces ``msg`` (a heartbeat, a progress report, a repeated "still waiting").
+
+    Such a message is dropped when the agent's queue is full; any other waits for room.
+    """
+    return msg["t"] in ("beat", "progress") or (msg["t"] == "state" and msg.get("waiting") is True)
 
 
 def wants_rejoin(exc: BaseException | None) -> bool:
@@ -60,7 +66,7 @@ class WorkerChannel:
     Args:
         agent_path: The agent's socket; default from the environment.
         rank: Global rank; default ``$RANK``.
-        deliver_within: Seconds a message that is not :data:`LOSSY` waits for
+        deliver_within: Seconds a message that is not :func:`lossy` waits for
             room in the agent's queue before it is dropped.
     """
 
@@ -86,7 +92,7 @@ class WorkerChannel:
             return
         msg["rank"] = self.rank
         raw = json.dumps(msg, separators=(",", ":")).encode()
-        deadline = None if msg["t"] in LOSSY else time.monotonic() + self.deliver_within
+        deadline = None if lossy(msg) else time.monotonic() + self.deliver_within
         pause = 0.001
         while True:
             try:
