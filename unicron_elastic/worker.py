@@ -16,9 +16,10 @@ If the agent is gone, messages are dropped at once (counted in ``dropped``).
 When it is only behind (its queue is full: Linux queues at most
 ``net.unix.max_dgram_qlen`` datagrams, 10 by default, for all the node's
 workers), a heartbeat, a progress report or a repeated "still waiting" is
-dropped (the next one replaces it), and any other message (a pause, a rejoin request, an exception) waits
-for room, at most ``deliver_within`` seconds: losing one would make the agent
-take a paused worker for hung or a left-out one for failed. An uncaught exception is reported before the process dies
+dropped (the next one replaces it), and any other message (a pause, a rejoin
+request, an exception) waits for room, at most ``deliver_within`` seconds:
+losing one would make the agent take a paused worker for hung or a left-out
+one for failed. An uncaught exception is reported before the process dies
 (:meth:`WorkerChannel.install_excepthook`; ``get_worker`` installs it). An
 uncaught exception whose class says ``rejoin = True`` (the engine's ``Excluded``:
 alive but left out of a membership record) first asks the agent to start the
