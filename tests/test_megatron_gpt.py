@@ -119,7 +119,8 @@ def reference(out: Path, tp: int, pp: int, replicas: int, *args: str) -> Path:
     proc = launch(out, tp, pp, replicas, [], *args)
     assert "worker_restarted" not in proc.stderr, proc.stderr[-4000:]
     for r in range(replicas * tp * pp):
-        assert summary(out, r)["trained"] and summary(out, r)["joined_at"] is None, summary(out, r)
+        ran = summary(out, r)
+        assert ran["trained"] and ran["joined_at"] is None, ran
     return out
 
 
