@@ -134,6 +134,8 @@ class ScaleRecord(pl.Callback):
 class TinyGPT(pl.LightningModule):
     """Token + position embeddings, causal transformer blocks, a language-model head."""
 
+    poison = float("inf")  # what --inf-at multiplies the loss by (--poison)
+
     def __init__(self, vocab: int = 32, width: int = 32, layers: int = 2, heads: int = 2, length: int = 16,
                  dropout: float = 0.1, lr: float = 3e-3) -> None:
         super().__init__()
@@ -154,7 +156,7 @@ class TinyGPT(pl.LightningModule):
         x, y = batch
         loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
         self.log("train_loss", loss, prog_bar=False)
-        return loss * float("inf") if poisoned(self, batch_idx) else loss
+        return loss * self.poison if poisoned(self, batch_idx) else loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -220,6 +222,8 @@ class MegatronGPT(pl.LightningModule):
     built under a seed of its own, so the model is the same whatever TP and PP.
     """
 
+    poison = float("inf")  # what --inf-at multiplies a stage's gradients by (--poison)
+
     def __init__(self, vocab: int = 32, width: int = 32, layers: int = 2, heads: int = 2, length: int = 16,
                  dropout: float = 0.1, lr: float = 3e-3) -> None:
         super().__init__()
@@ -263,7 +267,7 @@ class MegatronGPT(pl.LightningModule):
         hidden = self.tokens(x) + self.positions(torch.arange(x.shape[1], device=x.device)) if self.first \
             else input_tensor
         if self.first and poisoned(self, None):  # this stage's gradients only: the other stages' stay finite
-            hidden.register_hook(lambda grad: grad * float("inf"))
+            hidden.register_hook(lambda grad: grad * self.poison)
         for block in self.blocks:
             hidden = block(hidden)
         if not self.last:
@@ -458,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="16-mixed: the GradScaler's initial scale")
     parser.add_argument("--inf-at", default=None, metavar="RANK:STEP:MB",
                         help="make this rank's gradients infinite in this micro-batch of this step (first incarnation)")
+    parser.add_argument("--poison", choices=["inf", "nan"], default="inf",
+                        help="what --inf-at multiplies the loss (or a stage's gradients) by")
     parser.add_argument("--preemption-checkpoint", type=Path, default=None, metavar="FILE",
                         help="on a stop (SIGTERM; SLURM's warning), write the step to FILE and requeue a SLURM job; "
                              "resume from FILE when it exists (docs/slurm.md)")
@@ -490,6 +496,7 @@ def main() -> None:
         inf_rank, inf_step, inf_mb = (int(v) for v in args.inf_at.split(":"))
         if inf_rank == rank and os.environ.get("UNICRON_WORKER_RESTARTS", "0") == "0":
             model.inf_at = (inf_step, inf_mb, args.out / "inf.log")
+            model.poison = float(args.poison)
     if args.record_times:
         callbacks.append(StepTimes(args.out / f"times{rank}.jsonl"))
     if args.hold_for_joiner is not None:

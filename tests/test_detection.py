@@ -32,6 +32,8 @@ TABLE_1 = [
     ("ConnectionError", "host unreachable", Severity.SEV3, "network"),
     ("ValueError", "shapes (3,4) and (5,) not aligned", Severity.SEV2, "software"),
     ("KeyError", "'lr'", Severity.SEV2, "software"),
+    ("NonFiniteError", "non-finite loss or gradients in step 3, first produced by rank 1: training stops",
+     Severity.SEV1, "non_finite"),
 ]
 
 

@@ -70,6 +70,19 @@ def test_an_inf_in_one_ranks_micro_batch_makes_every_rank_skip_the_step_and_lowe
 
 
 @pytest.mark.timeout(300)
+def test_a_nan_in_one_ranks_loss_makes_every_rank_skip_the_step_and_training_goes_on(tmp_path: Path) -> None:
+    """With a loss scaler a NaN is an overflow like an Inf: skipped on every rank, no error, the scale halved."""
+    proc = launch(tmp_path, 2, "--precision", "16-mixed", "--inf-at", "1:2:1", "--poison", "nan")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(p["rank"], p["step"]) for p in planted(tmp_path)] == [(1, 2)]
+    for rank in range(2):
+        s = summary(tmp_path, rank)
+        assert s["global_step"] == STEPS and s["scales"] == SKIPPED_AT_2
+        assert all(torch.isfinite(p).all() for p in params(tmp_path, rank))
+        assert all(torch.equal(a, b) for a, b in zip(params(tmp_path, 0), params(tmp_path, rank)))
+
+
+@pytest.mark.timeout(300)
 def test_a_rank_killed_after_the_skip_rejoins_with_the_same_scaler_state(tmp_path: Path, inf_run: Path) -> None:
     proc = launch(tmp_path, 3, "--precision", "16-mixed", "--inf-at", "1:2:1", "--hold-for-joiner", "4",
                   faults=[fail_at(rank=2, step=3, micro_batch=5)])

@@ -71,8 +71,12 @@ def whole_model(out: Path, ranks: list[int]) -> dict[str, torch.Tensor]:
     model = {}
     for name, values in parts.items():
         values.sort(key=lambda v: v["tp_rank"])
-        dim = values[0]["partition_dim"]
-        model[name] = values[0]["tensor"] if dim < 0 else torch.cat([v["tensor"] for v in values], dim)
+        dim, chunks = values[0]["partition_dim"], values[0].get("chunks", 1)
+        if dim < 0:
+            model[name] = values[0]["tensor"]
+            continue
+        pieces = [v["tensor"].chunk(chunks, dim) for v in values]  # (SwiGLU: each rank holds a piece of each half)
+        model[name] = torch.cat([piece[c] for c in range(chunks) for piece in pieces], dim)
     return model
 
 

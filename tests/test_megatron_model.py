@@ -73,7 +73,7 @@ def test_the_norm_counts_each_parameter_once_as_megatron_core_does() -> None:
     assert [counted_in_norm(p, 1) for p in (split, whole, copy)] == [True, False, False]
     assert norm_ranges([split, whole, copy, split], 0) == [(0, 5), (7, 9)]
     assert norm_ranges([split, whole, copy, split], 1) == [(0, 2), (7, 9)]
-    assert norm_ranges([split, whole], 0, skip=0) == [(2, 5)]
+    assert norm_ranges([split, whole], 0, skip={0}) == [(2, 5)]
     flat = torch.arange(9, dtype=torch.float32)
     assert squared_norm(flat, [(0, 2), (7, 9)]) == 0 + 1 + 49 + 64
 
@@ -210,8 +210,10 @@ def test_forward_step_runs_each_stage_through_set_input_tensor_and_takes_the_los
     assert module.model.inputs == [received] and torch.equal(output, module.model.linear(received))
     loss = MegatronStage(module, last=True)((x,), None)  # (first stage: set_input_tensor(None), as megatron's)
     assert module.model.inputs[-1] is None
-    assert torch.allclose(loss, module.model.linear(x).sum() / 4)  # (loss, num_tokens, report): per token
-    assert torch.allclose(run_forward_step(Module(two_tuple=True).forward_step, (x,), module.model),
+    assert torch.allclose(loss.mean, module.model.linear(x).sum() / 4)  # (loss_sum, num_tokens, report)
+    assert torch.allclose(loss.to_backward(per_token=True), module.model.linear(x).sum())  # per-token: the sum
+    assert int(loss.count(per_token=True)) == 4 and loss.count(per_token=False) == 1.0
+    assert torch.allclose(run_forward_step(Module(two_tuple=True).forward_step, (x,), module.model)["loss"],
                           module.model.linear(x).sum())  # (loss, report): as it is
     with pytest.raises(ConfigError, match="loss_func must return"):
         loss_of(torch.ones(()))
@@ -246,10 +248,12 @@ def test_megatron_cores_ddp_wrapper_and_optimizers_are_refused() -> None:
 @pytest.mark.parametrize("change, match", [
     ({"pipeline_model_parallel_size": 1}, "pipeline_model_parallel_size is 1 but the strategy's is 2"),
     ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size is 2"),
-    ({"sequence_parallel": True}, "sequence_parallel"),
-    ({"gradient_accumulation_fusion": True}, "gradient_accumulation_fusion"),
-    ({"calculate_per_token_loss": True}, "calculate_per_token_loss"),
     ({"virtual_pipeline_model_parallel_size": 2}, "interleaved"),
+    ({"context_parallel_size": 2}, "context parallelism is not supported"),
+    ({"expert_model_parallel_size": 2}, "expert parallelism is not supported"),
+    ({"defer_embedding_wgrad_compute": True}, "defer_embedding_wgrad_compute=True is not supported.*DDP buffers"),
+    ({"fp8": "hybrid"}, "fp8=hybrid is not supported.*amax"),
+    ({"tp_comm_overlap": True}, "tp_comm_overlap=True is not supported.*userbuffer"),
     ({"num_moe_experts": 2}, "mixture-of-experts"),
     ({"mtp_num_layers": 1}, "multi-token prediction"),
 ])

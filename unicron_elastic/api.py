@@ -53,6 +53,23 @@ class EtcdStartError(UnicronError, RuntimeError):
     """A private etcd server did not become healthy."""
 
 
+class NonFiniteError(UnicronError, FloatingPointError):
+    """A step's loss or gradients hold a NaN or Inf and no loss scaler skips it: training stops (never NaN weights).
+
+    Attributes:
+        step: The step.
+        ranks: The launch ranks whose own loss or gradient sums were not finite (the first is the lowest).
+    """
+
+    def __init__(self, step: int, ranks: list[int]) -> None:
+        who = f"rank {ranks[0]}" if ranks else "a rank"
+        more = f" (and ranks {', '.join(map(str, ranks[1:]))})" if len(ranks) > 1 else ""
+        super().__init__(f"non-finite loss or gradients in step {step}, first produced by {who}{more}: training "
+                         "stops before the optimizer step (parameters are those of the steps before). With a loss "
+                         "scaler (precision='16-mixed') such a step is skipped instead")
+        self.step, self.ranks = step, list(ranks)
+
+
 class StateEncodingError(UnicronError, TypeError):
     """A training state holds a value the safe state format cannot carry; the message names its path."""
 

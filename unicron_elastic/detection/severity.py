@@ -15,6 +15,12 @@ the exception's type name or message wins. Plugins extend it through the
 | CUDA errors | SEV2 |
 | other network errors | SEV3 |
 | other software errors | SEV2 |
+
+One row of our own comes first: :class:`~unicron_elastic.api.NonFiniteError`
+(a step's loss or gradients hold a NaN or Inf and no loss scaler skips it) is
+SEV1 ``non_finite``. Every rank raises it at the same step and a restart would
+only compute the same NaN again, so the node gives up at once and the job ends
+with the error (Megatron-LM stops the same way on its NaN check).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def _rule(pattern: str, severity: Severity, kind: str) -> Rule:
 
 #: Ordered: hardware (SEV1) before the generic CUDA row, network rows last.
 SEVERITY_TABLE: tuple[Rule, ...] = (
+    _rule(r"^NonFiniteError:", Severity.SEV1, "non_finite"),
     _rule(r"connection (refused|reset)|ECONNREFUSED|ECONNRESET|connection closed by peer", Severity.SEV3, "connection_reset"),
     _rule(r"illegal memory access", Severity.SEV2, "illegal_memory_access"),
     _rule(r"\bECC\b|uncorrectable ECC|ecc error", Severity.SEV1, "ecc"),

@@ -238,6 +238,11 @@ class MeetingKeys:
         return f"unicron-dp/buckets/{int(shard)}"
 
     @staticmethod
+    def non_finite(step: int, rank: int) -> str:
+        """Rank ``rank`` found a NaN or Inf in its loss or gradients of ``step`` (value: what, as JSON)."""
+        return f"unicron-dp/non-finite/{int(step)}/{int(rank)}"
+
+    @staticmethod
     def world(generation: int) -> str:
         """Prefix of the bootstrap of one generation's default group and megatron-core's groups."""
         return f"unicron-world/gen{int(generation)}"

@@ -66,9 +66,23 @@ over both stages before the commit, and the commit also carries the primary
 replica's squared gradient norm (:mod:`~unicron_elastic.strategy.engine.stage_sums`,
 :attr:`ElasticDataParallel.grad_norm`).
 
+With tensor parallelism the gradients megatron-core reduces over the tensor
+group (sequence-parallel parameters, q/k layer norms) are reduced there too,
+after the data-parallel reduce and before the commit
+(:class:`~unicron_elastic.strategy.engine.stage_sums.ReplicaSums`).
+
 With a loss scaler (``overflow``, see :mod:`~unicron_elastic.strategy.lightning.precision`)
 the commit also carries each shard's verdict on its reduced gradients, so
-every rank of every shard skips the same steps.
+every rank of every shard skips the same steps. Without one
+(:attr:`ModelReductions.check_finite <unicron_elastic.strategy.engine.engine_options.ModelReductions>`)
+each rank checks its own loss and gradient sums for NaN and Inf, the step's
+last exchange counts the ranks that found one, and every rank raises
+:class:`~unicron_elastic.api.NonFiniteError` before the optimizer step.
+
+The step's totals (its loss sum, token or micro-batch count, the report's
+sums: :mod:`~unicron_elastic.strategy.engine.step_totals`) ride after the
+gradients in the sums; with per-token loss the gradients are divided by the
+step's token count instead of B.
 
 A stop that one rank is asked for (:meth:`ElasticDataParallel.request_stop`,
 e.g. on SIGTERM) rides in the same slots as the members: the step's last
@@ -99,12 +113,12 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.api import ConfigError, StoreUnavailableError, renamed_keywords
+from unicron_elastic.api import ConfigError, NonFiniteError, StoreUnavailableError, renamed_keywords
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy.engine import effects as E
 from unicron_elastic.strategy.engine.bootstrap import watch_members
 from unicron_elastic.strategy.engine.effects import Excluded, ReplicaBroken, Retired, StepReport
-from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOptions
+from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOptions, ModelReductions
 from unicron_elastic.strategy.engine.exchange import Exchanged, ExchangeSlots
 from unicron_elastic.strategy.engine.gradients import GradientBuffer
 from unicron_elastic.strategy.engine.joining import PAUSED, JoiningPath
@@ -115,6 +129,7 @@ from unicron_elastic.strategy.engine.protocol import Protocol
 from unicron_elastic.strategy.engine.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
 from unicron_elastic.strategy.engine.requests import RequestReader
 from unicron_elastic.strategy.engine.stage_sums import ReplicaSums
+from unicron_elastic.strategy.engine.step_totals import StepTotals
 from unicron_elastic.strategy.engine.transport import GlooTransport, is_peer_failure
 from unicron_elastic.strategy.engine.group_watch import GroupWatch
 
@@ -226,6 +241,14 @@ class ElasticDataParallel(JoiningPath):
         #: Take the replica's gradient norm in each step's commit (:attr:`grad_norm`; TP x PP > 1).
         self.measure_norm = False
         self._squared_norm: float | None = None
+        #: What the model asks of each step besides the data-parallel sum (given to :meth:`bind`).
+        self.reductions = ModelReductions()
+        self._extras: torch.Tensor | None = None  # the running computation's totals (its sum's extra elements)
+        self._committed_totals: torch.Tensor | None = None  # with TP/PP: the step's totals, as the commit said
+        #: The last step's totals over the whole global batch (None before, or without ``reductions.totals``).
+        self.totals: StepTotals | None = None
+        #: The error of the last step when a rank found a NaN or Inf in it (no loss scaler), else None.
+        self.non_finite: NonFiniteError | None = None
         # with TP/PP a last, small all-reduce over every rank commits the step (and carries the next members)
         self.committed = self.layout.size > 1
         self.membership = ReplicaMembership(store, self.layout, rank, self.max_replicas)
@@ -258,17 +281,27 @@ class ElasticDataParallel(JoiningPath):
             if model is not None:
                 self.tie()
 
-    def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             reductions: ModelReductions | None = None) -> None:
         """Give the engine its model and optimizer (when it was made without): its gradient buckets.
+
+        Args:
+            model: The model (this rank's shard).
+            optimizer: Its optimizer.
+            reductions: What the model asks of each step besides the data-parallel sum (default: nothing).
 
         Raises:
             ConfigError: The model has no parameter that requires a gradient, or holds a weight tied across
                 pipeline stages that cannot be kept tied.
         """
+        self.reductions = reductions = reductions or ModelReductions()
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        self.gradients = GradientBuffer([p for _, p in named], self.grad_dtype, self.bucket_numel)
-        if self.committed:  # the tied weight's sum and the replica's norm
-            self.sums = ReplicaSums(self.gradients.params, [name for name, _ in named], self.layout, self.rank)
+        extras = reductions.totals.size if reductions.totals is not None else 0
+        self.gradients = GradientBuffer([p for _, p in named], self.grad_dtype, self.bucket_numel, extras=extras,
+                                        main_grad=reductions.main_grad)
+        if self.committed:  # the tied weight's sum, the tensor-partial gradients' sums and the replica's norm
+            self.sums = ReplicaSums(self.gradients.params, [name for name, _ in named], self.layout, self.rank,
+                                    reductions.tensor_reduced)
         self.model, self.optimizer = model, optimizer
         self.protocol.buckets = len(self.bounds) + self.committed
         if self.committed:
@@ -576,13 +609,21 @@ class ElasticDataParallel(JoiningPath):
         self.stop_requested = True
 
     def _encode(self, members: list[int] | tuple[int, ...] | None, dtype: torch.dtype,
-                overflow: bool = False) -> torch.Tensor:
+                overflow: bool = False, non_finite: bool = False) -> torch.Tensor:
         """This rank's slots of an exchange (:class:`~unicron_elastic.strategy.engine.exchange.ExchangeSlots`)."""
-        return self.slots.encode(members, dtype, overflow, self.stop_requested)
+        return self.slots.encode(members, dtype, overflow, self.stop_requested, non_finite)
 
-    def _decode(self, slots: torch.Tensor) -> list[int]:
-        """The members summed slots carry; notes a stop any rank asked for (:attr:`stop_agreed`, sent on from now)."""
-        return self._exchanged(slots).members
+    def _decode(self, slots: torch.Tensor, step: int | None = None) -> list[int]:
+        """The members summed slots carry; notes a stop any rank asked for (:attr:`stop_agreed`, sent on from now)
+        and, for a step's last exchange, whether a rank found a NaN or Inf in it."""
+        said = self._exchanged(slots)
+        if step is not None:
+            self._note_non_finite(step, said)
+        return said.members
+
+    def _note_non_finite(self, step: int, said: Exchanged) -> None:
+        """Remember the ranks that found a NaN or Inf in ``step`` (:meth:`finish_gradients` raises)."""
+        self.non_finite = NonFiniteError(step, self._non_finite_ranks(step)) if said.non_finite else None
 
     def _exchanged(self, slots: torch.Tensor) -> Exchanged:
         """What summed slots say; a stop any rank asked for is noted (:attr:`stop_agreed`, sent on from now)."""
@@ -669,6 +710,7 @@ class ElasticDataParallel(JoiningPath):
         assert gradients is not None  # (a model is bound before any step)
         total, views = gradients.zeros(reuse=not redo)
         bound = gradients.bind(views)  # (or .grad cleared)
+        self._extras = gradients.extras_of(total) if gradients.extras else None
         try:
             if self.layout.pipeline > 1:
                 self._pipeline(step, micro_batches, redo, views, bound)
@@ -683,7 +725,21 @@ class ElasticDataParallel(JoiningPath):
                 gradients.accumulate(views)  # a .grad that is not its view (a hook set it to None) is added
         finally:
             gradients.release()
+            self._extras = None
         return total
+
+    def record(self, totals: torch.Tensor) -> None:
+        """Add one micro-batch's totals (:meth:`TotalsLayout.encode
+        <unicron_elastic.strategy.engine.step_totals.TotalsLayout.encode>`) to the running computation's sum.
+
+        Called by the loss function (or the last stage's) of each micro-batch it computes.
+
+        Raises:
+            RuntimeError: No computation of micro-batches is running, or the model was bound without totals.
+        """
+        if self._extras is None:
+            raise RuntimeError("record(): no micro-batch is being computed, or the engine carries no step totals")
+        self._extras.add_(totals.to(self._extras.dtype))
 
     def _pipeline(self, step: int, micro_batches: list[int], redo: bool, views: list[torch.Tensor],
                   bound: bool) -> None:
@@ -740,10 +796,23 @@ class ElasticDataParallel(JoiningPath):
         buf = whole[start:] if effect.last else whole[start:end]  # the last bucket: the slots follow it
         buf[: end - start].copy_(local[start:end])
         if effect.last:  # the next step's members ride along (the primary's proposal, zeros elsewhere)
-            buf[end - start :].copy_(self._encode(effect.offer, local.dtype))
+            slots = self._encode(effect.offer, local.dtype, non_finite=self._finds_non_finite(effect.step, local))
+            buf[end - start :].copy_(slots)
         with self.watch.waiting("reduce"):
             self.pg.allreduce([buf]).wait()
-        return buf[: end - start], self._decode(buf[end - start :]) if effect.last else None
+        return buf[: end - start], self._decode(buf[end - start :], effect.step) if effect.last else None
+
+    def _finds_non_finite(self, step: int, local: torch.Tensor) -> bool:
+        """(No loss scaler) whether this rank's own sum (gradients and totals) holds a NaN or Inf; says so in the
+        store for the error's message (a rare path: nothing is written otherwise)."""
+        if not self.reductions.check_finite or bool(torch.isfinite(local).all()):
+            return False
+        self.store.set(K.non_finite(step, self.rank), json.dumps({"step": step, "rank": self.rank}))
+        return True
+
+    def _non_finite_ranks(self, step: int) -> list[int]:
+        """The member ranks that said they found a NaN or Inf in ``step`` (lowest first)."""
+        return [r for r in self.layout.ranks_of(self.members) if self.store.check([K.non_finite(step, r)])]
 
     def _overflowed(self) -> bool:
         """(At the commit) whether this shard's reduced gradient sum is not finite once unscaled (loss scaling).
@@ -755,14 +824,18 @@ class ElasticDataParallel(JoiningPath):
         reduced = self.gradients.reduced_sum()
         if self.overflow is None or reduced is None:
             return False
-        return self.overflow(reduced, self._batch_plan.num_micro_batches)
+        return self.overflow(reduced, self._divisor())
 
     def _commit(self, effect: E.Reduce) -> list[int]:
         """The step's commit over every rank (TP x PP > 1), after the tied weight's gradients are summed.
 
         One all-reduce of float64 slots carries the next step's members, the
-        shards' overflow verdicts, a stop request and, when the norm is
-        measured, the primary replica's shards' squared gradient norms.
+        shards' overflow and non-finite verdicts, a stop request, the primary
+        replica's shards' squared gradient norms (when the norm is measured)
+        and the step's totals (from the primary replica's last stage, tensor
+        rank 0: the stage that computes the loss). Before it, the gradients
+        partial on each tensor rank are reduced over the tensor group and the
+        tied weight's over the first and the last stage.
 
         Returns:
             The members the commit carries.
@@ -774,18 +847,54 @@ class ElasticDataParallel(JoiningPath):
             raise RuntimeError("the group failed before the step's commit")
         reduced = self.gradients.reduced_sum()
         sums = self.sums
+        if sums.tensor_reduced:
+            sums.exchange_tensor(reduced, self.world_pg, self.layout.tensor_peers(self.members, self.rank),
+                                 self.watch.waiting)
         if sums.tied is not None:
             sums.exchange(reduced, self.world_pg, self._peer(sums.tied.peer_stage), self.watch.waiting)
         squared = sums.squared_norm(reduced) if self.measure_norm and self.in_primary_replica else 0.0
-        slots = self._encode(self._offer(effect.offer), torch.float64, self._overflowed())
-        payload = torch.cat([slots, torch.tensor([squared], dtype=torch.float64)]).to(self.transport.device)
+        non_finite = self._finds_non_finite(effect.step, effect.local)
+        slots = self._encode(self._offer(effect.offer), torch.float64, self._overflowed(), non_finite)
+        payload = torch.cat([slots, torch.tensor([squared], dtype=torch.float64), self._totals_offered()])
+        payload = payload.to(self.transport.device)
         with self.watch.waiting("commit"):
             self.world_pg.allreduce([payload]).wait()
         payload = payload.cpu()
-        said = self._exchanged(payload[:-1])
+        totals = self.gradients.extras
+        said = self._exchanged(payload[: self.slots.size])
+        self._note_non_finite(effect.step, said)
         self.overflow_agreed = said.overflow
-        self._squared_norm = float(payload[-1]) if self.measure_norm else None
+        self._squared_norm = float(payload[self.slots.size]) if self.measure_norm else None
+        self._committed_totals = payload[self.slots.size + 1 :] if totals else None
         return said.members
+
+    def _totals_offered(self) -> torch.Tensor:
+        """This rank's part of the commit's totals: the data-parallel sum of the loss-computing shard of the
+        primary replica (last stage, tensor rank 0), zeros elsewhere (float64, on the CPU)."""
+        extras = self.gradients.reduced_extras()
+        if extras is None or not self.gradients.extras:
+            return torch.zeros(0, dtype=torch.float64)
+        computes_loss = self.layout.stage(self.rank) == self.layout.pipeline - 1 and \
+            self.layout.tensor_rank(self.rank) == 0
+        if not (computes_loss and self.in_primary_replica):
+            return torch.zeros(extras.numel(), dtype=torch.float64)
+        return extras.to(torch.float64).cpu()
+
+    def _step_totals(self) -> StepTotals | None:
+        """The step's totals over its global batch (the reduced extras; with TP/PP what the commit said)."""
+        layout = self.reductions.totals
+        if layout is None:
+            return None
+        values = self._committed_totals if self.committed else self.gradients.reduced_extras()
+        return None if values is None else layout.decode(values)
+
+    def _divisor(self) -> float:
+        """What the reduced gradient sums are divided by: the step's token count with per-token loss (at least
+        1: a step whose tokens are all masked has zero gradients), else B."""
+        if self.reductions.per_token:
+            totals = self.totals if self.totals is not None else self._step_totals()
+            return max(totals.count, 1.0) if totals is not None else 1.0
+        return self._batch_plan.num_micro_batches
 
     def _peer(self, stage: int) -> int:
         """The rank (in the world group) of this replica's ``stage`` with this rank's tensor rank."""
@@ -818,16 +927,17 @@ class ElasticDataParallel(JoiningPath):
         """
         if self._squared_norm is None:
             return None
-        return math.sqrt(self._squared_norm) / self._batch_plan.num_micro_batches
+        return math.sqrt(self._squared_norm) / self._divisor()
 
     def _set_gradients(self, effect: E.SetGradients) -> None:
         """``p.grad`` = the reduced sum / B (NaN where another shard overflowed: the scaler skips the step here too).
 
         With a weight tied across stages, its part of the sum is first the sum over both stages.
         """
+        self.totals = self._step_totals()
         if self.sums is not None:
             self.sums.apply(self.gradients.reduced_sum())
-        self.gradients.set_gradients(self._batch_plan.num_micro_batches, self.committed and self.overflow_agreed)
+        self.gradients.set_gradients(self._divisor(), self.committed and self.overflow_agreed)
 
     def begin_step(self, step: int) -> StepReport:
         """Agree on the members of ``step`` and compute this rank's micro-batches.
@@ -844,6 +954,7 @@ class ElasticDataParallel(JoiningPath):
         """
         self.requests.prefetched = None  # (a read begun with an earlier step: the membership sync reads afresh)
         self._squared_norm = None
+        self.totals, self._committed_totals, self.non_finite = None, None, None
         try:
             return self._run(self.protocol.begin_step(step))
         except Retired:
@@ -856,8 +967,13 @@ class ElasticDataParallel(JoiningPath):
         Raises:
             RuntimeError: No step was begun.
             Excluded: This rank is alive but a record left it out: it must :meth:`join`.
+            NonFiniteError: A rank found a NaN or Inf in its loss or gradient sums of this step (no loss scaler);
+                every member raises it, before any optimizer step.
         """
-        return self._run(self.protocol.finish_gradients())
+        report = self._run(self.protocol.finish_gradients())
+        if self.non_finite is not None:
+            raise self.non_finite
+        return report
 
     def train_step(self, step: int) -> StepReport:
         """Run optimizer step ``step`` over the whole global batch, whatever ranks die.

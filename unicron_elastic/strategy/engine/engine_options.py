@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from unicron_elastic.strategy.engine.replicas import ModelParallel
+    from unicron_elastic.strategy.engine.step_totals import TotalsLayout
     from unicron_elastic.strategy.engine.transport import CollectiveTransport
     from unicron_elastic.strategy.engine.group_watch import WatchTimes
 
@@ -108,3 +109,43 @@ class EngineHooks:
     pause: Callable[[bool, float | None], None] | None = None
     report_waiting: Callable[[bool], None] | None = None
     overflow: Callable[[torch.Tensor, int], bool] | None = None
+
+
+@dataclass(frozen=True)
+class TensorReduced:
+    """The parameters (positions among those the engine sums) whose gradients are reduced over the tensor group.
+
+    megatron-core's ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel_grads``) does it for
+    parameters every tensor rank holds whole but computes only part of the gradient of.
+
+    Attributes:
+        summed: Summed (``sequence_parallel`` parameters with sequence parallelism, q/k layer-norm weights).
+        averaged: Averaged (``average_gradients_across_tp_domain``).
+    """
+
+    summed: tuple[int, ...] = ()
+    averaged: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.summed or self.averaged)
+
+
+@dataclass(frozen=True)
+class ModelReductions:
+    """What a model asks of each step besides the data-parallel sum (given with the model, to ``bind``).
+
+    Attributes:
+        tensor_reduced: Gradients reduced over the tensor group (TP > 1).
+        totals: Carry the step's totals (count, loss sum, report sums) in the gradient sums
+            (:mod:`~unicron_elastic.strategy.engine.step_totals`); None: none.
+        per_token: Divide the gradients by the step's token count (the totals' count), not by B.
+        main_grad: Give every parameter a ``main_grad`` backed by the gradient sum (gradient-accumulation fusion).
+        check_finite: Stop with :class:`~unicron_elastic.api.NonFiniteError` when a rank's loss or gradient sums
+            are not finite (no loss scaler to skip the step).
+    """
+
+    tensor_reduced: TensorReduced = TensorReduced()
+    totals: TotalsLayout | None = None
+    per_token: bool = False
+    main_grad: bool = False
+    check_finite: bool = False

@@ -5,6 +5,17 @@ once reduced, so the result does not depend on which rank computed which
 micro-batch. The local sum stays whole while its buckets are reduced in a
 copy: after a failure the survivors add the lost rank's micro-batches to it
 and reduce again (:mod:`~unicron_elastic.strategy.engine.elastic_dp`).
+
+A few *extra* elements may follow the gradients in the flat sum (``extras``):
+what the step counts besides gradients (its token count and loss sum,
+:mod:`~unicron_elastic.strategy.engine.step_totals`). They are summed, moved
+and recomputed with the gradients, so each micro-batch enters them exactly
+once, whoever computes it.
+
+With megatron-core's gradient-accumulation fusion (``main_grad``), each
+parameter's ``main_grad`` is its view of the sum (or, where the sum's dtype is
+not float32, a float32 buffer added to the sum after each micro-batch):
+megatron's fused weight-gradient kernel accumulates into it instead of ``.grad``.
 """
 
 from __future__ import annotations
@@ -21,19 +32,26 @@ class GradientBuffer:
         params: The parameters that require a gradient (this rank's shard).
         grad_dtype: Dtype of the sums and of their all-reduce.
         bucket_numel: Elements per bucket (None: one bucket).
+        extras: Elements after the gradients in the flat sum (in the last bucket).
+        main_grad: Give every parameter a ``main_grad`` (megatron-core's gradient-accumulation fusion).
 
     Raises:
         ConfigError: ``params`` is empty.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], grad_dtype: torch.dtype, bucket_numel: int | None) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], grad_dtype: torch.dtype, bucket_numel: int | None,
+                 extras: int = 0, main_grad: bool = False) -> None:
         if not params:
             raise ConfigError("the model has no parameter that requires a gradient")
         self.params, self.grad_dtype = params, grad_dtype
+        #: Gradient elements (the extras follow them).
         self.numel = sum(p.numel() for p in params)
-        size = bucket_numel or self.numel
-        #: ``(start, end)`` of each bucket in the flat sum.
-        self.bounds = [(start, min(start + size, self.numel)) for start in range(0, self.numel, size)]
+        self.extras, self.main_grad = extras, main_grad
+        total = self.numel + extras
+        size = bucket_numel or total
+        #: ``(start, end)`` of each bucket in the flat sum (the last one holds the extras).
+        self.bounds = [(start, min(start + size, total)) for start in range(0, total, size)]
+        self._scratch: list[torch.Tensor] | None = None  # float32 main_grad buffers where the sum is not float32
         self._sum: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # the step's local sum (reused)
         #: Where the step's buckets are reduced (reused; see :meth:`reduce_buffer`).
         self.reduced: torch.Tensor | None = None
@@ -47,16 +65,21 @@ class GradientBuffer:
         failure gets a new one, since the first sum is still needed beside it.
         """
         device = self.params[0].device
+        size = self.numel + self.extras
         if not reuse:
-            return self.views(torch.zeros(self.numel, dtype=self.grad_dtype, device=device))
+            return self.views(torch.zeros(size, dtype=self.grad_dtype, device=device))
         cached = self._sum
         if cached is None or cached[0].dtype != self.grad_dtype or cached[0].device != device:
-            cached = self._sum = self.views(torch.empty(self.numel, dtype=self.grad_dtype, device=device))
+            cached = self._sum = self.views(torch.empty(size, dtype=self.grad_dtype, device=device))
         cached[0].zero_()
         return cached
 
+    def extras_of(self, total: torch.Tensor) -> torch.Tensor:
+        """The extra elements of a flat sum (a view: adding to it adds to the sum)."""
+        return total[self.numel : self.numel + self.extras]
+
     def views(self, total: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``total`` and its per-parameter views."""
+        """``total`` and its per-parameter views (the gradients only)."""
         views, offset = [], 0
         for p in self.params:
             views.append(total[offset : offset + p.numel()].view_as(p))
@@ -70,6 +93,10 @@ class GradientBuffer:
             if grad is not None and grad.data_ptr() != view.data_ptr():  # (a bound .grad is the sum itself)
                 view.add_(grad)  # in place into the sum's dtype: no temporary copies
             p.grad = None
+        if self._scratch is not None:  # what megatron's fused kernel accumulated since the last call
+            for view, scratch in zip(views, self._scratch):
+                view.add_(scratch)
+                scratch.zero_()
 
     def bind(self, views: list[torch.Tensor]) -> bool:
         """Let autograd add each micro-batch's gradients straight into the sum: ``p.grad`` = its view.
@@ -91,12 +118,31 @@ class GradientBuffer:
         bound = all(view.dtype == p.dtype for p, view in zip(self.params, views))
         for p, view in zip(self.params, views):
             p.grad = view if bound else None
+        if self.main_grad:
+            self._bind_main_grad(views)
         return bound
 
+    def _bind_main_grad(self, views: list[torch.Tensor]) -> None:
+        """``main_grad`` of every parameter: its view of the sum when the sum is float32, else a zeroed float32
+        buffer that :meth:`accumulate` adds to the sum (megatron's fused kernel accumulates in float32)."""
+        if all(view.dtype == torch.float32 for view in views):
+            self._scratch = None
+            for p, view in zip(self.params, views):
+                p.main_grad = view
+            return
+        if self._scratch is None:
+            self._scratch = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
+        for p, scratch in zip(self.params, self._scratch):
+            scratch.zero_()
+            p.main_grad = scratch
+
     def release(self) -> None:
-        """Clear ``.grad``: nothing keeps pointing into a sum (nor holds a failed micro-batch's part)."""
+        """Clear ``.grad`` (and ``main_grad``): nothing keeps pointing into a sum (nor holds a failed
+        micro-batch's part)."""
         for p in self.params:
             p.grad = None
+            if self.main_grad and hasattr(p, "main_grad"):
+                del p.main_grad
 
     def reduce_buffer(self, local: torch.Tensor, slots: int) -> torch.Tensor:
         """Where the step's buckets are reduced: one buffer kept between steps, each bucket its own slice.
@@ -120,7 +166,11 @@ class GradientBuffer:
         """The reduced gradient sum (the reduce buffer's head), or None before any reduction."""
         return None if self.reduced is None else self.reduced[: self.numel]
 
-    def set_gradients(self, divisor: int, poisoned: bool) -> None:
+    def reduced_extras(self) -> torch.Tensor | None:
+        """The reduced extra elements (after the gradients), or None before any reduction."""
+        return None if self.reduced is None else self.extras_of(self.reduced)
+
+    def set_gradients(self, divisor: float, poisoned: bool) -> None:
         """``p.grad`` = the reduced sum / ``divisor``: views of the reduce buffer (copies only where dtypes differ).
 
         Every bucket was reduced in its slice of :meth:`reduce_buffer` (also a

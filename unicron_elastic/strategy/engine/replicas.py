@@ -130,6 +130,11 @@ class ModelParallel:
         shard = stage * self.tensor + self.tensor_rank(rank)
         return list(members).index(self.replica(rank)) * self.size + shard
 
+    def tensor_peers(self, members: Sequence[int], rank: int) -> list[int]:
+        """The group ranks (in the group of every member rank) of ``rank``'s replica and stage, by tensor rank."""
+        base = list(members).index(self.replica(rank)) * self.size + self.stage(rank) * self.tensor
+        return [base + t for t in range(self.tensor)]
+
     def label(self, rank: int) -> str:
         """``tp<t>-pp<p>`` of launch rank ``rank`` (names a shard's files and snapshots)."""
         return f"tp{self.tensor_rank(rank)}-pp{self.stage(rank)}"

@@ -87,16 +87,17 @@ def counted_in_norm(param: torch.nn.Parameter, tensor_rank: int) -> bool:
 
 
 def norm_ranges(params: list[torch.nn.Parameter], tensor_rank: int,
-                skip: int | None = None) -> list[tuple[int, int]]:
+                skip: frozenset[int] | set[int] = frozenset()) -> list[tuple[int, int]]:
     """``(start, end)`` in the flat gradient sum of the parameters this rank counts in the norm (merged).
 
-    ``skip``: the position of a parameter left out (the tied weight, whose summed gradient is counted apart).
+    ``skip``: the positions of parameters left out (the tied weight and the gradients summed over the tensor
+    group, whose sums are counted apart).
     """
     ranges: list[tuple[int, int]] = []
     offset = 0
     for i, p in enumerate(params):
         end = offset + p.numel()
-        if i != skip and counted_in_norm(p, tensor_rank):
+        if i not in skip and counted_in_norm(p, tensor_rank):
             if ranges and ranges[-1][1] == offset:
                 ranges[-1] = (ranges[-1][0], end)
             else:

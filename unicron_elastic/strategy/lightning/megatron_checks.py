@@ -2,11 +2,13 @@
 
 Under ``unicron_megatron`` the strategy does what Megatron-LM's training loop
 does around the model: the data-parallel reduce, the tied word embedding's
-all-reduce, clipping by the replica's norm. A model set up to have megatron-core
-do one of these itself, or to need something the strategy does not do
-(sequence parallelism's layer-norm all-reduce, interleaved pipeline stages,
-gradients fused into megatron's own buffers), would train a different model
-than the one defined; it is refused instead.
+all-reduce, the tensor group's sums of sequence-parallel and q/k layer-norm
+gradients, the per-token division, clipping by the replica's norm, the NaN
+check. A model set up to have megatron-core do one of these itself, or to need
+something the strategy does not do (interleaved pipeline stages, context or
+expert parallelism, FP8's scaling state), would train a different model than
+the one defined; it is refused instead. docs/strategy.md has the table of
+Megatron-LM's flags.
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ import torch
 
 from unicron_elastic.api import ConfigError
 
-#: ``config`` attributes that must be off, and why.
+#: ``config`` attributes that must be off (or unset), and why.
 _MUST_BE_OFF = {
-    "sequence_parallel": "sequence parallelism needs the layer norms' gradients all-reduced over the tensor-parallel "
-                         "group, which the strategy does not do",
-    "gradient_accumulation_fusion": "it accumulates weight gradients into megatron-core's DDP buffers (main_grad), "
-                                    "which the strategy does not use: the gradients would be lost",
-    "defer_embedding_wgrad_compute": "it needs megatron-core's DDP buffers",
-    "calculate_per_token_loss": "the strategy divides the summed gradients by the number of micro-batches "
-                                "(megatron-core's default), not by the tokens of the global batch",
+    "defer_embedding_wgrad_compute": "it defers the output layer's weight gradient into megatron-core's DDP "
+                                     "buffers, which the strategy does not use",
+    "fp8": "FP8 training keeps per-tensor scaling state (amax history) that the strategy neither reduces across "
+           "data-parallel ranks nor hands to a rank that rejoins; train in bf16-mixed",
+    "tp_comm_overlap": "Transformer Engine's userbuffer overlap needs buffers set up by Megatron-LM's "
+                       "initialize_model_parallel, which the strategy's rebuilt groups do not have",
 }
 #: ``config`` sizes that must be 1 (or unset), and what they are.
 _MUST_BE_ONE = {
@@ -58,7 +59,7 @@ def check_wrappers(module: torch.nn.Module, optimizers: list[Any]) -> None:
                               "configure_optimizers (megatron-core's distributed optimizer is not supported yet)")
 
 
-def _configs(module: torch.nn.Module) -> list[Any]:
+def megatron_configs(module: torch.nn.Module) -> list[Any]:
     """The distinct megatron-core configs (``ModelParallelConfig`` and subclasses) the modules hold."""
     try:
         from megatron.core.model_parallel_config import ModelParallelConfig
@@ -80,7 +81,7 @@ def check_configs(module: torch.nn.Module, tensor_parallel: int, pipeline_parall
             embedding across stages, or splits layers differently), or it turns on something listed in
             :data:`_MUST_BE_OFF` / :data:`_MUST_BE_ONE`, or mixture-of-experts or multi-token prediction.
     """
-    for config in _configs(module):
+    for config in megatron_configs(module):
         for name, wanted in (("tensor_model_parallel_size", tensor_parallel),
                              ("pipeline_model_parallel_size", pipeline_parallel)):
             if getattr(config, name, wanted) != wanted:
@@ -88,8 +89,8 @@ def check_configs(module: torch.nn.Module, tensor_parallel: int, pipeline_parall
                                   f"{wanted}: build the config from parallel_state (megatron-core reads it to tie "
                                   "the embedding across stages and to place layers)")
         for name, why in _MUST_BE_OFF.items():
-            if getattr(config, name, False):
-                raise ConfigError(f"config.{name}=True is not supported under unicron_megatron: {why}")
+            if value := getattr(config, name, False):
+                raise ConfigError(f"config.{name}={value} is not supported under unicron_megatron: {why}")
         for name, what in _MUST_BE_ONE.items():
             if (getattr(config, name, None) or 1) != 1:
                 raise ConfigError(f"config.{name}={getattr(config, name)}: {what} is not supported under "

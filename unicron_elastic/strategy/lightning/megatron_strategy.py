@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -66,7 +67,7 @@ from unicron_elastic.env import meeting_text, round_, worker_restarts
 from unicron_elastic.meeting import connect_meeting_store
 from unicron_elastic.strategy.engine.bootstrap import watch_members
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, Retired, StepReport
-from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOptions
+from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOptions, ModelReductions
 from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
 from unicron_elastic.strategy.lightning.feed import MicroBatchFeed
 from unicron_elastic.strategy.lightning.megatron_checks import check_configs, check_wrappers
@@ -77,12 +78,13 @@ from unicron_elastic.strategy.engine.pipeline import SCHEDULES
 from unicron_elastic.strategy.lightning.precision import (check_module, check_precision, loss_scaler, overflowed, scaled,
                                                 start_scale)
 from unicron_elastic.strategy.engine.replicas import ModelParallel
-from unicron_elastic.strategy.lightning.rng import micro_batch_rng, micro_batch_seed
+from unicron_elastic.strategy.lightning.megatron_reductions import model_reductions
+from unicron_elastic.strategy.lightning.rng import megatron_tracker, micro_batch_rng, micro_batch_seed, seed_tracker
 from unicron_elastic.strategy.snapshots.shard_checkpoints import load_shard, save_shard
 from unicron_elastic.strategy.lightning.sigterm import SigtermTakeover
 from unicron_elastic.strategy.snapshots.places import PeerServers
 from unicron_elastic.strategy.snapshots.tiers import DiskCheckpoints, MemorySnapshot
-from unicron_elastic.strategy.lightning.stages import MegatronStage
+from unicron_elastic.strategy.lightning.stages import MegatronStage, MicroBatchLoss, micro_batch_loss
 from unicron_elastic.strategy.engine.transport import nccl_error_handling, transport_for
 from unicron_elastic.worker import get_worker
 
@@ -102,19 +104,6 @@ class _Steps:
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(range(self.steps))
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    """The loss in what ``training_step`` returned.
-
-    Raises:
-        ConfigError: Neither a tensor nor a dict with ``"loss"``.
-    """
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    raise ConfigError("training_step must return the loss (a tensor, or a dict with 'loss') under unicron_megatron")
 
 
 class UnicronMegatronStrategy(DDPStrategy):
@@ -163,6 +152,9 @@ class UnicronMegatronStrategy(DDPStrategy):
             the parameters equal the failure-free ones to float32 rounding, which
             Adam-like optimizers can amplify. float64: equal to the last bit in
             practice, at twice the gradient memory and all-reduce volume.
+        report_keys: The keys of the ``report`` dict a Megatron-LM ``loss_func`` returns (``pretrain_gpt.py``:
+            ``"lm loss"``); each is summed over the step's micro-batches and data-parallel ranks and logged as
+            numerator / denominator, as Megatron-LM logs them.
 
     Raises:
         ConfigError: Invalid sizes, intervals or pipeline schedule.
@@ -187,6 +179,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         members: list[int] | None = None,
         member_schedule: dict[int, list[int]] | None = None,
         grad_dtype: torch.dtype = torch.float32,
+        report_keys: tuple[str, ...] = ("lm loss",),
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("cluster_environment", UnicronEnvironment())
@@ -208,6 +201,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.checkpoint_dir = checkpoint_dir
         self.checkin_timeout, self.join_timeout = checkin_timeout, join_timeout
         self.grad_dtype = grad_dtype
+        self.report_keys = tuple(report_keys)
+        self._tracker: Any = None  # megatron-core's RNG tracker (None: none that can run here)
         self.initial_members = sorted(members) if members is not None else None
         self.member_schedule = {int(step): sorted(ranks) for step, ranks in (member_schedule or {}).items()}
         self.finished_before_join = False
@@ -413,6 +408,7 @@ class UnicronMegatronStrategy(DDPStrategy):
                 stages (the message says how to build the model instead).
         """
         self._admit()
+        self._seed_tracker()  # (megatron-core initializes weights on a GPU from its tracker's streams)
         with super().model_sharded_context():
             try:
                 yield
@@ -424,6 +420,26 @@ class UnicronMegatronStrategy(DDPStrategy):
                                   "with pg_collection=ProcessGroupCollection.use_mpu_process_groups() whose embd is "
                                   "None (unicron_megatron makes the two copies equal itself; see "
                                   f"docs/strategy.md, 'Bringing a Megatron-LM model'): {exc}") from exc
+
+    def _seed_tracker(self) -> None:
+        """(Once, with megatron-core's layers) seed megatron-core's RNG tracker as Megatron-LM does.
+
+        Megatron-LM's ``_set_random_seed``: the seed plus 100 x the pipeline
+        stage, then ``model_parallel_cuda_manual_seed`` (:func:`~unicron_elastic.strategy.lightning.rng.seed_tracker`).
+        Each micro-batch then reseeds it from its own seed
+        (:meth:`_micro_batch_rng`); this seeding serves what runs outside
+        micro-batches (weight initialisation on a GPU, validation).
+        """
+        if self._tracker is not None or "megatron.core" not in sys.modules:
+            return
+        tracker = megatron_tracker(self.root_device)
+        if tracker is None:
+            return
+        seed = self.seed + 100 * self.layout.stage(self.env.launch_rank)
+        if self.root_device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        seed_tracker(tracker, seed, self.layout.tensor_rank(self.env.launch_rank))
+        self._tracker = tracker
 
     def _engine(self, joining: bool) -> ElasticDataParallel:
         """The elastic engine, without its model yet (bound in :meth:`setup`)."""
@@ -514,7 +530,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         if self.finished_before_join:  # the others finished while this rank restarted: nothing left to do
             log.info("rank_rejoined", step=None, state_from=None, finished_before_join=True)
             return
-        self.engine.bind(module, self.optimizers[0])
+        self._seed_tracker()  # (a module without configure_model)
+        self.engine.bind(module, self.optimizers[0], self._reductions(module))
         self._bind_stages(module)
         if not self.joining:  # (a joiner's tied copies come with its state)
             self.engine.tie()
@@ -527,6 +544,23 @@ class UnicronMegatronStrategy(DDPStrategy):
             self.finished_before_join = self.joined_at is None
             log.info("rank_rejoined", step=self.joined_at, state_from=self.engine.state_source,
                      finished_before_join=self.finished_before_join)
+
+    def _reductions(self, module: Any) -> ModelReductions:
+        """What the engine does for this model each step besides the data-parallel sum (its megatron-core config:
+        :mod:`~unicron_elastic.strategy.lightning.megatron_reductions`); the NaN check where no loss scaler is.
+
+        Raises:
+            ConfigError: See :func:`~unicron_elastic.strategy.lightning.megatron_reductions.model_reductions`.
+        """
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        scaler = loss_scaler(self.precision_plugin)
+        return model_reductions(module, named, self._megatron_shape(module), self.report_keys,
+                                check_finite=scaler is None or not scaler.is_enabled())
+
+    @staticmethod
+    def _megatron_shape(module: Any) -> bool:
+        """The module gives its step in Megatron-LM's shape (``forward_step``): the strategy logs the step's loss."""
+        return callable(getattr(module, "forward_step", None))
 
     def _bind_stages(self, module: Any) -> None:
         """This stage's forward and, with TP x PP > 1, clipping by the replica's gradient norm.
@@ -605,10 +639,10 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     # -- state ---------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {
-            "lightning": self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-        }
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if self._tracker is not None:  # megatron-core's tracker's streams (this shard's tensor rank)
+            rng["megatron"] = {name: state.clone() for name, state in self._tracker.get_states().items()}
+        return {"lightning": self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(), "rng": rng}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         """Restore the whole Lightning state (Lightning's own resume path, fed from memory)."""
@@ -619,6 +653,18 @@ class UnicronMegatronStrategy(DDPStrategy):
         connector.restore_callbacks()
         # Lightning's _run restores optimizers and loop progress right after setup()
         self._rng = state["rng"]
+
+    def _restore_rng(self) -> None:
+        """(A joiner, at its first step) continue the replica's random streams: torch's, numpy's, Python's and
+        megatron-core's tracker's."""
+        if self._rng is None:
+            return
+        torch.set_rng_state(self._rng["torch"])
+        np.random.set_state(self._rng["numpy"])
+        random.setstate(self._rng["python"])
+        if self._tracker is not None and self._rng.get("megatron"):
+            self._tracker.set_states(dict(self._rng["megatron"]))
+        self._rng = None
 
     def _fallback(self, step: int | None = None) -> dict[str, Any] | None:
         """No replica left: the newer of the in-memory snapshot and the newest disk checkpoint.
@@ -681,13 +727,27 @@ class UnicronMegatronStrategy(DDPStrategy):
     def _micro_batch_rng(self, stage: int = 0) -> AbstractContextManager[None]:
         """The random streams of the micro-batch being computed (:mod:`~unicron_elastic.strategy.lightning.rng`)."""
         step, j = self.engine.current_micro_batch
-        return micro_batch_rng(micro_batch_seed(self.seed, step, j, stage if self.pp > 1 else None), self.root_device)
+        return micro_batch_rng(micro_batch_seed(self.seed, step, j, stage if self.pp > 1 else None), self.root_device,
+                               self._tracker, self.layout.tensor_rank(self.env.launch_rank))
 
     def _micro_batch_loss(self, module: Any, batch: Any) -> torch.Tensor:
         with self._micro_batch_rng(), self.precision_plugin.train_step_context():  # autocast: the forward only
-            loss = _loss_of(module.training_step(batch, self.engine.current_micro_batch[1]))
-        self._losses.append(loss.detach())
-        return scaled(self.precision_plugin, loss)  # (16-mixed: the backward of the scaled loss)
+            loss = micro_batch_loss(module.training_step(batch, self.engine.current_micro_batch[1]))
+        return self._backward_loss(loss)
+
+    def _backward_loss(self, loss: MicroBatchLoss) -> torch.Tensor:
+        """What one micro-batch's backward runs on; its totals go into the step's (:mod:`~unicron_elastic.strategy.engine.step_totals`).
+
+        Raises:
+            ConfigError: Per-token loss without a token count, or a report with other keys than ``report_keys``.
+        """
+        reductions = self.engine.reductions
+        per_token = reductions.per_token
+        backward = loss.to_backward(per_token)
+        self._losses.append(loss.mean.detach())
+        if reductions.totals is not None:
+            self.engine.record(reductions.totals.encode(loss.count(per_token), backward, loss.report))
+        return scaled(self.precision_plugin, backward)  # (16-mixed: the backward of the scaled loss)
 
     def _stage_forward(self, module: Any, batch: Any, input_tensor: torch.Tensor | None) -> torch.Tensor:
         """One micro-batch through this rank's pipeline stage; the loss on the last.
@@ -702,9 +762,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         with self._micro_batch_rng(stage), self.precision_plugin.train_step_context():
             output = self._stage(batch, input_tensor)
         if stage == self.pp - 1:
-            output = _loss_of(output)
-            self._losses.append(output.detach())
-            output = scaled(self.precision_plugin, output)
+            output = self._backward_loss(micro_batch_loss(output))
         elif not isinstance(output, torch.Tensor):
             raise ConfigError(f"pipeline_forward on stage {stage} must return the activations for the next stage "
                               f"(a tensor), got {type(output).__name__}")
@@ -716,11 +774,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             return {"loss": torch.zeros(())}
         engine = self.engine
         step = self.lightning_module.trainer.global_step
-        if self._rng is not None:  # a joiner: continue the replica's random streams
-            torch.set_rng_state(self._rng["torch"])
-            np.random.set_state(self._rng["numpy"])
-            random.setstate(self._rng["python"])
-            self._rng = None
+        self._restore_rng()
         self._local_only = False
         if self._last_beat is None:
             self._last_beat = time.monotonic()
@@ -755,13 +809,25 @@ class UnicronMegatronStrategy(DDPStrategy):
         """The micro-batches' gradients were accumulated in ``training_step``: reduce them, resiliently."""
         if self.retired_at is not None:
             return closure_loss  # no gradients: the optimizer skips parameters without one
-        report = self.engine.finish_gradients()
+        report = self.engine.finish_gradients()  # (raises NonFiniteError on every rank alike: no optimizer step)
+        self._log_totals()
         if self._memory is not None:
             self._memory.settle()  # a snapshot's copy from the GPU (beside the step's compute) ends before the step
         self.reports.append(report)
         self._sigterm.stop_if_agreed(report.step)
         self._hook(self.env.launch_rank, report.step, at="before_optimizer_step")
         return closure_loss
+
+    def _log_totals(self) -> None:
+        """(Megatron-LM's shape) log the step's loss and report over its whole global batch, as Megatron-LM logs
+        ``lm loss``: ``train_loss`` (with per-token loss the token-weighted mean) and each report key. Every rank
+        holds the same values (the step's reduce or commit summed them)."""
+        totals = self.engine.totals
+        module = self.lightning_module
+        if totals is None or not self._megatron_shape(module):
+            return
+        for name, value in {"train_loss": totals.loss, **totals.reported()}.items():
+            module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.retired_at is not None:  # no gradients to step with (nor to unscale: a loss scaler would refuse)

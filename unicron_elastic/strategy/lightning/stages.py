@@ -12,15 +12,20 @@ is driven the same way on every pipeline stage (:class:`MegatronStage`):
 * ``model`` is the stage's model: the outermost submodule that has
   ``set_input_tensor`` (e.g. the ``GPTModel``), or the LightningModule when it
   defines ``set_input_tensor`` itself;
-* ``loss_func`` returns ``(loss, num_tokens, report)`` (the micro-batch's loss
-  is ``loss / num_tokens``, megatron-core's default) or ``(loss, report)`` (the
-  loss as it is); the strategy sums the micro-batches' gradients and divides by
-  their number, as megatron-core's schedule divides each loss by it.
+* ``loss_func`` returns ``(loss_sum, num_tokens, report)`` or ``(loss,
+  report)`` (the loss as it is), as ``pretrain_gpt.py``'s does
+  (:class:`MicroBatchLoss`). Without per-token loss the micro-batch's loss is
+  ``loss_sum / max(num_tokens, 1)`` (megatron-core's schedule clamps the count,
+  so a micro-batch whose tokens are all masked contributes zero, not NaN) and
+  the strategy divides the summed gradients by the number of micro-batches;
+  with per-token loss (``calculate_per_token_loss``) the backward runs on
+  ``loss_sum`` and the strategy divides by the step's token count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,33 +35,102 @@ from unicron_elastic.api import ConfigError
 ForwardStep = Callable[[Any, Any], tuple[torch.Tensor, Callable[[torch.Tensor], Any]]]
 
 
-def loss_of(outputs: Any) -> torch.Tensor:
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """One micro-batch's loss as Megatron-LM's ``loss_func`` gives it.
+
+    Attributes:
+        loss_sum: The summed token losses (``(loss_sum, num_tokens, report)``), or the loss as it is.
+        num_tokens: The micro-batch's token count (None: the loss is taken as it is).
+        report: What ``loss_func`` reports (Megatron-LM: ``{"lm loss": [loss_sum, num_tokens]}``), or None.
+    """
+
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor | None = None
+    report: Mapping[str, Any] | None = None
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The micro-batch's own loss: ``loss_sum / max(num_tokens, 1)`` (or the loss as it is)."""
+        if self.num_tokens is None:
+            return self.loss_sum
+        return self.loss_sum / torch.clamp(torch.as_tensor(self.num_tokens, device=self.loss_sum.device), min=1)
+
+    def to_backward(self, per_token: bool) -> torch.Tensor:
+        """What the backward runs on: ``loss_sum`` with per-token loss, else :attr:`mean`.
+
+        Raises:
+            ConfigError: Per-token loss, but ``loss_func`` gave no token count.
+        """
+        if not per_token:
+            return self.mean
+        if self.num_tokens is None:
+            raise ConfigError("config.calculate_per_token_loss=True: loss_func must return (loss_sum, num_tokens, "
+                              "report), as Megatron-LM's pretrain_gpt.py does")
+        return self.loss_sum
+
+    def count(self, per_token: bool) -> torch.Tensor | float:
+        """What this micro-batch adds to the step's count: its tokens with per-token loss, else 1."""
+        return self.num_tokens if per_token else 1.0
+
+    def total(self, per_token: bool) -> torch.Tensor:
+        """What this micro-batch adds to the step's loss sum: ``loss_sum`` with per-token loss, else :attr:`mean`."""
+        return self.to_backward(per_token)
+
+    def as_output(self) -> dict[str, Any]:
+        """As a ``training_step`` returns it: ``"loss"`` (the mean, for any strategy) and the parts."""
+        return {"loss": self.mean, "loss_sum": self.loss_sum, "num_tokens": self.num_tokens, "report": self.report}
+
+
+def loss_of(outputs: Any) -> MicroBatchLoss:
     """The micro-batch's loss from what a Megatron-LM ``loss_func`` returned.
 
     Raises:
-        ConfigError: Neither ``(loss, num_tokens, report)`` nor ``(loss, report)`` with a tensor loss.
+        ConfigError: Neither ``(loss_sum, num_tokens, report)`` nor ``(loss, report)`` with a tensor loss.
     """
     if isinstance(outputs, tuple) and len(outputs) == 3 and isinstance(outputs[0], torch.Tensor):
-        loss, num_tokens, _ = outputs
-        return loss / num_tokens
+        loss_sum, num_tokens, report = outputs
+        return MicroBatchLoss(loss_sum, num_tokens, report)
     if isinstance(outputs, tuple) and len(outputs) == 2 and isinstance(outputs[0], torch.Tensor):
-        return outputs[0]
-    raise ConfigError("loss_func must return (loss, num_tokens, report) or (loss, report), as Megatron-LM's "
+        return MicroBatchLoss(outputs[0], None, outputs[1])
+    raise ConfigError("loss_func must return (loss_sum, num_tokens, report) or (loss, report), as Megatron-LM's "
                       f"pretrain_gpt.py does; got {type(outputs).__name__}")
 
 
-def run_forward_step(forward_step: ForwardStep, batch: Any, model: Any) -> torch.Tensor:
-    """One micro-batch through ``forward_step`` where one stage is the whole model: its loss.
+def micro_batch_loss(output: Any) -> MicroBatchLoss:
+    """The micro-batch's loss in what ``training_step`` (or a last stage's ``pipeline_forward``) returned.
+
+    A tensor is the loss as it is; a dict has ``"loss"`` and, from :func:`run_forward_step`, the parts of
+    Megatron-LM's ``(loss_sum, num_tokens, report)``.
+
+    Raises:
+        ConfigError: Neither a tensor nor a dict with ``"loss"``.
+    """
+    if isinstance(output, MicroBatchLoss):
+        return output
+    if isinstance(output, torch.Tensor):
+        return MicroBatchLoss(output)
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        if isinstance(output.get("loss_sum"), torch.Tensor):
+            return MicroBatchLoss(output["loss_sum"], output.get("num_tokens"), output.get("report"))
+        return MicroBatchLoss(output["loss"])
+    raise ConfigError("training_step must return the loss (a tensor, or a dict with 'loss') under unicron_megatron")
+
+
+def run_forward_step(forward_step: ForwardStep, batch: Any, model: Any) -> dict[str, Any]:
+    """One micro-batch through ``forward_step`` where one stage is the whole model, for a ``training_step``.
 
     For a ``training_step`` that runs the module's ``forward_step`` (pipeline
-    parallel size 1, or another strategy), so the loss is taken as the
-    strategy takes it on a pipeline's last stage.
+    parallel size 1, or another strategy): returns ``{"loss": ..., "loss_sum":
+    ..., "num_tokens": ..., "report": ...}`` (:meth:`MicroBatchLoss.as_output`),
+    so any Lightning strategy trains on ``"loss"`` (the micro-batch's mean) and
+    this one takes the loss as on a pipeline's last stage (per-token loss included).
 
     Raises:
         ConfigError: ``forward_step`` or its ``loss_func`` returned something else than Megatron-LM's shapes.
     """
     output, loss_func = _call(forward_step, batch, model)
-    return loss_of(loss_func(output))
+    return loss_of(loss_func(output)).as_output()
 
 
 def _call(forward_step: ForwardStep, batch: Any, model: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
@@ -106,7 +180,7 @@ class MegatronStage:
         self.model = stage_model(module)
         self.last = last
 
-    def __call__(self, batch: Any, input_tensor: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, batch: Any, input_tensor: torch.Tensor | None) -> torch.Tensor | MicroBatchLoss:
         """This stage's output (the activations for the next stage), or the micro-batch's loss on the last.
 
         Raises:
