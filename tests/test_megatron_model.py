@@ -240,6 +240,13 @@ def test_megatron_cores_ddp_wrapper_and_optimizers_are_refused() -> None:
     wrapped.module = ddp
     with pytest.raises(ConfigError, match="DistributedDataParallel.*strategy reduces"):
         check_wrappers(wrapped, [])
+    from megatron.core.distributed import FullyShardedDataParallel
+
+    fsdp = object.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(fsdp)
+    wrapped.module = fsdp
+    with pytest.raises(ConfigError, match="FullyShardedDataParallel.*strategy reduces"):
+        check_wrappers(wrapped, [])
     with pytest.raises(ConfigError, match="DistributedOptimizer"):
         check_wrappers(nn.Linear(2, 2), [object.__new__(DistributedOptimizer)])
     check_wrappers(nn.Linear(2, 2), [torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)])

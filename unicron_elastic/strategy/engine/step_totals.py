@@ -69,7 +69,7 @@ class TotalsLayout:
 
     def encode(self, count: torch.Tensor | float, loss_sum: torch.Tensor,
                report: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
-        """One micro-batch's totals as a tensor on the loss's device (no host synchronisation).
+        """One micro-batch's totals as a float64 tensor on the loss's device (no host synchronisation).
 
         A report value is Megatron-LM's ``[numerator, denominator]`` pair, or a
         scalar (counted as ``[value, 1]``).
@@ -82,11 +82,11 @@ class TotalsLayout:
             raise ConfigError(f"loss_func's report has keys {sorted(report)} but the strategy sums "
                               f"{sorted(self.report_keys)}: pass report_keys= to UnicronMegatronStrategy (every "
                               "micro-batch's report must have the same keys)")
-        loss = loss_sum.detach().reshape(())
-        values = [torch.as_tensor(count, dtype=loss.dtype, device=loss.device).reshape(()), loss]
+        loss = loss_sum.detach().reshape(()).to(torch.float64)  # (a bf16 loss would round a token count)
+        values = [torch.as_tensor(count, device=loss.device).reshape(()), loss]
         for key in self.report_keys:
             values.extend(self._pair(key, report.get(key), loss))
-        return torch.stack([v.to(loss.dtype) for v in values])
+        return torch.stack([v.to(torch.float64) for v in values])
 
     @staticmethod
     def _pair(key: str, value: torch.Tensor | None, loss: torch.Tensor) -> list[torch.Tensor]:
