@@ -13,6 +13,8 @@ decides from the same step, so collectives stay matched. The parts:
   only).
 * ``fresh-buffer``: a reduce buffer (and its per-parameter views) allocated
   afresh each step, instead of the one the engine keeps between steps.
+* ``nan-check``: each rank's check of its own gradient sums for NaN and Inf
+  before the step's last exchange (on without a loss scaler; without: skipped).
 
 Benchmark-only: it patches classes, which production code never does.
 """
@@ -89,12 +91,24 @@ def _fresh_buffer() -> None:
     ElasticDataParallel._reduce = patched
 
 
+def _nan_check() -> None:
+    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
+
+    check = ElasticDataParallel._finds_non_finite
+
+    def patched(engine: Any, step: int, local: Any) -> bool:
+        return check(engine, step, local) if with_part(step) else False
+
+    ElasticDataParallel._finds_non_finite = patched
+
+
 #: Part -> (what it is, the patch that makes it alternate).
 PARTS: dict[str, tuple[str, Callable[[], None]]] = {
     "sigterm": ("Lightning's SIGTERM broadcast before each batch, which the strategy replaces", _sigterm),
     "log": ("the module's self.log calls", _log),
     "commit": ("the step's commit over every rank", _commit),
     "fresh-buffer": ("a reduce buffer allocated afresh each step (the engine keeps one)", _fresh_buffer),
+    "nan-check": ("each rank's NaN/Inf check of its gradient sums (no loss scaler)", _nan_check),
 }
 
 

@@ -57,10 +57,11 @@ block of 5 steps (``_ab.py``), the two kinds of step side by side. Parts:
 ``sigterm`` (Lightning's per-batch SIGTERM broadcast, which the strategy
 replaces, put back), ``log`` (the module's ``self.log`` calls), ``commit`` (the
 step's commit over every rank), ``fresh-buffer`` (a reduce buffer allocated
-afresh each step instead of the one the engine keeps).
+afresh each step instead of the one the engine keeps), ``nan-check`` (each
+rank's NaN/Inf check of its own gradient sums, on without a loss scaler).
 
     python benchmarks/transition.py [--runs 3] [--width 256] [--gpt-width 128] [--skip-torch] [--only-node-lost]
-                                    [--only-hang] [--only-tp [--breakdown]] [--ab sigterm,log,commit,fresh-buffer] [--tp-width 256,512] [--tp-layers 4]
+                                    [--only-hang] [--only-tp [--breakdown]] [--ab sigterm,log,commit,fresh-buffer,nan-check] [--tp-width 256,512] [--tp-layers 4]
 """
 
 from __future__ import annotations

@@ -158,11 +158,14 @@ def test_tp2_with_sequence_parallelism_and_per_token_loss_trains_the_model_defin
 
 @pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
-@pytest.mark.parametrize("pp, replicas", [(2, 1), (2, 2)], ids=["tp2-pp2", "tp2-pp2-dp2"])
-def test_each_layout_with_sequence_parallelism_trains_the_model_defined(tmp_path: Path, single_rank_recipe: Path,
-                                                                       pp: int, replicas: int) -> None:
+@pytest.mark.parametrize("pp, replicas, extra", [(2, 1, []), (2, 2, []), (1, 1, ["--no-sequence-parallel"])],
+                         ids=["tp2-pp2", "tp2-pp2-dp2", "tp2-qk-layernorm-without-sp"])
+def test_each_layout_trains_the_model_defined(tmp_path: Path, single_rank_recipe: Path, pp: int, replicas: int,
+                                              extra: list[str]) -> None:
+    """TP=2 x PP=2 and TP=2 x PP=2 x DP=2 with sequence parallelism; TP=2 with q/k layer norms and without it
+    (their gradients are still partial on each tensor rank: each holds its own heads)."""
     layout = ModelParallel(2, pp)
-    failure_free_run(tmp_path, 2, pp, replicas, EXACT)
+    failure_free_run(tmp_path, 2, pp, replicas, [*EXACT, *extra])
     trains_the_model_defined(tmp_path, single_rank_recipe, layout, replicas)
     logs_the_token_weighted_loss(tmp_path, layout, replicas)
 
