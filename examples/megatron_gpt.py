@@ -414,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "GPU with --llama)")
     parser.add_argument("--grad-dtype", choices=["float32", "float64"], default="float64")
     parser.add_argument("--snapshot-every", type=int, default=50)
+    parser.add_argument("--checkin-timeout", type=float, default=10.0,
+                        help="after a failure, how long survivors wait for a member that is alive but has not "
+                             "checked in (the strategy's checkin_timeout)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
     parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
                         help="before STEP, wait (at most 120 s) until every rank is a member or asks to join")
@@ -471,6 +474,7 @@ def main() -> None:
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=SEED,
         snapshot_every=args.snapshot_every, grad_dtype=getattr(torch, args.grad_dtype),
+        checkin_timeout=args.checkin_timeout,
         tensor_model_parallel_size=args.tensor_parallel, pipeline_model_parallel_size=args.pipeline_parallel)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=1, max_steps=args.steps, logger=False,

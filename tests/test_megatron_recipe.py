@@ -53,8 +53,12 @@ EXACT = [*RECIPE, "--optimizer", "sgd", "--lr", "0.1", "--clip-grad", "0.05"]
 #: The same without clipping (a clip above every norm): clipping by the global norm would hide an error that
 #: scales a step's gradients as a whole, such as a token count counted twice.
 UNCLIPPED = [*RECIPE, "--optimizer", "sgd", "--lr", "0.1", "--clip-grad", "100"]
-#: Recovery: the recipe's AdamW and clip 1.0, dropout on.
-DROPOUT = [*RECIPE, "--dropout", "0.1", "--hold-for-joiner", "4"]
+#: Recovery: the recipe's AdamW and clip 1.0, dropout on. A step of this model takes several seconds with 8 ranks on
+#: 2 cores: the replica that survives a kill may compute its own micro-batches for longer than the default
+#: check-in timeout (10 s) before its reduce fails and it checks in, and would then be left out as stuck (seen once:
+#: every rank resumed from the in-memory snapshot, bit-identical but not from the replica). 60 s here.
+SLOW = ["--checkin-timeout", "60"]
+DROPOUT = [*RECIPE, "--dropout", "0.1", "--hold-for-joiner", "4", *SLOW]
 
 
 def launch(out: Path, tp: int, pp: int, replicas: int, args: list[str], faults: list[Fault] = (),
@@ -184,7 +188,7 @@ def the_fault_fired(out: Path, victim: int) -> None:
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_the_tokens_of_recomputed_micro_batches_count_once(tmp_path: Path, single_rank_unclipped: Path) -> None:
     """A rank killed at TP=2 x DP=2: survivors recompute its micro-batches and the step divides by its tokens once."""
-    launch(tmp_path, 2, 1, 2, [*UNCLIPPED, "--hold-for-joiner", "4"], [KILL_TP2_DP2])
+    launch(tmp_path, 2, 1, 2, [*UNCLIPPED, "--hold-for-joiner", "4", *SLOW], [KILL_TP2_DP2])
     the_fault_fired(tmp_path, KILL_TP2_DP2.rank)
     recomputed = [report for report in summary(tmp_path, 0)["reports"] if report["dead"]]
     assert len(recomputed) == 1 and recomputed[0]["dead"] == [1] and sorted(recomputed[0]["micro_batches"]) == \
@@ -201,7 +205,7 @@ def test_the_tolerance_catches_unsummed_tensor_gradients_and_tokens_counted_twic
         tmp_path: Path, single_rank_unclipped: Path, mutation: str, replicas: int, faults: list[Fault]) -> None:
     """Each mistake, undone in the strategy alone, ends far outside ``ATOL`` (without clipping, which would
     hide a step whose gradients are scaled as a whole)."""
-    args = [*UNCLIPPED, "--hold-for-joiner", "4"] if faults else UNCLIPPED
+    args = [*UNCLIPPED, "--hold-for-joiner", "4", *SLOW] if faults else UNCLIPPED
     launch(tmp_path, 2, 1, replicas, args, faults, script=[MUTANT, mutation])
     if faults:
         the_fault_fired(tmp_path, faults[0].rank)
