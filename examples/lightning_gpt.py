@@ -40,7 +40,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,8 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from unicron_elastic.strategy import UnicronMegatronStrategy  # also registers "unicron_megatron"
 from unicron_elastic.strategy.engine.microbatch import deal
-from unicron_elastic.testing import FAULTS_ENV, Fault, fail_at, faults_env
+from unicron_elastic.env import first_incarnation
+from unicron_elastic.testing import FAULT_LOG_ENV, FAULTS_ENV, Fault, fail_at, faults_env
 from unicron_elastic.worker import get_worker
 
 
@@ -59,8 +62,9 @@ class Tokens(Dataset):
     """Deterministic sequences with structure to learn: x[t+1] = (a * x[t] + b) mod V."""
 
     def __init__(self, samples: int = 192, length: int = 16, vocab: int = 32, delay: float = 0.0,
-                 record: Path | None = None) -> None:
+                 record: Path | None = None, deadlock_at: int | None = None) -> None:
         self.delay, self.record = delay, record
+        self.deadlock_at, self.loads = deadlock_at, 0  # --deadlock-load: the N-th load of DataLoader worker 0
         generator = torch.Generator().manual_seed(7)
         starts = torch.randint(0, vocab, (samples,), generator=generator)
         steps = torch.randint(1, 4, (samples,), generator=generator)
@@ -73,6 +77,11 @@ class Tokens(Dataset):
         return len(self.data)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        info = get_worker_info()
+        if self.deadlock_at is not None and info is not None and info.id == 0:
+            self.loads += 1
+            if self.loads == self.deadlock_at and first_incarnation():
+                deadlock(self.loads)
         if self.delay:
             time.sleep(self.delay)  # a slow sample (decoding, augmentation...)
         if self.record is not None:  # who loaded it: "pid worker-id index" (worker id -1: the rank itself)
@@ -80,6 +89,18 @@ class Tokens(Dataset):
             with open(self.record, "a") as f:
                 f.write(f"{os.getpid()} {-1 if info is None else info.id} {i}\n")
         return self.data[i, :-1], self.data[i, 1:]
+
+
+def deadlock(loads: int) -> None:
+    """Deadlock this DataLoader worker (a lock taken twice), logged first in ``$UNICRON_FAULT_LOG`` as a fault."""
+    path = os.environ.get(FAULT_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "kind": "data_loader_deadlock",
+                                "loads": loads, "pid": os.getpid(), "time": time.time()}) + "\n")
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()
 
 
 def poisoned(module: pl.LightningModule, micro_batch: int | None) -> bool:
@@ -451,6 +472,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", default="{}", help='JSON {"step": [ranks]}: scale in/out at that step')
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--load-delay", type=float, default=0.0, help="seconds each sample takes to load")
+    parser.add_argument("--deadlock-load", type=int, nargs=2, default=None, metavar=("RANK", "N"),
+                        help="DataLoader worker 0 of RANK deadlocks at its N-th sample (first incarnation only)")
+    parser.add_argument("--collective-timeout", type=float, default=60.0,
+                        help="the strategy's collective timeout, seconds")
     parser.add_argument("--record-loads", action="store_true", help="append who loaded each sample to OUT/loads<R>.txt")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="TP size (MegatronGPT)")
     parser.add_argument("--pipeline-parallel", type=int, default=1, help="PP size (MegatronGPT)")
@@ -515,13 +540,16 @@ def main() -> None:
         grad_dtype=getattr(torch, args.grad_dtype), tensor_model_parallel_size=args.tensor_parallel,
         pipeline_model_parallel_size=args.pipeline_parallel, pipeline_schedule=args.pipeline_schedule,
         members=[int(r) for r in args.members.split(",")] if args.members else None,
-        member_schedule={int(k): v for k, v in json.loads(args.schedule).items()})
+        member_schedule={int(k): v for k, v in json.loads(args.schedule).items()},
+        timeout=timedelta(seconds=args.collective_timeout))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
         callbacks=callbacks, **precision,
     )
-    data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None)
+    deadlock_at = args.deadlock_load[1] if args.deadlock_load and args.deadlock_load[0] == rank else None
+    data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None,
+                  deadlock_at=deadlock_at)
     trainer.fit(model, DataLoader(data, batch_size=args.micro_batch, num_workers=args.num_workers,
                                   persistent_workers=args.num_workers > 0),
                 ckpt_path=preempted.resume_path if preempted is not None else None)

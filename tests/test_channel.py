@@ -298,3 +298,22 @@ def test_a_hello_must_name_a_reply_socket_in_the_agents_directory(channel) -> No
                              json.dumps({**hello, "reply": inside}).encode()])
     wait_for(lambda: len(channel.messages) == 1)
     assert channel.messages[0]["reply"].endswith("/w1.sock") and channel.malformed == 1
+
+
+def test_progress_is_sent_at_most_once_per_interval_and_a_heartbeat_carries_busy_time(channel) -> None:
+    result = _worker(channel.path, """
+        import time
+        w.progress_interval = 0.05
+        began = time.monotonic()
+        while time.monotonic() - began < 0.5:  # a mark every millisecond for 0.5 s
+            w.progress(7, 1)
+            time.sleep(0.001)
+        w.heartbeat(7, 0.5, busy=0.75)  # (busy is capped at the duration)
+    """)
+    assert result.returncode == 0, result.stderr
+    wait_for(lambda: any(m["t"] == "beat" for m in channel.messages))
+    progress = [m for m in channel.messages if m["t"] == "progress"]
+    assert 5 <= len(progress) <= 11  # ~500 marks, one message per 50 ms
+    assert progress[0] == {"t": "progress", "step": 7, "mb": 1, "rank": 3}
+    assert [m for m in channel.messages if m["t"] == "beat"] == [{"t": "beat", "step": 7, "dur": 0.5, "busy": 0.5,
+                                                                  "rank": 3}]

@@ -1,4 +1,4 @@
-"""Pure detection logic: the severity table, events, the statistical monitor."""
+"""Pure detection logic: the severity table, events, hang verdicts from progress, the detectors in-process."""
 
 from __future__ import annotations
 
@@ -58,20 +58,31 @@ def test_event_json_round_trip_and_malformed() -> None:
             ErrorEvent.from_json(raw)
 
 
-# -- statistical monitor ------------------------------------------------------
+# -- hang verdicts from progress ------------------------------------------------
+# The monitor's defaults: a hang is no sign of life for 5 x the largest gap between signs in the last 100
+# iterations, and at least 2 s; no alarm during the first 5 iterations of a configuration.
 
 
-def _run(monitor: IterationMonitor, durations: list[float], start: float = 0.0) -> tuple[float, list]:
+def _run(monitor: IterationMonitor, durations: list[float], start: float = 0.0, signs: int = 1) -> tuple[float, list]:
+    """Feed iterations of ``durations``, each in ``signs`` equal parts: a progress sign after each part but the
+    last, a heartbeat at its end; the hang findings that a check at each sign would make, in order."""
     now, findings = start, []
     for d in durations:
-        deadline = monitor.deadline()
-        if deadline is not None and now + d > deadline:
-            findings.append(monitor.check(now + d))
-        now += d
+        for part in range(signs):
+            deadline = monitor.deadline()
+            if deadline is not None and now + d / signs > deadline:
+                findings.append(monitor.check(now + d / signs))
+            now += d / signs
+            if part < signs - 1:
+                monitor.sign(now)
         finding = monitor.heartbeat(now, d)
         if finding:
             findings.append(finding)
-    return now, findings
+    return now, [f for f in findings if f is not None]
+
+
+def _hangs(findings: list) -> list:
+    return [f for f in findings if f.kind != "link_flapping"]
 
 
 def test_no_false_alarm_over_200_iterations_with_10_percent_jitter() -> None:
@@ -82,24 +93,87 @@ def test_no_false_alarm_over_200_iterations_with_10_percent_jitter() -> None:
     assert monitor.count == 200 and monitor.mean == pytest.approx(0.1, rel=0.05)
 
 
-def test_hang_is_reported_just_after_three_times_the_mean() -> None:
+def test_hang_is_reported_after_the_safety_factor_times_the_largest_recent_gap() -> None:
     monitor = IterationMonitor()
-    now, _ = _run(monitor, [0.2] * 20)
-    assert monitor.check(now + 0.59) is None
-    finding = monitor.check(now + 0.61)
+    now, _ = _run(monitor, [1.0] * 20, signs=4)  # signs every 0.25 s, one gap of 0.5 s in the last iteration
+    monitor.sign(now + 0.5)
+    now += 0.5
+    assert monitor.largest_gap == pytest.approx(0.5)
+    assert monitor.check(now + 2.49) is None  # 5 x 0.5 s
+    finding = monitor.check(now + 2.51)
     assert (finding.severity, finding.kind) == (Severity.SEV2, "task_hang")
-    assert finding.since == now
-    assert monitor.check(now + 5) is None  # reported once
-    monitor.heartbeat(now + 6, 6.0)
+    assert finding.since == now and "5x the largest recent gap 0.500s" in finding.message
+    assert monitor.check(now + 50) is None  # reported once
+    monitor.heartbeat(now + 60, 60.0)
     assert monitor.deadline() is not None  # armed again after recovery
+
+
+def test_silence_counts_from_the_last_progress_not_the_last_iteration() -> None:
+    # iterations of 4 s with progress every 0.4 s: the old rule (3 x mean) waited 12 s; progress decides now
+    monitor = IterationMonitor(HangThresholds(min_silence=1.0))
+    now, _ = _run(monitor, [4.0] * 10, signs=10)
+    for k in range(1, 6):
+        monitor.sign(now + 0.4 * k)
+    assert monitor.check(now + 2.0 + 1.99) is None  # 5 x 0.4 s after the last sign
+    assert monitor.check(now + 2.0 + 2.01).kind == "task_hang"
+
+
+def test_a_rank_slowing_down_gradually_is_never_hung() -> None:
+    # each iteration 10 % slower than the one before, for 100 iterations (x 13,780 in all): progress keeps coming
+    monitor = IterationMonitor(HangThresholds(min_silence=0.0))
+    _, findings = _run(monitor, [0.1 * 1.1**k for k in range(100)], signs=5)
+    assert _hangs(findings) == []
+
+
+def test_a_sudden_stall_far_beyond_any_gap_seen_is_a_hang() -> None:
+    monitor = IterationMonitor(HangThresholds(min_silence=0.0))
+    _, findings = _run(monitor, [0.1] * 20 + [10.0], signs=5)  # gaps of 0.02 s, then one of 2 s
+    assert [f.kind for f in _hangs(findings)] == ["task_hang"]
+
+
+def test_gaps_of_the_warmup_iterations_do_not_calibrate_the_bound() -> None:
+    monitor = IterationMonitor(HangThresholds(warmup=5, min_silence=0.0))
+    now, _ = _run(monitor, [30.0] + [0.1] * 9, signs=2)  # a slow first step (start-up, a regroup)
+    assert monitor.largest_gap == pytest.approx(0.05)
+    assert monitor.check(now + 0.3).kind == "task_hang"
+
+
+def test_the_bound_forgets_gaps_older_than_the_window() -> None:
+    monitor = IterationMonitor(HangThresholds(gap_window=10, min_silence=0.0))
+    now, _ = _run(monitor, [0.1] * 6 + [1.0] + [0.1] * 9)
+    assert monitor.largest_gap == pytest.approx(1.0)
+    now, _ = _run(monitor, [0.1], start=now)
+    assert monitor.largest_gap == pytest.approx(0.1)
 
 
 def test_stall_inside_a_collective_is_sev3() -> None:
     monitor = IterationMonitor()
     now, _ = _run(monitor, [0.2] * 10)
     monitor.set_state(now, in_collective=True)
-    finding = monitor.check(now + 1.0)
+    finding = monitor.check(now + 2.1)
     assert (finding.severity, finding.kind) == (Severity.SEV3, "collective_timeout")
+
+
+def test_a_rank_waiting_on_its_group_is_spared_until_the_longest_wait() -> None:
+    monitor = IterationMonitor(HangThresholds(max_wait=30.0))
+    now, _ = _run(monitor, [0.2] * 10)
+    for k in range(200):  # "still waiting", every 0.15 s, for 30 s
+        monitor.set_state(now + 0.15 * k, waiting=True)
+        assert monitor.check(now + 0.15 * k + 0.01) is None
+    finding = monitor.check(now + 30.01)
+    assert (finding.severity, finding.kind) == (Severity.SEV3, "collective_timeout")
+    assert finding.since == now and "never completes" in finding.message
+
+
+def test_a_new_wait_restarts_the_wait_clock() -> None:
+    monitor = IterationMonitor(HangThresholds(max_wait=30.0))
+    now, _ = _run(monitor, [0.2] * 10)
+    for k in range(150):  # 22.5 s waiting, then the wait ends and another starts
+        monitor.set_state(now + 0.15 * k, waiting=True)
+    monitor.set_state(now + 22.5, waiting=False)
+    for k in range(150):
+        monitor.set_state(now + 22.6 + 0.15 * k, waiting=True)
+    assert monitor.check(now + 22.6 + 0.15 * 149 + 0.01) is None
 
 
 def test_no_alarm_during_warmup_or_checkpoint_pause() -> None:
@@ -110,8 +184,9 @@ def test_no_alarm_during_warmup_or_checkpoint_pause() -> None:
     monitor.set_state(now, paused=True)  # checkpoint
     assert monitor.check(now + 100) is None
     monitor.set_state(now + 100, paused=False)
-    assert monitor.check(now + 100.5) is None  # the pause does not count
-    assert monitor.check(now + 100.7).kind == "task_hang"
+    assert monitor.largest_gap == pytest.approx(0.2)  # the pause is no gap
+    assert monitor.check(now + 101.9) is None  # the pause does not count; the floor (2 s) does
+    assert monitor.check(now + 102.1).kind == "task_hang"
 
 
 def test_a_bounded_pause_protects_only_until_its_bound() -> None:
@@ -119,8 +194,8 @@ def test_a_bounded_pause_protects_only_until_its_bound() -> None:
     monitor = IterationMonitor(HangThresholds(warmup=5))
     now, _ = _run(monitor, [0.2] * 6)
     monitor.set_state(now, paused=True, pause_for=10.0)
-    assert monitor.check(now + 10.5) is None  # within the bound (+ 3x the mean)
-    assert monitor.check(now + 10.7).kind == "task_hang"  # stuck past it
+    assert monitor.check(now + 11.9) is None  # within the bound (+ the allowed silence)
+    assert monitor.check(now + 12.1).kind == "task_hang"  # stuck past it
 
 
 def test_a_regroup_that_ends_in_time_is_no_hang() -> None:
@@ -128,8 +203,8 @@ def test_a_regroup_that_ends_in_time_is_no_hang() -> None:
     now, _ = _run(monitor, [0.2] * 6)
     monitor.set_state(now, paused=True, pause_for=10.0)
     monitor.set_state(now + 5, paused=False)
-    assert monitor.check(now + 5.5) is None
-    monitor.set_state(now + 5.5, paused=True)  # an unbounded pause (checkpoint) after it is unbounded again
+    assert monitor.check(now + 6.5) is None
+    monitor.set_state(now + 6.5, paused=True)  # an unbounded pause (checkpoint) after it is unbounded again
     assert monitor.check(now + 1000) is None
 
 
@@ -138,39 +213,41 @@ def test_a_peer_failure_delays_the_silence_count_by_the_grace() -> None:
     monitor = IterationMonitor(HangThresholds(warmup=5, peer_failure_grace=2.0))
     now, _ = _run(monitor, [0.2] * 6)
     monitor.peer_failed(now + 0.1)
-    assert monitor.check(now + 2.1 + 0.59) is None
-    assert monitor.check(now + 2.1 + 0.61).kind == "task_hang"
+    assert monitor.check(now + 2.1 + 1.99) is None
+    assert monitor.check(now + 2.1 + 2.01).kind == "task_hang"
 
 
 def test_a_heartbeat_ends_the_peer_failure_grace() -> None:
-    monitor = IterationMonitor(HangThresholds(warmup=5, peer_failure_grace=2.0))
+    monitor = IterationMonitor(HangThresholds(warmup=5, peer_failure_grace=10.0))
     now, _ = _run(monitor, [0.2] * 6)
     monitor.peer_failed(now)
     monitor.heartbeat(now + 0.3, 0.3)
-    assert monitor.check(now + 0.3 + 0.61 + 0.1).kind == "task_hang"  # counted from the beat again
+    assert monitor.check(now + 0.3 + 2.01).kind == "task_hang"  # counted from the beat again
 
 
 def test_the_hang_detector_gives_the_grace_to_the_other_workers_only() -> None:
-    detector, ctx = HangDetector(HangThresholds(warmup=1, peer_failure_grace=4.0, min_silence=0.0)), _Context()
+    detector, ctx = HangDetector(HangThresholds(warmup=1, peer_failure_grace=4.0, min_silence=0.3)), _Context()
     detector.ctx = ctx
     detector.on_workers_started([0, 1], "g0")
+    t0 = time.monotonic()
     for rank in (4, 5):
-        detector.on_message({"t": "beat", "rank": rank, "step": 0, "dur": 0.1}, 1.0)
-    detector.on_rank_failed(4, 1.0)
-    assert detector.monitors[5].deadline() == pytest.approx(5.0 + 0.3)
-    assert detector.monitors[4].deadline() == pytest.approx(1.0 + 0.3)
+        detector.on_message({"t": "beat", "rank": rank, "step": 0, "dur": 0.1}, t0 + 1.0)
+        detector.on_message({"t": "beat", "rank": rank, "step": 1, "dur": 0.1}, t0 + 1.0)
+    detector.on_rank_failed(4, t0 + 1.0)
+    assert detector.monitors[5].deadline() == pytest.approx(t0 + 5.0 + 0.3)
+    assert detector.monitors[4].deadline() == pytest.approx(t0 + 1.0 + 0.3)
 
 
-def test_silence_shorter_than_the_floor_is_never_a_hang_however_short_the_iterations() -> None:
-    # 0.05 s iterations: 3 x mean is 0.15 s, which a busy host's scheduling stall exceeds; the floor is 0.5 s
-    monitor = IterationMonitor(HangThresholds(warmup=5))
+def test_silence_shorter_than_the_floor_is_never_a_hang_however_short_the_gaps() -> None:
+    # gaps of 0.05 s: 5 x 0.05 s is 0.25 s, which a busy host's scheduling stall exceeds; the floor is 2 s
+    monitor = IterationMonitor()
     now, _ = _run(monitor, [0.05] * 10)
-    assert monitor.check(now + 0.49) is None
-    finding = monitor.check(now + 0.51)
-    assert finding.kind == "task_hang" and "at least 0.5s" in finding.message
-    slow = IterationMonitor(HangThresholds(warmup=5))  # iterations of 1 s: the factor decides, not the floor
+    assert monitor.check(now + 1.99) is None
+    finding = monitor.check(now + 2.01)
+    assert finding.kind == "task_hang" and "at least 2s" in finding.message
+    slow = IterationMonitor()  # gaps of 1 s: the factor decides, not the floor
     now, _ = _run(slow, [1.0] * 10)
-    assert slow.check(now + 2.9) is None and slow.check(now + 3.1).kind == "task_hang"
+    assert slow.check(now + 4.9) is None and slow.check(now + 5.1).kind == "task_hang"
 
 
 def test_statistics_reset_per_configuration() -> None:
@@ -178,7 +255,7 @@ def test_statistics_reset_per_configuration() -> None:
     now, _ = _run(monitor, [0.1] * 20)
     monitor.reset("dp=3", now)  # reconfigured: iterations now take 0.4 s
     now, findings = _run(monitor, [0.4] * 20, start=now)
-    assert findings == [] and monitor.mean == pytest.approx(0.4)
+    assert findings == [] and monitor.mean == pytest.approx(0.4) and monitor.largest_gap == pytest.approx(0.4)
 
 
 def test_link_flapping_after_a_run_of_slow_iterations() -> None:
@@ -189,11 +266,13 @@ def test_link_flapping_after_a_run_of_slow_iterations() -> None:
     assert monitor.noise >= 7
 
 
-@pytest.mark.parametrize("kwargs", [{"noise_factor": 1.0}, {"hang_factor": 1.2}, {"warmup": 0}, {"flap_window": 0},
+@pytest.mark.parametrize("kwargs", [{"noise_factor": 1.0}, {"hang_factor": 1.0}, {"warmup": 0}, {"flap_window": 0},
                                     {"hang_factor": float("inf")}, {"hang_factor": float("nan")},
+                                    {"noise_factor": 1.6}, {"gap_window": 0},
                                     {"peer_failure_grace": -1.0}, {"peer_failure_grace": float("nan")},
                                     {"peer_failure_grace": 1e9}, {"min_silence": -0.1},
-                                    {"min_silence": float("inf")}, {"min_silence": "1"}])
+                                    {"min_silence": float("inf")}, {"min_silence": "1"},
+                                    {"max_wait": 0.5}, {"max_wait": float("inf")}])
 def test_bad_thresholds_are_rejected(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         HangThresholds(**kwargs)
@@ -207,7 +286,7 @@ def test_a_non_finite_or_negative_duration_never_reaches_the_mean(bad: float) ->
     assert monitor.heartbeat(now + 0.2, bad) is None
     assert monitor.check(now + 0.21) is None  # a healthy worker is not declared hung
     assert (monitor.mean, monitor.count, monitor.rejected) == (mean, count, 1)
-    assert monitor.check(now + 0.61).kind == "task_hang"  # the bad beat proves nothing: a real hang still counts
+    assert monitor.check(now + 2.01).kind == "task_hang"  # the bad beat proves nothing: a real hang still counts
 
 
 class _Context:
@@ -309,14 +388,15 @@ def test_the_process_detector_polls_where_there_are_no_pidfds() -> None:
 
 
 def test_the_hang_detector_wakes_at_the_deadline_not_on_a_tick() -> None:
-    # interval 60 s: only the deadline (3 x 0.1 s mean, floor 0) can wake it in time
+    # interval 60 s: only the deadline (no gap seen, floor 0) can wake it in time
     detector = HangDetector(HangThresholds(warmup=1, min_silence=0.0), interval=60.0)
     ctx = _Context()
     detector.start(ctx)
     try:
         detector.on_workers_started([0, 1], "g0")
         now = time.monotonic()
-        detector.on_message({"t": "beat", "rank": 4, "step": 0, "dur": 0.1}, now)  # rank 5 never beats: no alarm
+        for step in (0, 1):  # rank 5 never beats: no alarm
+            detector.on_message({"t": "beat", "rank": 4, "step": step, "dur": 0.1}, now)
         deadline = time.monotonic() + 30
         while not ctx.hangs and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unicron_elastic.testing import fail_at, faults_env, unfired_faults
+import pytest
+
+from unicron_elastic.testing import Fault, fail_at, faults_env, throttle, unfired_faults
 
 # rank 2 computes micro-batches 2 and 5 of step 3 (3 members, 6 micro-batches), as in the example's old docstring
 WORKER = """
@@ -57,3 +59,42 @@ def test_a_fault_that_fired_is_not_reported(tmp_path: Path) -> None:
 def test_a_restarted_worker_does_not_report_its_first_incarnations_fault(tmp_path: Path) -> None:
     done = _run(tmp_path, [fail_at(rank=2, step=3, micro_batch=1)], UNICRON_WORKER_RESTARTS="1")
     assert done.returncode == 0 and unfired_faults(tmp_path / "faults.log") == []
+
+
+THROTTLED = """
+import json, time
+from unicron_elastic.faults import maybe_fail
+took = {}
+for step in range(8):
+    began = time.monotonic()
+    for micro_batch in (2, 5):
+        maybe_fail(2, step, micro_batch=micro_batch)
+        time.sleep(0.02)  # the micro-batch's computation
+    maybe_fail(2, step, bucket=0)
+    time.sleep(0.01)  # the reduce: not a micro-batch, not stretched
+    maybe_fail(2, step, at="before_optimizer_step")
+    took[step] = time.monotonic() - began
+print(json.dumps(took))
+"""
+
+
+def test_a_throttle_fault_stretches_the_micro_batches_of_its_steps_only(tmp_path: Path) -> None:
+    throttled = throttle(rank=2, step=3, factor=3.0, steps=2)
+    done = subprocess.run([sys.executable, "-c", THROTTLED], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **faults_env([throttled], str(tmp_path / "faults.log"))})
+    assert done.returncode == 0, done.stderr
+    took = {int(k): v for k, v in json.loads(done.stdout).items()}
+    assert all(0.05 <= took[s] < 0.09 for s in (0, 1, 2, 5, 6, 7)), took  # 2 x 0.02 + 0.01
+    # steps 3 and 4: 3 x each micro-batch's 0.02 s (micro-batch 2's stretch lands at the next point of the step,
+    # the last one's at the step's first point after its micro-batches)
+    assert all(0.13 <= took[s] < 0.2 for s in (3, 4)), took
+    fired = [json.loads(line) for line in (tmp_path / "faults.log").read_text().splitlines()]
+    assert [(f["kind"], f["step"], f["factor"], f["steps"]) for f in fired] == [("throttle", 3, 3.0, 2)]
+    assert unfired_faults(tmp_path / "faults.log") == []
+
+
+def test_a_throttle_fault_names_no_point_of_the_step() -> None:
+    with pytest.raises(ValueError, match="micro_batch, bucket and at must be None"):
+        Fault(1, 3, micro_batch=0, kind="throttle")
+    with pytest.raises(ValueError, match="factor >= 1"):
+        throttle(1, 3, factor=0.5)

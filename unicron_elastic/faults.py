@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from unicron_elastic.env import FAULT_LOG, FAULTS, fault_log_path, faults_text, 
 
 FAULTS_ENV = FAULTS.name  # (the variables are env.FAULTS and env.FAULT_LOG)
 FAULT_LOG_ENV = FAULT_LOG.name
-FAULT_KINDS = ("kill", "exit", "raise", "hang", "stop", "stop_node")
+FAULT_KINDS = ("kill", "exit", "raise", "hang", "spin", "stuck_collective", "stop", "stop_node", "throttle")
 FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step", "before_first_group")
 #: Appended to ``$UNICRON_FAULT_LOG``'s path: where the faults that did not fire are reported (JSON lines).
 UNFIRED_SUFFIX = ".unfired"
@@ -50,13 +51,21 @@ class Fault:
             (step -1: the engine is about to build the run's first group).
         kind: ``kill`` (SIGKILL itself), ``exit`` (exit code 3), ``raise``
             (raise ``RuntimeError(message)``), ``hang`` (sleep forever),
+            ``spin`` (a Python infinite loop: busy, no progress),
+            ``stuck_collective`` (block forever saying it waits on its group, as
+            a rank inside a collective that never completes does),
             ``stop`` (SIGSTOP itself: a hung process, silent, its connections
-            open) or ``stop_node`` (SIGSTOP its launcher and every process
-            below it: a frozen node or a partition, nothing resets).
+            open), ``stop_node`` (SIGSTOP its launcher and every process
+            below it: a frozen node or a partition, nothing resets) or
+            ``throttle`` (from ``step`` on, for ``steps`` steps, each of its
+            micro-batches takes ``factor`` times as long: a slow rank, not a
+            failed one; ``micro_batch``, ``bucket`` and ``at`` stay None).
         message: Exception message for ``raise`` (chooses the severity).
         times: Fire at most this many times, all in the rank's first
             incarnation (a restarted worker is spared); None: every time the
             point is reached, in every incarnation.
+        factor: ``throttle``: how many times longer each micro-batch takes.
+        steps: ``throttle``: for how many steps.
     """
 
     rank: int
@@ -67,6 +76,8 @@ class Fault:
     times: int | None = 1
     bucket: int | None = None
     at: str | None = None
+    factor: float = 3.0
+    steps: int = 1
 
     def __post_init__(self) -> None:
         if self.at not in FAULT_POINTS:
@@ -75,6 +86,12 @@ class Fault:
             raise ValueError(f"fault kind {self.kind!r} is not one of {FAULT_KINDS}")
         if self.times is not None and self.times < 1:
             raise ValueError(f"fault times={self.times} must be >= 1 or None")
+        if self.kind == "throttle":
+            if (self.micro_batch, self.bucket, self.at) != (None, None, None):
+                raise ValueError("a throttle fault slows every micro-batch of its steps: micro_batch, bucket and "
+                                 "at must be None")
+            if not self.factor >= 1 or self.steps < 1:
+                raise ValueError(f"a throttle fault needs factor >= 1 and steps >= 1, got {self.factor}, {self.steps}")
 
 
 def fail_at(rank: int, step: int, micro_batch: int | None = None, kind: str = "kill",
@@ -85,6 +102,15 @@ def fail_at(rank: int, step: int, micro_batch: int | None = None, kind: str = "k
         ValueError: Unknown ``kind`` or ``at``.
     """
     return Fault(rank, step, micro_batch, kind, message, times, bucket, at)
+
+
+def throttle(rank: int, step: int, factor: float = 3.0, steps: int = 20) -> Fault:
+    """Describe a slow rank: from ``step`` on, for ``steps`` steps, its micro-batches take ``factor`` times as long.
+
+    Raises:
+        ValueError: ``factor`` below 1 or ``steps`` below 1.
+    """
+    return Fault(rank, step, kind="throttle", factor=factor, steps=steps)
 
 
 def faults_env(faults: list[Fault], log_path: str | None = None) -> dict[str, str]:
@@ -135,8 +161,12 @@ _RANKS: set[int] = set()  # the ranks this process reached fault points as
 
 
 def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
-               at: str | None = None) -> None:
+               at: str | None = None, waiting: Callable[[bool], None] | None = None) -> None:
     """Fire the fault planned for this point, if any (workers call this).
+
+    ``waiting`` is what a ``stuck_collective`` fault says, every 0.15 s, forever
+    (the worker's :meth:`~unicron_elastic.worker.WorkerChannel.waiting`; None: it
+    says nothing, as ``hang``).
 
     Each firing is appended to ``$UNICRON_FAULT_LOG`` (one JSON line) first, so a
     test can assert that the fault really happened. The first call as a rank
@@ -152,19 +182,16 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
         if not _RANKS:
             atexit.register(report_unfired)
         _RANKS.add(rank)
-    for index, (spec, fault) in enumerate(planned_faults(raw)):
+    planned = planned_faults(raw)
+    _throttle(planned, rank, step, micro_batch is not None)
+    for index, (spec, fault) in enumerate(planned):
+        if fault.kind == "throttle":
+            continue
         if (fault.rank, fault.step, fault.micro_batch, fault.bucket, fault.at) != (rank, step, micro_batch, bucket, at):
             continue
         if fault.times is not None and (not first_incarnation() or _FIRED.get(index, 0) >= fault.times):
             continue
-        _FIRED[index] = _FIRED.get(index, 0) + 1
-        log_path = fault_log_path()
-        if log_path:
-            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "a") as f:
-                f.write(json.dumps({**spec, "pid": os.getpid(), "time": time.time()}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+        _fired(index, spec)
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "exit":
@@ -173,10 +200,62 @@ def maybe_fail(rank: int, step: int, micro_batch: int | None = None, bucket: int
             raise RuntimeError(fault.message or "injected failure")
         elif fault.kind == "hang":
             time.sleep(3600)
+        elif fault.kind == "spin":
+            _spin()
+        elif fault.kind == "stuck_collective":
+            _stuck_collective(waiting)
         elif fault.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "stop_node":
             _stop_node()
+
+
+def _fired(index: int, spec: dict) -> None:
+    """Count a firing of fault ``index`` and append it to ``$UNICRON_FAULT_LOG`` (synced: the process may die next)."""
+    _FIRED[index] = _FIRED.get(index, 0) + 1
+    log_path = fault_log_path()
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as f:
+            f.write(json.dumps({**spec, "pid": os.getpid(), "time": time.time()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+_LAST_POINT: dict[int, tuple[float, bool]] = {}  # rank -> (monotonic time of its last point, a micro-batch's?)
+
+
+def _throttle(planned: list[tuple[dict, Fault]], rank: int, step: int, micro_batch_point: bool) -> None:
+    """Slow ``rank`` as its ``throttle`` faults say: the time since its last point, when that point began a
+    micro-batch (that micro-batch's computation), is stretched ``factor`` times by sleeping here. Logged once,
+    on its first use; only in the rank's first incarnation."""
+    now = time.monotonic()
+    last = _LAST_POINT.get(rank)
+    _LAST_POINT[rank] = (now, micro_batch_point)
+    if last is None or not last[1] or not first_incarnation():
+        return
+    for index, (spec, fault) in enumerate(planned):
+        if fault.kind == "throttle" and fault.rank == rank and fault.step <= step < fault.step + fault.steps:
+            if not _FIRED.get(index):
+                _fired(index, spec)
+            time.sleep((fault.factor - 1) * (now - last[0]))
+            _LAST_POINT[rank] = (time.monotonic(), micro_batch_point)
+
+
+def _spin() -> None:
+    """A Python infinite loop: the process is busy and makes no progress."""
+    spins = 0
+    while True:
+        spins += 1
+
+
+def _stuck_collective(waiting: Callable[[bool], None] | None) -> None:
+    """Block forever, calling ``waiting(True)`` every 0.15 s (as the engine's watch reports a rank inside a
+    collective of its group that never completes)."""
+    while True:
+        if waiting is not None:
+            waiting(True)
+        time.sleep(0.15)
 
 
 def unfired() -> list[dict]:

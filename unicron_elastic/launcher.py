@@ -51,6 +51,7 @@ from unicron_elastic.agent.signals import (
 )
 from unicron_elastic.api import ConfigError, EtcdBinaryNotFoundError, EtcdStartError
 from unicron_elastic.detection.hang import HangThresholds
+from unicron_elastic.detection.straggler import StragglerThresholds
 from unicron_elastic.logging import configure_logging
 from unicron_elastic.slurm.api import SlurmCommandError, SlurmJob
 from unicron_elastic.store.embedded import EmbeddedEtcd
@@ -72,15 +73,30 @@ def get_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("unicron agent")
     group.add_argument("--detectors", default=",".join(ALL_DETECTORS),
                        help="comma-separated detectors to run (default: %(default)s)")
-    group.add_argument("--hang-factor", type=float, default=3.0,
-                       help="silence longer than this many mean iterations is a hang (default 3)")
+    group.add_argument("--hang-factor", type=float, default=5.0,
+                       help="a worker without any progress for this many times the largest gap between its "
+                            "progress signals in the last --hang-gap-window iterations is hung (default 5)")
+    group.add_argument("--hang-min-silence", type=float, default=2.0,
+                       help="silence shorter than this many seconds is never a hang, however short the gaps: a "
+                            "busy host, a garbage collection or a data-loading spike stalls a process that long "
+                            "(default 2)")
+    group.add_argument("--hang-gap-window", type=int, default=100,
+                       help="iterations whose largest gap between progress signals calibrates the hang bound "
+                            "(default 100)")
+    group.add_argument("--hang-max-wait", type=float, default=90.0,
+                       help="a worker waiting on its group (saying so) longer than this many seconds in one wait "
+                            "is in a collective that never completes: SEV3 collective_timeout; keep it above the "
+                            "strategy's collective timeout, 30 s by default (default 90)")
     group.add_argument("--peer-failure-grace", type=float, default=5.0,
                        help="after a worker of this node fails, the others' silence counts towards a hang only "
                             "this many seconds later: they may wait in a collective with it until they notice "
                             "(default 5)")
-    group.add_argument("--hang-min-silence", type=float, default=0.5,
-                       help="silence shorter than this many seconds is never a hang, however short the iterations: "
-                            "a busy host stalls a process that long now and then (default 0.5)")
+    group.add_argument("--straggler-factor", type=float, default=1.5,
+                       help="a worker whose median busy time per step over --straggler-window steps is this many "
+                            "times its node peers' median is a straggler: SEV3 straggler, reported, never "
+                            "restarted (default 1.5)")
+    group.add_argument("--straggler-window", type=int, default=10,
+                       help="steps whose busy times decide a straggler (default 10)")
     group.add_argument("--max-reattempts", type=int, default=3, help="SEV3 reattempts per step before SEV2")
     group.add_argument("--max-worker-restarts", type=int, default=3,
                        help="single-worker restarts per rank before the node gives up (SEV1)")
@@ -118,7 +134,9 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     config = AgentConfig(
         detectors=tuple(d.strip() for d in args.detectors.split(",") if d.strip()),
         hang=HangThresholds(hang_factor=args.hang_factor, peer_failure_grace=args.peer_failure_grace,
-                            min_silence=args.hang_min_silence),
+                            min_silence=args.hang_min_silence, gap_window=args.hang_gap_window,
+                            max_wait=args.hang_max_wait),
+        straggler=StragglerThresholds(factor=args.straggler_factor, window=args.straggler_window),
         ladder=LadderPolicy(args.max_reattempts, args.max_worker_restarts),
         node_ttl=args.node_ttl,
         **({"node": args.node_name} if args.node_name else {}),

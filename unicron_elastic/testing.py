@@ -24,6 +24,7 @@ from unicron_elastic.faults import (  # noqa: F401 - re-exported: tests and demo
     faults_env,
     maybe_fail,
     planned_faults,
+    throttle,
 )
 from unicron_elastic.processes import child_pids, process_tree, signal_tree  # noqa: F401 - re-exported for tests
 from unicron_elastic.store.keys import MeetingKeys

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import socket
 import sys
@@ -69,12 +70,16 @@ class WorkerChannel:
         rank: Global rank; default ``$RANK``.
         deliver_within: Seconds a message that is not :func:`lossy` waits for
             room in the agent's queue before it is dropped.
+        progress_interval: The shortest time between two progress messages (:meth:`progress`).
     """
 
-    def __init__(self, agent_path: str | None = None, rank: int | None = None, deliver_within: float = 5.0) -> None:
+    def __init__(self, agent_path: str | None = None, rank: int | None = None, deliver_within: float = 5.0,
+                 progress_interval: float = 0.05) -> None:
         self.agent_path = agent_path if agent_path is not None else agent_socket()
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.deliver_within = deliver_within
+        self.progress_interval = progress_interval
+        self._progress_sent = -math.inf
         self.dropped = 0
         self.active = bool(self.agent_path)
         self._sock: socket.socket | None = None
@@ -125,18 +130,35 @@ class WorkerChannel:
         self._send({"t": "hello", "pid": os.getpid(), "resumable": bool(resumable), "leavable": bool(leavable),
                     "growable": bool(growable), "reply": self.reply_path})
 
-    def heartbeat(self, step: int, duration: float) -> None:
-        """One iteration finished after ``duration`` seconds."""
-        self._send({"t": "beat", "step": int(step), "dur": float(duration)})
+    def heartbeat(self, step: int, duration: float, busy: float | None = None) -> None:
+        """One iteration finished after ``duration`` seconds.
 
-    def progress(self, step: int, micro_batch: int) -> None:
-        """Micro-batch ``micro_batch`` of ``step`` is done.
-
-        Every detector's ``on_message`` sees it; the hang detector counts it
-        as a sign of life (silence counts from it). The ``unicron_megatron``
-        strategy does not send it: its wait reports (:meth:`waiting`) cover
-        the silences a step may have.
+        Args:
+            step: The iteration.
+            duration: Seconds since the previous heartbeat.
+            busy: Of those, the seconds not spent waiting on the group (the
+                straggler detector compares them across ranks); None: unknown.
         """
+        msg: dict[str, Any] = {"t": "beat", "step": int(step), "dur": float(duration)}
+        if busy is not None:
+            msg["busy"] = min(max(float(busy), 0.0), float(duration))
+        self._send(msg)
+        self._progress_sent = time.monotonic()
+
+    def progress(self, step: int, micro_batch: int = 0) -> None:
+        """Progress within ``step`` (a micro-batch, a bucket reduced, a module's forward or backward).
+
+        Cheap enough to call at every such point: it sends a message only when
+        ``progress_interval`` seconds passed since the last heartbeat or
+        progress message, so the agent hears of progress at most that often
+        (a lossy message: dropped when the agent's queue is full). The hang
+        detector counts each as a sign of life, and calibrates its bound
+        from the gaps between them.
+        """
+        now = time.monotonic()
+        if now - self._progress_sent < self.progress_interval:
+            return
+        self._progress_sent = now
         self._send({"t": "progress", "step": int(step), "mb": int(micro_batch)})
 
     @contextmanager

@@ -74,6 +74,8 @@ from unicron_elastic.store.client import StatusStore
 
 log = structlog.get_logger(__name__)
 
+#: Findings the agent publishes and never acts on: the rank is slow, not failed.
+OBSERVED_ONLY = ("link_flapping", "straggler")
 EVENTS = Counter("unicron_events_total", "Error events detected by this agent", ["severity", "kind", "detector"])
 ACTIONS = Counter("unicron_actions_total", "Actions taken by this agent", ["action"])
 DETECTION = Histogram("unicron_detection_latency_seconds", "From failure to detection", ["detector"],
@@ -489,10 +491,11 @@ class UnicronAgent(LocalElasticAgent):
         if self._closed or self._process(rank) is None:
             return  # stopping for good, or finished or already dead: process supervision has it
         occurred = time.time() - (time.monotonic() - finding.since)
-        event = self._event(finding.severity, finding.kind, "hang", rank, finding.message, occurred)
+        detector = "straggler" if finding.kind == "straggler" else "hang"
+        event = self._event(finding.severity, finding.kind, detector, rank, finding.message, occurred)
         self.publish(event)
-        if finding.kind == "link_flapping":
-            return  # SEV3 noise: observed, nothing to retry
+        if finding.kind in OBSERVED_ONLY:
+            return  # slow, not failed: reported, nothing to retry or restart
         with self._lock:
             self._climb(rank, event, responsive=False)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from unicron_elastic.api import ConfigError, UnicronError
 from unicron_elastic.detection.hang import Finding, HangThresholds
+from unicron_elastic.detection.straggler import StragglerThresholds
 from unicron_elastic.events import Classification, ErrorEvent
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 #: Exit code of an agent that gave up its node (SEV1): EX_TEMPFAIL.
 EXIT_GIVE_UP = 75
 #: The built-in detectors, in ``--detectors``' default order.
-ALL_DETECTORS = ("node", "process", "exception", "hang", "nvml")
+ALL_DETECTORS = ("node", "process", "exception", "hang", "straggler", "nvml")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class DetectorContext(Protocol):
         """A worker reported an exception."""
 
     def hang(self, rank: int, finding: Finding) -> None:
-        """The statistical monitor found a hang or flapping."""
+        """A rank's finding: a hang or a collective timeout (acted on), link flapping or a straggler (published
+        only)."""
 
     def report(self, event: ErrorEvent) -> None:
         """Publish an event that needs no worker action (e.g. another node lost)."""
@@ -119,7 +121,8 @@ class AgentConfig:
 
     Attributes:
         detectors: Names of the detectors to run.
-        hang: Thresholds of the statistical monitor.
+        hang: Thresholds of the hang verdict.
+        straggler: When a rank is reported as a straggler.
         ladder: Bounds of the escalation ladder.
         node_ttl: Lease TTL of the node in etcd (seconds).
         node: This node's name.
@@ -127,6 +130,7 @@ class AgentConfig:
 
     detectors: tuple[str, ...] = ALL_DETECTORS
     hang: HangThresholds = field(default_factory=HangThresholds)
+    straggler: StragglerThresholds = field(default_factory=StragglerThresholds)
     ladder: LadderPolicy = field(default_factory=LadderPolicy)
     node_ttl: int = 2
     node: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")

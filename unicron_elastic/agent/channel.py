@@ -64,6 +64,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "step": (_integer(-1), "an integer >= -1"),  # -1: an exception outside any step
     "mb": (_integer(0), "an integer >= 0"),
     "dur": (_duration, f"a finite number of seconds in [0, {MAX_DURATION:g}]"),
+    "busy": (_duration, f"a finite number of seconds in [0, {MAX_DURATION:g}]"),
     "resumable": (_boolean, "true or false"),
     "leavable": (_boolean, "true or false"),
     "fatal": (_boolean, "true or false"),

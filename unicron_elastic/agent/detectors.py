@@ -1,5 +1,5 @@
 """The built-in detectors (paper Table 1): node health, process supervision,
-exception propagation, statistical monitoring, and NVML hardware checks.
+exception propagation, hang verdicts from progress, stragglers, and NVML hardware checks.
 
 A detector watches one thing and tells its :class:`~unicron_elastic.agent.api.DetectorContext` (the agent)
 what it saw; the agent turns that into an event and an action. Detectors are
@@ -16,16 +16,21 @@ from subprocess import Popen
 from typing import Any
 
 import structlog
+from prometheus_client import Gauge
 
 from unicron_elastic.agent.api import AgentConfig, Detector, DetectorContext
 from unicron_elastic.api import StoreError
-from unicron_elastic.detection.hang import HangThresholds, IterationMonitor, hang_verdict
+from unicron_elastic.detection.hang import Finding, HangThresholds, IterationMonitor, hang_verdict
+from unicron_elastic.detection.straggler import StragglerThresholds, StragglerWatch
 from unicron_elastic.events import ErrorEvent, Severity
 from unicron_elastic.plugins import hookimpl
 from unicron_elastic.env import node_daemon
 from unicron_elastic.store.lease import KeptLease
 
 log = structlog.get_logger(__name__)
+STRAGGLER_RATIO = Gauge("unicron_straggler_ratio",
+                        "A rank's median busy time per step over its node peers' median (the straggler detector)",
+                        ["rank"])
 
 
 def _own_rank(ctx: DetectorContext, rank: int) -> bool:
@@ -143,11 +148,12 @@ class ExceptionDetector(Detector):
 
 
 class HangDetector(Detector):
-    """Online statistical monitoring of iteration times, one monitor per rank.
+    """Hang verdicts from progress, one monitor per rank (:mod:`~unicron_elastic.detection.hang`).
 
-    A rank that reports it is waiting on its group (and keeps reporting it)
-    is spared; the one that went silent is hung (:func:`~unicron_elastic.detection.hang.hang_verdict`).
-    A ``progress`` message (a micro-batch done) is a sign of life too.
+    Heartbeats, ``progress`` messages (progress within a step) and ``waiting``
+    reports are signs of life. A rank that reports it is waiting on its group
+    (and keeps reporting it) is spared up to the longest wait; the one that
+    went silent is hung (:func:`~unicron_elastic.detection.hang.hang_verdict`).
     Only this agent's workers get a monitor: messages from any other rank are
     dropped (counted in ``dropped``), and monitors of ranks no longer running
     here are removed when workers start, so the table stays bounded.
@@ -234,6 +240,46 @@ class HangDetector(Detector):
     def stop(self) -> None:
         self._stop.set()
         self._changed.set()
+
+
+class StragglerDetector(Detector):
+    """Stragglers: a rank whose steps keep it persistently busier than its node peers (:mod:`~unicron_elastic.detection.straggler`).
+
+    Each heartbeat that carries ``busy`` (the step's seconds not spent waiting
+    on the group) feeds the watch; a rank found slow is reported once per
+    episode as a SEV3 ``straggler`` finding, which the agent publishes and
+    never acts on; every rank's ratio to its peers goes to the
+    ``unicron_straggler_ratio`` metric. An agent compares its own node's ranks.
+    """
+
+    name = "straggler"
+
+    def __init__(self, thresholds: StragglerThresholds | None = None) -> None:
+        self.watch = StragglerWatch(thresholds)
+        self._lock = threading.Lock()
+
+    def on_workers_started(self, local_ranks: list[int], incarnation: str) -> None:
+        ranks = {lr: rank for lr, (rank, _) in self.ctx.workers().items()}
+        with self._lock:
+            for local_rank in local_ranks:  # a new process: its record starts afresh
+                if local_rank in ranks:
+                    self.watch.forget(ranks[local_rank])
+
+    def on_message(self, msg: dict[str, Any], received: float) -> None:
+        if msg["t"] != "beat" or "busy" not in msg:
+            return
+        if not _own_rank(self.ctx, msg["rank"]):
+            _note_dropped(self, msg)
+            return
+        with self._lock:
+            found = self.watch.record(msg["rank"], float(msg["busy"]))
+            ratios = self.watch.ratios()
+        for rank, ratio in ratios.items():
+            STRAGGLER_RATIO.labels(rank=str(rank)).set(ratio)
+        for straggler in found:
+            log.warning("straggler", rank=straggler.rank, busy_s=round(straggler.busy, 4),
+                        peers_s=round(straggler.peers, 4), ratio=round(straggler.ratio, 2))
+            self.ctx.hang(straggler.rank, Finding(Severity.SEV3, "straggler", straggler.message, received))
 
 
 class NodeHealthDetector(Detector):
@@ -374,5 +420,6 @@ def unicron_detectors(config: AgentConfig) -> list[Detector]:
         ProcessDetector(),
         ExceptionDetector(),
         HangDetector(config.hang),
+        StragglerDetector(config.straggler),
         NvmlDetector(),
     ]

@@ -82,6 +82,7 @@ class GroupWatch:
 
     Attributes:
         interrupted: Waits given up because a member was gone.
+        waited: Seconds the main thread spent in waits so far (a step's busy time is its duration less its waits).
     """
 
     def __init__(self, report: Callable[[bool], None], gone: Callable[[], str | None],
@@ -93,6 +94,7 @@ class GroupWatch:
         self._what = ""
         self._reported = False
         self.interrupted = 0
+        self.waited = 0.0
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -100,11 +102,13 @@ class GroupWatch:
     def waiting(self, what: str) -> Iterator[None]:
         """The main thread waits on its group (``what``: the operation, for logs) inside this block."""
         self._start()
+        began = time.monotonic()
         with self._lock:
-            self._since, self._what = time.monotonic(), what
+            self._since, self._what = began, what
         try:
             yield
         finally:
+            self.waited += time.monotonic() - began
             with self._lock:
                 self._since = None
                 reported, self._reported = self._reported, False

@@ -79,6 +79,7 @@ from unicron_elastic.strategy.lightning.precision import (check_module, check_pr
                                                 start_scale)
 from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.strategy.lightning.megatron_reductions import model_reductions
+from unicron_elastic.strategy.lightning.progress import watch_progress
 from unicron_elastic.strategy.lightning.rng import megatron_tracker, micro_batch_rng, micro_batch_seed, seed_tracker
 from unicron_elastic.strategy.snapshots.shard_checkpoints import load_shard, save_shard
 from unicron_elastic.strategy.lightning.sigterm import SigtermTakeover
@@ -217,6 +218,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._sigterm = SigtermTakeover(self)  # SIGTERM in the step's last exchange (fit)
         self._trained = False  # fit ended normally (on_train_end): ranks waiting to join may stop waiting
         self._last_beat: float | None = None
+        self._progress_hooks: list[Any] = []
+        self._waited_at_beat = 0.0  # the engine's waits (seconds) at the last heartbeat: busy = duration - waits
         self._losses: list[torch.Tensor] = []
         self._feed: MicroBatchFeed | None = None
         self._stage: Any = None  # this pipeline stage's forward of one micro-batch (set at fit)
@@ -532,6 +535,8 @@ class UnicronMegatronStrategy(DDPStrategy):
             return
         self._seed_tracker()  # (a module without configure_model)
         self.engine.bind(module, self.optimizers[0], self._reductions(module))
+        if not self._progress_hooks:  # the forward and backward of its modules and layers: progress within a step
+            self._progress_hooks = watch_progress(module, lambda: self._worker.progress(self.engine.next_step))
         self._bind_stages(module)
         if not self.joining:  # (a joiner's tied copies come with its state)
             self.engine.tie()
@@ -718,11 +723,12 @@ class UnicronMegatronStrategy(DDPStrategy):
         return self.precision_plugin.convert_input(batch)
 
     # -- one step ------------------------------------------------------------------
-    @staticmethod
-    def _hook(rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
+    def _hook(self, rank: int, step: int, micro_batch: int | None = None, bucket: int | None = None,
               at: str | None = None) -> None:
-        """The engine's fault-injection point: ``$UNICRON_FAULTS`` (only that; the data path reads the engine)."""
-        maybe_fail(rank, step, micro_batch=micro_batch, bucket=bucket, at=at)
+        """The engine's points of a step (each micro-batch, each bucket, around the optimizer step): progress for
+        the hang detector, then the fault planned there in ``$UNICRON_FAULTS``, if any."""
+        self._worker.progress(step, micro_batch or 0)
+        maybe_fail(rank, step, micro_batch=micro_batch, bucket=bucket, at=at, waiting=self._worker.waiting)
 
     def _micro_batch_rng(self, stage: int = 0) -> AbstractContextManager[None]:
         """The random streams of the micro-batch being computed (:mod:`~unicron_elastic.strategy.lightning.rng`)."""
@@ -777,7 +783,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._restore_rng()
         self._local_only = False
         if self._last_beat is None:
-            self._last_beat = time.monotonic()
+            self._last_beat, self._waited_at_beat = time.monotonic(), engine.watch.waited
         engine.next_step = step
         self._snapshot(step)
         self._losses = []
@@ -836,9 +842,10 @@ class UnicronMegatronStrategy(DDPStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.next_step
         self.engine.next_step = step + 1
-        now = time.monotonic()
-        self._worker.heartbeat(step, now - self._last_beat)  # iteration to iteration, callbacks included
-        self._last_beat = now
+        now, waited = time.monotonic(), self.engine.watch.waited
+        duration = now - self._last_beat  # iteration to iteration, callbacks included
+        self._worker.heartbeat(step, duration, busy=duration - (waited - self._waited_at_beat))
+        self._last_beat, self._waited_at_beat = now, waited
         self._hook(self.env.launch_rank, step, at="after_optimizer_step")
         return output
 
@@ -919,6 +926,9 @@ class UnicronMegatronStrategy(DDPStrategy):
             self._memory.close()  # (the snapshot in flight is sent first)
         if self._disk is not None:
             self._disk.wait()
+        for handle in self._progress_hooks:
+            handle.remove()
+        self._progress_hooks = []
         super().teardown()
         destroy_world()
         if self.engine is not None:
