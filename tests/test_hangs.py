@@ -56,13 +56,13 @@ def _env(out: Path, faults: list[Fault]) -> dict[str, str]:
 
 
 def _start(out: Path, faults: list[Fault], nodes: int, per_node: int, etcd: EmbeddedEtcd | None,
-           run_id: str, *extra: str) -> list[subprocess.Popen]:
+           run_id: str, *extra: str, launcher_args: tuple[str, ...] | list[str] = ()) -> list[subprocess.Popen]:
     out.mkdir(parents=True, exist_ok=True)
     where = (["--standalone"] if etcd is None else
              [f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", f"--nnodes={nodes}",
               f"--rdzv-conf=cluster={run_id},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"])
     cmd = [os.path.join(BIN, "unicron-run"), *where, f"--nproc-per-node={per_node}", "--monitor-interval=0.05",
-           "--log-format=json", f"--node-ttl={TTL}", GPT, *ARGS, "--out", str(out), *extra]
+           "--log-format=json", f"--node-ttl={TTL}", *launcher_args, GPT, *ARGS, "--out", str(out), *extra]
     return [subprocess.Popen(cmd, stdout=(out / f"node{i}.log").open("w"), stderr=subprocess.STDOUT,
                              env=_env(out, faults)) for i in range(nodes)]
 
