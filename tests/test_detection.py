@@ -60,7 +60,7 @@ def test_event_json_round_trip_and_malformed() -> None:
 
 # -- hang verdicts from progress ------------------------------------------------
 # The monitor's defaults: a hang is no sign of life for 5 x the largest gap between signs in the last 100
-# iterations, and at least 2 s; no alarm during the first 5 iterations of a configuration.
+# iterations, and at least 3 s; no alarm until an iteration after the first 5 of a configuration has ended.
 
 
 def _run(monitor: IterationMonitor, durations: list[float], start: float = 0.0, signs: int = 1) -> tuple[float, list]:
@@ -94,7 +94,7 @@ def test_no_false_alarm_over_200_iterations_with_10_percent_jitter() -> None:
 
 
 def test_hang_is_reported_after_the_safety_factor_times_the_largest_recent_gap() -> None:
-    monitor = IterationMonitor()
+    monitor = IterationMonitor(HangThresholds(min_silence=1.0))
     now, _ = _run(monitor, [1.0] * 20, signs=4)  # signs every 0.25 s, one gap of 0.5 s in the last iteration
     monitor.sign(now + 0.5)
     now += 0.5
@@ -150,7 +150,7 @@ def test_stall_inside_a_collective_is_sev3() -> None:
     monitor = IterationMonitor()
     now, _ = _run(monitor, [0.2] * 10)
     monitor.set_state(now, in_collective=True)
-    finding = monitor.check(now + 2.1)
+    finding = monitor.check(now + 3.1)
     assert (finding.severity, finding.kind) == (Severity.SEV3, "collective_timeout")
 
 
@@ -185,8 +185,8 @@ def test_no_alarm_during_warmup_or_checkpoint_pause() -> None:
     assert monitor.check(now + 100) is None
     monitor.set_state(now + 100, paused=False)
     assert monitor.largest_gap == pytest.approx(0.2)  # the pause is no gap
-    assert monitor.check(now + 101.9) is None  # the pause does not count; the floor (2 s) does
-    assert monitor.check(now + 102.1).kind == "task_hang"
+    assert monitor.check(now + 102.9) is None  # the pause does not count; the floor (3 s) does
+    assert monitor.check(now + 103.1).kind == "task_hang"
 
 
 def test_a_bounded_pause_protects_only_until_its_bound() -> None:
@@ -194,8 +194,8 @@ def test_a_bounded_pause_protects_only_until_its_bound() -> None:
     monitor = IterationMonitor(HangThresholds(warmup=5))
     now, _ = _run(monitor, [0.2] * 6)
     monitor.set_state(now, paused=True, pause_for=10.0)
-    assert monitor.check(now + 11.9) is None  # within the bound (+ the allowed silence)
-    assert monitor.check(now + 12.1).kind == "task_hang"  # stuck past it
+    assert monitor.check(now + 12.9) is None  # within the bound (+ the allowed silence)
+    assert monitor.check(now + 13.1).kind == "task_hang"  # stuck past it
 
 
 def test_a_regroup_that_ends_in_time_is_no_hang() -> None:
@@ -213,8 +213,8 @@ def test_a_peer_failure_delays_the_silence_count_by_the_grace() -> None:
     monitor = IterationMonitor(HangThresholds(warmup=5, peer_failure_grace=2.0))
     now, _ = _run(monitor, [0.2] * 6)
     monitor.peer_failed(now + 0.1)
-    assert monitor.check(now + 2.1 + 1.99) is None
-    assert monitor.check(now + 2.1 + 2.01).kind == "task_hang"
+    assert monitor.check(now + 2.1 + 2.99) is None
+    assert monitor.check(now + 2.1 + 3.01).kind == "task_hang"
 
 
 def test_a_heartbeat_ends_the_peer_failure_grace() -> None:
@@ -222,7 +222,7 @@ def test_a_heartbeat_ends_the_peer_failure_grace() -> None:
     now, _ = _run(monitor, [0.2] * 6)
     monitor.peer_failed(now)
     monitor.heartbeat(now + 0.3, 0.3)
-    assert monitor.check(now + 0.3 + 2.01).kind == "task_hang"  # counted from the beat again
+    assert monitor.check(now + 0.3 + 3.01).kind == "task_hang"  # counted from the beat again
 
 
 def test_the_hang_detector_gives_the_grace_to_the_other_workers_only() -> None:
@@ -239,12 +239,12 @@ def test_the_hang_detector_gives_the_grace_to_the_other_workers_only() -> None:
 
 
 def test_silence_shorter_than_the_floor_is_never_a_hang_however_short_the_gaps() -> None:
-    # gaps of 0.05 s: 5 x 0.05 s is 0.25 s, which a busy host's scheduling stall exceeds; the floor is 2 s
+    # gaps of 0.05 s: 5 x 0.05 s is 0.25 s, which a busy host's scheduling stall exceeds; the floor is 3 s
     monitor = IterationMonitor()
     now, _ = _run(monitor, [0.05] * 10)
-    assert monitor.check(now + 1.99) is None
-    finding = monitor.check(now + 2.01)
-    assert finding.kind == "task_hang" and "at least 2s" in finding.message
+    assert monitor.check(now + 2.99) is None
+    finding = monitor.check(now + 3.01)
+    assert finding.kind == "task_hang" and "at least 3s" in finding.message
     slow = IterationMonitor()  # gaps of 1 s: the factor decides, not the floor
     now, _ = _run(slow, [1.0] * 10)
     assert slow.check(now + 4.9) is None and slow.check(now + 5.1).kind == "task_hang"
@@ -286,7 +286,7 @@ def test_a_non_finite_or_negative_duration_never_reaches_the_mean(bad: float) ->
     assert monitor.heartbeat(now + 0.2, bad) is None
     assert monitor.check(now + 0.21) is None  # a healthy worker is not declared hung
     assert (monitor.mean, monitor.count, monitor.rejected) == (mean, count, 1)
-    assert monitor.check(now + 2.01).kind == "task_hang"  # the bad beat proves nothing: a real hang still counts
+    assert monitor.check(now + 3.01).kind == "task_hang"  # the bad beat proves nothing: a real hang still counts
 
 
 class _Context:

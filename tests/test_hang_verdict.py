@@ -54,7 +54,7 @@ def test_one_hung_rank_among_n_is_the_only_one_blamed(ranks: int, data, period: 
     monitors, now = _warm_monitors(ranks, period)
     deadline = monitors[hung].deadline()
     blamed_at = None
-    for t, verdict in _verdicts(monitors, now, now + 10 * period + 2, refresh, {hung}, set(range(ranks)) - {hung}):
+    for t, verdict in _verdicts(monitors, now, now + 10 * period + 4, refresh, {hung}, set(range(ranks)) - {hung}):
         assert set(verdict.hung) <= {hung}, f"a rank waiting on the hung one was blamed at {t}"
         if verdict.hung and blamed_at is None:
             blamed_at = t
@@ -92,8 +92,8 @@ def test_the_end_of_a_wait_starts_the_silence_count_afresh() -> None:
     monitor = monitors[0]
     for k in range(35):  # "still waiting" every 0.15 s from +0.2 to +5.3
         monitor.set_state(now + 0.2 + 0.15 * k, waiting=True)
-    assert monitor.check(now + 5.3 + 1.9) is None  # refreshed at +5.3: alive (the floor is 2 s)
+    assert monitor.check(now + 5.3 + 2.9) is None  # refreshed at +5.3: alive (the floor is 3 s)
     monitor.set_state(now + 5.4, waiting=False)
-    assert monitor.check(now + 5.4 + 1.99) is None  # silence counts from the end of the wait
-    finding = monitor.check(now + 5.4 + 2.01)
+    assert monitor.check(now + 5.4 + 2.99) is None  # silence counts from the end of the wait
+    finding = monitor.check(now + 5.4 + 3.01)
     assert finding is not None and finding.kind == "task_hang"

@@ -42,7 +42,7 @@ def _latency(out: Path, kind: str) -> tuple[float, dict]:
 def _hang_bound(message: str) -> float:
     """The allowed silence the verdict's message states: max(factor x the largest recent gap, the floor)."""
     gap = float(message.split("the largest recent gap ")[1].split("s,")[0])
-    return max(5.0 * gap, 2.0)
+    return max(5.0 * gap, 3.0)
 
 
 def _one_rank_restarted(out: Path, launchers: list[subprocess.Popen], victim: int, baseline) -> None:

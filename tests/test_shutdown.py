@@ -498,7 +498,7 @@ def test_unknown_detector_is_refused_with_the_known_names() -> None:
     with pytest.raises(ConfigError, match="--detectors"):
         agent_config(args)
     assert agent_config(get_parser().parse_args(["train.py"])).detectors == ("node", "process", "exception", "hang",
-                                                                             "nvml")
+                                                                             "straggler", "nvml")
 
 
 @pytest.mark.parametrize("raw", ["-1", "nan", "inf", "1e9"])
@@ -514,7 +514,19 @@ def test_a_bad_hang_min_silence_is_refused_naming_the_flag(raw: str) -> None:
     args = get_parser().parse_args([f"--hang-min-silence={raw}", "train.py"])
     with pytest.raises(ConfigError, match="--hang-min-silence"):
         agent_config(args)
-    assert agent_config(get_parser().parse_args(["train.py"])).hang.min_silence == 0.5
+    assert agent_config(get_parser().parse_args(["train.py"])).hang.min_silence == 3.0
+
+
+@pytest.mark.parametrize(("flag", "raw"), [("--hang-max-wait", "0.5"), ("--hang-max-wait", "nan"),
+                                           ("--hang-gap-window", "0"), ("--hang-factor", "1"),
+                                           ("--straggler-factor", "1"), ("--straggler-window", "2")])
+def test_a_bad_hang_or_straggler_setting_is_refused_naming_the_flag(flag: str, raw: str) -> None:
+    args = get_parser().parse_args([f"{flag}={raw}", "train.py"])
+    with pytest.raises(ConfigError, match=flag):
+        agent_config(args)
+    config = agent_config(get_parser().parse_args(["train.py"]))
+    assert (config.hang.hang_factor, config.hang.gap_window, config.hang.max_wait) == (5.0, 100, 90.0)
+    assert (config.straggler.factor, config.straggler.window) == (1.5, 10)
 
 
 def test_missing_tls_files_are_refused_before_any_connection(tmp_path: Path) -> None:

@@ -76,10 +76,10 @@ def get_parser() -> argparse.ArgumentParser:
     group.add_argument("--hang-factor", type=float, default=5.0,
                        help="a worker without any progress for this many times the largest gap between its "
                             "progress signals in the last --hang-gap-window iterations is hung (default 5)")
-    group.add_argument("--hang-min-silence", type=float, default=2.0,
+    group.add_argument("--hang-min-silence", type=float, default=3.0,
                        help="silence shorter than this many seconds is never a hang, however short the gaps: a "
                             "busy host, a garbage collection or a data-loading spike stalls a process that long "
-                            "(default 2)")
+                            "(default 3)")
     group.add_argument("--hang-gap-window", type=int, default=100,
                        help="iterations whose largest gap between progress signals calibrates the hang bound "
                             "(default 100)")

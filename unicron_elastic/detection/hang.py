@@ -86,7 +86,7 @@ class HangThresholds:
     flap_window: int = 5
     warmup: int = 5
     peer_failure_grace: float = 5.0
-    min_silence: float = 2.0
+    min_silence: float = 3.0
     gap_window: int = 100
     max_wait: float = 90.0
 
