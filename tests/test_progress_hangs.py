@@ -45,6 +45,14 @@ def _hang_bound(message: str) -> float:
     return max(5.0 * gap, 3.0)
 
 
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def _one_rank_restarted(out: Path, launchers: list[subprocess.Popen], victim: int, baseline) -> None:
     before, codes = _through_the_fault(out, launchers)
     assert codes == [0], _log(out)[-4000:]
@@ -75,7 +83,9 @@ def test_a_deadlocked_dataloader_worker_is_a_hang_of_its_rank(tmp_path: Path, ba
     batch forever, making no progress: hung, restarted with new DataLoader workers."""
     launchers = _start(tmp_path, [], 1, 3, None, "d", *HOLD, "--num-workers", "2", "--deadlock-load", "2", "40")
     _one_rank_restarted(tmp_path, launchers, 2, baseline)
-    assert _fired(tmp_path)[0]["kind"] == "data_loader_deadlock"
+    deadlocked = _fired(tmp_path)[0]
+    assert deadlocked["kind"] == "data_loader_deadlock"
+    assert not _running(deadlocked["pid"])  # killed with the rank it served: nothing outlives the run
     assert _verdicts(tmp_path) == [("task_hang", 2)]
     latency, event = _latency(tmp_path, "task_hang")
     # the rank runs on prefetched batches for a while after the deadlock: the bound holds from its last progress

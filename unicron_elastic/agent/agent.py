@@ -69,6 +69,7 @@ from unicron_elastic.env import (
     set_round,
 )
 from unicron_elastic.plugins.manager import call_isolated, classify_exception, plugin_manager
+from unicron_elastic.processes import signal_tree
 from unicron_elastic.rendezvous.api import RoundJoined, RoundStart, UnicronRendezvous, max_world, ranks_past_round
 from unicron_elastic.store.client import StatusStore
 
@@ -554,11 +555,12 @@ class UnicronAgent(LocalElasticAgent):
             self.actions.append((decision.action.value, rank))
             self._channel.send(self._ranks.get(rank, RankState()).reply, {"t": "verdict", "action": "reattempt"})
         elif process is not None and decision.action in (Action.RESTART_WORKER, Action.RESTART_ALL):
-            # still running (hung, or told to stop): stop it, act on its exit
+            # still running (hung, or told to stop): stop it and every process it started (its DataLoader
+            # workers, a deadlocked one included, would outlive it), act on its exit
             state = self._state(rank)
             state.expected_exit = decision
             self._channel.send(state.reply, {"t": "verdict", "action": "exit"})
-            os.kill(process.pid, signal.SIGKILL)
+            signal_tree(process.pid, signal.SIGKILL)
         else:
             self._execute(rank, decision, self._local_rank(rank))
 
