@@ -50,10 +50,6 @@ class Run:
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-#: Steps of 0.05 s: with the default factor 3, 0.15 s of silence is a hang, and a host whose cores are all busy
-#: stalls a worker that long now and then (a spurious hang restarts a healthy worker). Tests not about hangs ask
-#: for 1 s; a test's own --hang-factor comes later and wins.
-CALM = "--hang-factor=20"
 
 
 def run(tmp: Path, faults: list[Fault], *flags: str, steps: int = 30, step_time: float = 0.05,
@@ -61,7 +57,7 @@ def run(tmp: Path, faults: list[Fault], *flags: str, steps: int = 30, step_time:
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
     env.update(faults_env(faults, str(tmp / "faults.log")))
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", "--monitor-interval=0.05",
-           "--log-format=json", CALM, *flags, worker, "--steps", str(steps), "--step-time", str(step_time),
+           "--log-format=json", *flags, worker, "--steps", str(steps), "--step-time", str(step_time),
            "--out", str(tmp / "out"), *worker_args]
     return Run(tmp, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=100))
 
@@ -165,14 +161,14 @@ def test_sev3_that_keeps_failing_escalates_to_a_sev2_restart(tmp_path: Path) -> 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_hang_is_detected_and_the_worker_restarted(tmp_path: Path) -> None:
-    r = run(tmp_path, [fail_at(rank=1, step=12, kind="hang")], "--hang-factor=3", step_time=0.1)
+    r = run(tmp_path, [fail_at(rank=1, step=12, kind="hang")], "--hang-factor=5", step_time=0.1)
     assert r.proc.returncode == 0, r.proc.stderr[-3000:]
     assert len(r.fired()) == 1
     assert events(r)[0] == ("SEV2", "task_hang", 1)
     assert ("restart_worker", 1) in actions(r)
     assert len(r.starts(1)) == 2 and len(r.starts(0)) == 1
     latency = r.of("error_event")[0]["detected_at"] - r.fired()[0]["time"]
-    assert latency <= 3 * 0.1 + 0.5, latency  # 3 x D_iter + 0.5 s
+    assert latency <= 3.0 + 0.5, latency  # the floor (5 x the 0.1 s gaps is less) + 0.5 s
 
 
 @pytest.mark.e2e
@@ -204,7 +200,7 @@ def test_plain_script_keeps_torchrun_restart_all(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # three launchers that each start, import torch and refuse: ~10 s, a minute loaded
 def test_bad_agent_flags_are_clear_errors(tmp_path: Path) -> None:
     r = run(tmp_path, [], "--hang-factor=1.0", steps=1)
     assert r.proc.returncode == 2 and "hang_factor" in r.proc.stderr

@@ -18,8 +18,7 @@ and after the optimizer step. The agent restarts it alone. Asserted:
   most one failure-free step time + 1 s.
 
 The failure comes after the hang detector's warm-up, so it watches the
-recovery (``--hang-factor=10`` as in ``test_lightning_strategy.py``: steps of
-tens of ms jitter by more than 3x on a shared 2-core machine).
+recovery with its default thresholds.
 ``--hold-for-joiner`` makes the survivors wait (a declared, bounded pause) for
 the restarted rank before step ``HOLD``, so it rejoins however slowly it
 starts. The full matrix (49 runs) is marked ``matrix`` (``-m matrix``); one case
@@ -92,7 +91,7 @@ def launch(out: Path, world: int, faults: list, timeout: float = 240) -> subproc
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"],
                **faults_env(faults, str(out / "faults.log")))
     cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={world}", "--monitor-interval=0.05",
-           "--hang-factor=10", "--log-format=json", DEMO, "--steps", str(STEPS), "--out", str(out),
+           "--log-format=json", DEMO, "--steps", str(STEPS), "--out", str(out),
            "--global-batch", str(2 * world * MICRO), "--micro-batch", str(MICRO),
            "--bucket-numel", str(BUCKET_NUMEL), "--record-times", "--hold-for-joiner", str(HOLD)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
