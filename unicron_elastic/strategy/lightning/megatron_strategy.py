@@ -860,6 +860,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         if not self._sigterm.stopping:  # (after the stop's step: the pause lasts until the process ends)
             self._worker.set_paused(False)
         self._last_beat = time.monotonic()
+        if self.engine is not None:
+            self._waited_at_beat = self.engine.watch.waited
 
     # -- Lightning's collectives ---------------------------------------------------
     def barrier(self, *args: Any, **kwargs: Any) -> None:
