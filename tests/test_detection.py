@@ -163,6 +163,8 @@ def test_a_rank_waiting_on_its_group_is_spared_until_the_longest_wait() -> None:
     finding = monitor.check(now + 30.01)
     assert (finding.severity, finding.kind) == (Severity.SEV3, "collective_timeout")
     assert finding.since == now and "never completes" in finding.message
+    monitor.set_state(now + 30.1, waiting=True)  # its watch thread goes on saying so: reported once
+    assert monitor.check(now + 30.2) is None
 
 
 def test_a_new_wait_restarts_the_wait_clock() -> None:

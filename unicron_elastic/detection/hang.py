@@ -172,12 +172,17 @@ class IterationMonitor:
         """The largest gap between two signs of life in the last ``gap_window`` iterations and the current one."""
         return max(self._step_gap, max(self._gaps, default=0.0))
 
-    def _alive(self, now: float) -> None:
-        """A sign of life at ``now``: the gap since the previous one calibrates the allowed silence."""
+    def _alive(self, now: float, progress: bool = True) -> None:
+        """A sign of life at ``now``: the gap since the previous one calibrates the allowed silence.
+
+        Progress (not a "still waiting" report, which the watch thread of a stuck rank keeps sending) ends a
+        reported hang: the rank may be found hung again.
+        """
         if not self.paused and now > self.last_beat:
             self._step_gap = max(self._step_gap, now - self.last_beat)
         self.last_beat = max(self.last_beat, now)
-        self._reported_hang = False
+        if progress:
+            self._reported_hang = False
 
     def heartbeat(self, now: float, duration: float) -> Finding | None:
         """Record one finished iteration of ``duration`` seconds at ``now``.
@@ -251,7 +256,7 @@ class IterationMonitor:
         """
         if waiting is not None:
             if waiting or self.waiting:
-                self._alive(now)
+                self._alive(now, progress=False)
             if waiting and not self.waiting:
                 self._wait_since = now
             elif not waiting:
