@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from unicron_elastic.api import ConfigError
@@ -102,19 +103,17 @@ class StragglerWatch:
         self._seen.pop(rank, None)
         self.flagged.discard(rank)
 
-    def _medians(self) -> dict[int, float]:
-        full = {r: b for r, b in self._busy.items() if len(b) == self.thresholds.window}
-        return {r: statistics.median(b) for r, b in full.items()}
+    def _against_peers(self) -> Iterator[tuple[int, float, float]]:
+        """``(rank, its median, the median of its peers' medians)`` for each rank with a full window and peers."""
+        full = {r: statistics.median(b) for r, b in self._busy.items() if len(b) == self.thresholds.window}
+        for rank, own in full.items():
+            peers = [m for r, m in full.items() if r != rank]
+            if peers:
+                yield rank, own, statistics.median(peers)
 
     def ratios(self) -> dict[int, float]:
         """Each rank's median busy time over its peers' median (ranks with a full window and peers only)."""
-        medians = self._medians()
-        out = {}
-        for rank, own in medians.items():
-            peers = [m for r, m in medians.items() if r != rank]
-            if peers and statistics.median(peers) > 0:
-                out[rank] = own / statistics.median(peers)
-        return out
+        return {rank: own / middle for rank, own, middle in self._against_peers() if middle > 0}
 
     def record(self, rank: int, busy: float) -> list[Straggler]:
         """One step of ``rank`` kept it busy ``busy`` seconds; the ranks that became stragglers with it.
@@ -128,12 +127,8 @@ class StragglerWatch:
         if self._seen[rank] <= self.thresholds.warmup:
             return []
         self._busy.setdefault(rank, deque(maxlen=self.thresholds.window)).append(float(busy))
-        medians, found = self._medians(), []
-        for other, own in medians.items():
-            peers = [m for r, m in medians.items() if r != other]
-            if not peers:
-                continue
-            middle = statistics.median(peers)
+        found = []
+        for other, own, middle in self._against_peers():
             if own > self.thresholds.factor * middle and other not in self.flagged:
                 self.flagged.add(other)
                 found.append(Straggler(other, own, middle, self.thresholds.window))
