@@ -2,7 +2,8 @@
 
 A real writer process and a real TCPStore (the agent's): the document it sends
 is the one :func:`~unicron_elastic.strategy.snapshots.safe_state.dumps` writes, the buffer
-grows with the state, a lost writer is restarted, and the writer ends with the
+grows with the state, a writer not ready (lost and restarted, or started late)
+never makes a step wait, and the writer ends with the
 training process (a SIGKILL included), leaving no memory behind.
 """
 
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,18 +66,22 @@ def test_the_writer_process_sends_each_snapshot_and_a_lost_writer_is_restarted(c
     agent, worker = _stores()
     snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
     try:
+        snapshot.start()
         for step, n in ((1, 10), (2, 3_000_000), (3, 3_000_000)):  # the buffer grows once, then is kept
-            snapshot.save(_state(step, n))
+            assert snapshot.save(_state(step, n))
             snapshot.wait()
             assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(step, n))
         writer = snapshot._writer._process
         assert writer.pid != os.getpid() and writer.poll() is None
-        writer.kill()  # lost: the next save starts another one
+        writer.kill()  # lost: the next save starts another one, without waiting for it (that save is skipped)
         writer.wait()
-        snapshot.save(_state(4))
-        snapshot.wait()
-        assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(4))
+        assert not snapshot.save(_state(4))
         assert events_named(captured, "snapshot_writer_lost")
+        assert [e["step"] for e in events_named(captured, "snapshot_skipped")] == [4]
+        wait_for(lambda: snapshot.save(_state(5)), deadline_s=60, why="the restarted writer never took a snapshot")
+        snapshot.wait()
+        assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(5))
+        assert snapshot._writer._process.pid != writer.pid
     finally:
         snapshot.close()
     assert writer.poll() is not None
@@ -95,6 +101,7 @@ TRAINER = textwrap.dedent("""
     from unicron_elastic.strategy.snapshots.tiers import MemorySnapshot
     worker = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
     snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
+    snapshot.start()
     snapshot.save({"w": torch.ones(1 << 20), "step": 1})
     snapshot.wait()
     print("writer", snapshot._writer._process.pid, flush=True)
@@ -122,6 +129,7 @@ def test_a_snapshot_due_while_the_previous_is_still_sent_is_skipped_not_waited_f
     agent, worker = _stores()
     snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
     try:
+        snapshot.start()
         assert snapshot.save(_state(1, 12_000_000))  # 48 MB: still being sent when the next one is due
         assert not snapshot.save(_state(2))
         assert [e["step"] for e in events_named(captured, "snapshot_skipped")] == [2]
@@ -130,5 +138,25 @@ def test_a_snapshot_due_while_the_previous_is_still_sent_is_skipped_not_waited_f
         assert snapshot.save(_state(3))  # taken again once the writer is free
         snapshot.wait()
         assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(3))
+    finally:
+        snapshot.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_becomes_a_saver_later_never_waits_for_its_writer_to_start(captured) -> None:
+    """The new primary replica after a regroup: its first snapshot due starts the writer (1-3 s of imports on a
+    loaded machine) and is skipped; the step goes on at once, and a snapshot is taken once the writer is ready."""
+    agent, worker = _stores()
+    snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
+    try:
+        began = time.monotonic()
+        assert not snapshot.save(_state(1))
+        assert time.monotonic() - began < 0.5  # (the writer's imports alone take about a second)
+        assert [e["reason"] for e in events_named(captured, "snapshot_skipped")] == [
+            "the snapshot writer is starting: the next one due is taken"]
+        step = iter(range(2, 10_000))
+        wait_for(lambda: snapshot.save(_state(next(step))), deadline_s=60, why="the writer never became ready")
+        snapshot.wait()
+        assert read_snapshot("agent", agent, SNAPSHOT_KEY)["step"] > 1
     finally:
         snapshot.close()

@@ -13,8 +13,11 @@ the document into pieces, sending them to the agents' snapshot servers
 or to torch's agent store, and deleting the previous upload.
 
 The two talk over a ``SOCK_SEQPACKET`` socket pair. The writer first says it
-is ready (its imports done, about 1 s; the training process waits for that
-once, before its first snapshot, so that snapshot is not skipped). A job names the
+is ready (its imports done, 1-3 s). A rank that saves from the start waits for
+that once, before its first step (:meth:`SnapshotWriter.start`); a rank that
+becomes a saver later (the new primary replica after a regroup) or whose
+writer was lost starts one without waiting: the snapshots due until it is ready
+are skipped (``snapshot_skipped``), never waited for by the step. A job names the
 document's size and where it goes (and passes the buffer's file descriptor
 when the buffer is new); the writer answers ``{"done": id}`` once every
 target has it or failed with a warning. One job is in flight at a time: the
@@ -31,6 +34,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,13 +154,15 @@ class SnapshotWriter:
         self._in_flight: Job | None = None
         self._pending: tuple[Job, torch.cuda.Event] | None = None  # copied on a side stream, not sent yet
         self._stream: torch.cuda.Stream | None = None
+        self._starting_since: float | None = None  # monotonic time the writer was started, until it said ready
 
     def write(self, encoded: EncodedState, step: int, shard: str | None, slot: int, places: dict[str, Any]) -> bool:
         """Copy the document into the buffer now; the writer sends it (after :meth:`settle` for GPU tensors).
 
         Never waits for the writer: while it is still sending the previous
-        snapshot, this one is skipped (``snapshot_skipped``, a warning) and the
-        next one due is taken instead.
+        snapshot, or is starting (not started before with :meth:`start`, or
+        lost: it is started again here), this one is skipped
+        (``snapshot_skipped``, a warning) and the next one due is taken instead.
 
         Returns:
             Whether the snapshot was taken.
@@ -168,6 +174,10 @@ class SnapshotWriter:
         if not self._idle():
             log.warning("snapshot_skipped", step=step, reason=f"the snapshot of step {self._in_flight.step} is "
                         "still being sent: the next one due is taken")
+            return False
+        if not self._running():
+            log.warning("snapshot_skipped", step=step, reason="the snapshot writer is starting: the next one due "
+                        "is taken")
             return False
         doc_layout = layout(encoded)
         buffer = self._room(doc_layout.size)
@@ -183,9 +193,8 @@ class SnapshotWriter:
             event = torch.cuda.Event()
             event.record(self._stream)
             self._pending = (job, event)
-        else:
-            self._send(job)
-        return True
+            return True
+        return self._send(job)
 
     def settle(self) -> None:
         """Before the state changes (the optimizer step): the side stream's copy is done; the writer gets the job."""
@@ -247,58 +256,106 @@ class SnapshotWriter:
             self._buffer = HostBuffer(int(size * _GROWTH))
         return self._buffer
 
-    def _send(self, job: Job) -> None:
-        """Hand ``job`` to the writer (started on first use, restarted after it was lost); a failure is a warning."""
+    def _send(self, job: Job) -> bool:
+        """Hand ``job`` to the (ready) writer; a writer lost meanwhile is a warning (the next snapshot restarts it).
+
+        Returns:
+            Whether the writer has the job.
+        """
         assert self._buffer is not None
         message = json.dumps(vars(job)).encode()
-        for attempt in (0, 1):
-            try:
-                self._start()
-                fds = [] if self._sent is self._buffer else [self._buffer.fd]  # (a new buffer may reuse the number)
-                socket.send_fds(self._socket, [message], fds)
-                self._sent = self._buffer
-                self._in_flight = job
-                return
-            except OSError as exc:
-                log.warning("snapshot_writer_lost", error=str(exc)[:200], step=job.step, retry=attempt == 0)
-                self._stop()
+        try:
+            fds = [] if self._sent is self._buffer else [self._buffer.fd]  # (a new buffer may reuse the number)
+            socket.send_fds(self._socket, [message], fds)
+        except OSError as exc:
+            log.warning("snapshot_writer_lost", error=str(exc)[:200], step=job.step)
+            self._stop()
+            return False
+        self._sent = self._buffer
+        self._in_flight = job
+        return True
 
     def start(self) -> None:
-        """Start the writer process now (else at the first snapshot) and wait until it is ready (~1 s).
+        """Start the writer process now and wait until it is ready (1-3 s): the first snapshot is not skipped.
+
+        Raises:
+            OSError: The process cannot be started, or did not say it is
+                ready within :data:`READY_TIMEOUT_S` (stopped again).
+        """
+        self._spawn()
+        if self._starting_since is not None:
+            self._socket.settimeout(READY_TIMEOUT_S)
+            try:
+                self._hear_ready(self._socket.recv(_MESSAGE))
+            except OSError as exc:
+                self._stop()
+                raise OSError(f"the snapshot writer did not start: {exc}") from None
+            finally:
+                if self._socket is not None:
+                    self._socket.settimeout(None)
+
+    def _running(self) -> bool:
+        """Whether the writer is ready for a job, without waiting: a lost one is replaced, a new one started.
+
+        A writer that does not become ready within :data:`READY_TIMEOUT_S` is
+        stopped with a warning (the next snapshot due starts another).
+        """
+        if self._process is not None and self._process.poll() is not None:
+            log.warning("snapshot_writer_lost", error=f"the snapshot writer exited ({self._process.returncode})")
+            self._stop()
+        try:
+            self._spawn()
+        except OSError as exc:
+            log.warning("snapshot_writer_lost", error=f"the snapshot writer cannot be started: {exc}"[:200])
+            return False
+        if self._starting_since is None:
+            return True
+        try:
+            self._hear_ready(self._socket.recv(_MESSAGE, socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            if time.monotonic() - self._starting_since > READY_TIMEOUT_S:
+                log.warning("snapshot_writer_lost", error=f"not ready within {READY_TIMEOUT_S:.0f} s")
+                self._stop()
+            return False
+        except OSError as exc:
+            log.warning("snapshot_writer_lost", error=str(exc)[:200])
+            self._stop()
+            return False
+        return True
+
+    def _spawn(self) -> None:
+        """Start the writer process, if none runs (it says it is ready later: :meth:`_hear_ready`).
 
         Raises:
             OSError: The process cannot be started.
         """
-        self._start()
-
-    def _start(self) -> None:
         if self._process is not None:
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", _WRITER_MAIN, str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            try:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-c", _WRITER_MAIN, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            except OSError:
+                ours.close()
+                raise
         self._socket, self._sent = ours, None
-        self._ready()
+        self._starting_since = time.monotonic()
 
-    def _ready(self) -> None:
-        """Wait until the writer has loaded what it needs (~1 s, once): the first snapshot is sent at once.
+    def _hear_ready(self, reply: bytes) -> None:
+        """The writer's first message: it is ready.
 
         Raises:
-            OSError: It exited or did not say so within :data:`READY_TIMEOUT_S` (stopped again).
+            OSError: It said something else, or exited (an empty message).
         """
-        self._socket.settimeout(READY_TIMEOUT_S)
         try:
-            reply = self._socket.recv(_MESSAGE)
-            if json.loads(reply or b"null") != {"ready": True}:
-                raise OSError(f"the snapshot writer did not start: {reply[:100]!r}")
-        except (OSError, ValueError) as exc:
-            self._stop()
-            raise OSError(f"the snapshot writer did not start: {exc}") from None
-        finally:
-            if self._socket is not None:
-                self._socket.settimeout(None)
+            ready = json.loads(reply or b"null") == {"ready": True}
+        except ValueError:
+            ready = False
+        if not ready:
+            raise OSError(f"the snapshot writer did not start: {reply[:100]!r}")
+        self._starting_since = None
 
     def _stop(self) -> None:
         if self._socket is not None:
@@ -311,7 +368,7 @@ class SnapshotWriter:
                 self._process.kill()
                 self._process.wait()
             self._process = None
-        self._sent, self._in_flight = None, None
+        self._sent, self._in_flight, self._starting_since = None, None, None
 
 
 # -- the writer process ----------------------------------------------------------------------------
