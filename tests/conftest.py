@@ -132,13 +132,25 @@ def private_etcd() -> Iterator[EmbeddedEtcd]:
     server.stop()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test on a real SLURM is in the e2e tier: the default tier must pass where SLURM is not installed.
+
+    Raises:
+        pytest.UsageError: A test asks for the ``slurm`` fixture without the ``e2e`` mark.
+    """
+    unmarked = [item.nodeid for item in items if "slurm" in getattr(item, "fixturenames", ())
+                and item.get_closest_marker("e2e") is None]
+    if unmarked:
+        raise pytest.UsageError(f"tests on a real SLURM must be marked e2e: {unmarked}")
+
+
 @pytest.fixture(scope="session")
 def _slurm_session() -> Iterator[object]:
     """A real SLURM cluster of three nodes on loopback (munged, slurmctld, three slurmd), once per session.
 
-    Started only by a test that asks for it; a machine without Debian's ``slurmd slurmctld munge`` fails the
-    test with the reason (``bash .ci/system-packages`` installs them, as ``.ci/run`` does): no test skips for
-    want of SLURM.
+    Started only by a test that asks for it (in the e2e tier); a machine without Debian's ``slurmd slurmctld
+    munge`` fails the test with the reason (``bash .ci/system-packages`` installs them, as ``.ci/run`` does): no
+    test skips for want of SLURM.
     """
     from unicron_elastic.slurm.loopback import LoopbackSlurm
 
@@ -171,6 +183,26 @@ def store(etcd_config: EtcdConfig) -> Iterator[StatusStore]:
     s = StatusStore(etcd_config)
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """No test leaves this process's environment or torch's thread count changed for the tests after it.
+
+    An in-process Lightning ``Trainer`` sets ``OMP_NUM_THREADS`` (and torch's
+    thread count) for a one-process run; a later test's subprocess would
+    inherit it and train a reference run with another thread count than the
+    run it is compared with.
+    """
+    import torch
+
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

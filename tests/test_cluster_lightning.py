@@ -71,7 +71,8 @@ def baseline(failure_free) -> list[torch.Tensor]:
     """The failure-free run's final parameters (2 ranks; the same global batch as every task here)."""
     def reference_run(base: Path) -> list[torch.Tensor]:
         run = subprocess.run([os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", GPT,
-                              "--steps", str(STEPS), "--out", str(base)], capture_output=True, text=True, timeout=400)
+                              "--steps", str(STEPS), "--out", str(base)], capture_output=True, text=True, timeout=400,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert run.returncode == 0, run.stderr[-3000:]
         return torch.load(base / "params0.pt")
 

@@ -1,5 +1,6 @@
 """SLURM: the job as its environment says, the etcd members' layout, the drain watch, the warning signal,
-the preemption checkpoint, Lightning's environment; one short run on a real loopback SLURM (docs/slurm.md).
+the preemption checkpoint, Lightning's environment; one short run on a real loopback SLURM (docs/slurm.md; in the
+e2e tier, like every test on a real SLURM).
 
 The long cases (a lost node, a drain, preemption and requeue, the coordinator's pool) are in test_slurm_e2e.py.
 """
@@ -96,6 +97,62 @@ def test_a_member_without_an_address_is_refused() -> None:
         etcd_layout(("n1", "n2", "n3"), {"n1": "a", "n3": "c"}, 3, 20000)
 
 
+def _resolved_on(node: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Name resolution as ``node``'s own resolver does it: Debian's /etc/hosts gives each node's own name 127.0.1.1."""
+    import socket
+
+    import unicron_elastic.slurm.job as job_module
+
+    def getaddrinfo(host: str, *args: object, **kwargs: object) -> list[tuple]:
+        address = "127.0.1.1" if host == node else f"10.0.0.{host[1:]}"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, 0))]
+
+    monkeypatch.setattr(job_module, "node_records", lambda names: {n: {"NodeName": n, "NodeAddr": n} for n in names})
+    monkeypatch.setattr(job_module.socket, "getaddrinfo", getaddrinfo)
+
+
+def test_the_layout_is_decided_once_so_members_whose_resolvers_disagree_get_one_cluster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each node resolves its own name to 127.0.1.1: members that each decided the layout would name a member by
+    an address only its own node reaches. Decided once on a host that resolves the members' nodes to their
+    addresses (here n4, the batch host, not a member) and handed to every member, every member is given the same
+    ``--initial-cluster``; decided on a member's node, the loopback address is refused, naming the node."""
+    from unicron_elastic.slurm.api import layout_from_json, layout_to_json
+    from unicron_elastic.slurm.etcd import MemberEtcd, layout_of
+
+    nodes = ("n1", "n2", "n3", "n4")
+    _resolved_on("n4", monkeypatch)
+    text = layout_to_json(layout_of(SlurmJob(job_id="9", node="n4", nodes=nodes), 3, 20000))
+    clusters = set()
+    for name in nodes[:3]:  # each member, on its own node, from the one layout (its own resolver plays no part)
+        _resolved_on(name, monkeypatch)
+        layout = layout_from_json(text)
+        member = MemberEtcd(next(m for m in layout if m.name == name), layout, token="9")
+        clusters.add(member.initial_cluster)
+    assert clusters == {"n1=http://10.0.0.1:20005,n2=http://10.0.0.2:20006,n3=http://10.0.0.3:20007"}
+    _resolved_on("n2", monkeypatch)
+    with pytest.raises(ConfigError, match=r"node 'n2' resolves to the loopback address 127\.0\.1\.1 while node "
+                                          r"'n1' is at 10\.0\.0\.1"):
+        layout_of(SlurmJob(job_id="9", node="n2", nodes=nodes), 3, 20000)
+
+
+def test_a_member_without_the_layout_decided_for_the_job_refuses_to_start(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from unicron_elastic.cli import main
+
+    monkeypatch.delenv("UNICRON_ETCD_LAYOUT", raising=False)
+    for verb in ("etcd", "endpoint"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["slurm", verb])
+        assert exit_.value.code == 2
+        assert "no etcd layout: decide it once in the batch script, before the step: export " \
+               "UNICRON_ETCD_LAYOUT=$(unicron slurm layout)" in capsys.readouterr().err
+    monkeypatch.setenv("UNICRON_ETCD_LAYOUT", '[{"name": "n1"}]')
+    with pytest.raises(SystemExit):
+        main(["slurm", "etcd"])
+    assert "UNICRON_ETCD_LAYOUT is not a layout `unicron slurm layout` printed" in capsys.readouterr().err
+
+
 def test_the_default_port_base_differs_between_jobs_and_stays_below_the_ephemeral_ports() -> None:
     bases = {default_port_base(str(job)) for job in range(1, 200)}
     assert len(bases) == 199 and min(bases) >= PORT_RANGE[0] and max(bases) + 2 * MAX_MEMBERS <= 32768
@@ -147,6 +204,40 @@ def test_slurm_flags_default_the_run_id_node_name_and_offset_the_metrics_port() 
     assert (args.rdzv_id, args.node_name) == ("joined", "mine")  # given flags win (a job joining another's run)
 
 
+@pytest.mark.parametrize(("cpus_per_task", "nproc", "given", "expected"), [
+    ("8", "2", None, "4"), ("8", "3", None, "2"), ("2", "4", None, "1"), (None, "1", None, "affinity"),
+    ("8", "2", "3", "3")])
+def test_each_worker_gets_its_share_of_the_tasks_cpus_as_omp_threads_unless_the_user_chose(
+        monkeypatch: pytest.MonkeyPatch, cpus_per_task: str | None, nproc: str, given: str | None,
+        expected: str) -> None:
+    """torchrun sets 1 thread for several workers and leaves a lone worker on every core: under --slurm each worker
+    gets SLURM_CPUS_PER_TASK (else the launcher's CPU affinity) / --nproc-per-node; a given OMP_NUM_THREADS wins."""
+    for name, value in (("SLURM_CPUS_PER_TASK", cpus_per_task), ("OMP_NUM_THREADS", given)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    apply_slurm(_args("--slurm", "--rdzv-endpoint=e:1", f"--nproc-per-node={nproc}"), JOB)
+    assert os.environ["OMP_NUM_THREADS"] == (str(len(os.sched_getaffinity(0))) if expected == "affinity" else expected)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "0")
+    with pytest.raises(ConfigError, match="SLURM_CPUS_PER_TASK='0' is not a positive number"):
+        apply_slurm(_args("--slurm", "--rdzv-endpoint=e:1"), JOB)
+
+
+def test_a_pool_node_without_slots_runs_a_worker_per_gpu_slurm_gave_its_own_task(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from unicron_elastic.cluster_cli import _slots_of_this_node
+
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    assert _slots_of_this_node(JOB) == 4
+    with pytest.raises(ConfigError, match="--slots is required"):
+        _slots_of_this_node(None)
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE")
+    with pytest.raises(ConfigError, match="SLURM gave this node no GPU"):
+        _slots_of_this_node(JOB)
+
+
 @pytest.mark.parametrize(("argv", "match"), [
     (("--standalone",), "every node would start an etcd"), ((), "needs --rdzv-endpoint"),
     (("--rdzv-endpoint=e:1", "--slurm-poll=-1"), "--slurm-poll")])
@@ -164,14 +255,14 @@ def test_unicron_run_slurm_outside_a_slurm_job_is_one_error_line() -> None:
         "SLURM job (under srun or sbatch)"]
 
 
-def test_unicron_slurm_endpoint_outside_a_slurm_job_is_one_error_line(monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_unicron_slurm_layout_outside_a_slurm_job_is_one_error_line(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     from unicron_elastic.cli import main
 
     for name in ("SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as exit_:
-        main(["slurm", "endpoint"])
+        main(["slurm", "layout"])
     assert exit_.value.code == 2 and "not a task of a SLURM job step" in capsys.readouterr().err
 
 
@@ -319,6 +410,7 @@ def test_lightning_under_srun_and_unicron_run_gets_the_strategys_environment(
 
 # -- on a real SLURM ------------------------------------------------------------------------------
 
+@pytest.mark.e2e  # (the default tier needs no SLURM: the README's two commands pass where none is installed)
 @pytest.mark.timeout(240)
 def test_unicron_run_under_srun_names_the_run_after_the_job_and_the_nodes_as_slurm_does(
         slurm, etcd: EmbeddedEtcd, tmp_path: Path) -> None:

@@ -43,7 +43,8 @@ def gpt_baseline(failure_free) -> list[torch.Tensor]:
     """The failure-free run: three ranks, the same global batch, no SLURM."""
     def reference_run(out: Path) -> list[torch.Tensor]:
         run = subprocess.run([os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=3", GPT,
-                              "--steps", str(STEPS), "--out", str(out)], capture_output=True, text=True, timeout=400)
+                              "--steps", str(STEPS), "--out", str(out)], capture_output=True, text=True, timeout=400,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert run.returncode == 0, run.stderr[-3000:]
         return torch.load(out / "params0.pt")
 

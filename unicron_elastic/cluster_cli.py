@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import sys
@@ -77,6 +78,21 @@ def _stop_on_signals(stop, on_sigterm=None) -> None:
         signal.signal(sig, lambda *_, act=action: act())
 
 
+def _slots_of_this_node(job: object | None) -> int:
+    """``--slots`` not given: with ``--slurm``, this node's GPUs as SLURM gave them to this task.
+
+    Raises:
+        ConfigError: Not under ``--slurm``, or SLURM gave this task no GPU (``SLURM_GPUS_ON_NODE``).
+    """
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "")
+    if job is None:
+        raise ConfigError("--slots is required (without --slurm there is no SLURM to ask for the node's GPUs)")
+    if not gpus.isdigit() or int(gpus) < 1:
+        raise ConfigError(f"--slots not given and SLURM gave this node no GPU (SLURM_GPUS_ON_NODE={gpus!r}): "
+                          "allocate them (sbatch --gpus-per-node=N or --gres=gpu:N) or give --slots")
+    return int(gpus)
+
+
 def _cmd_node(args: argparse.Namespace) -> int:
     from unicron_elastic.node.daemon import NodeDaemon
 
@@ -86,9 +102,10 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
         job = current_job()
     name = args.name or (job.node if job is not None else socket.gethostname())
+    slots = args.slots if args.slots is not None else _slots_of_this_node(job)
     with _store(args) as store:
         store.keys.node(name)  # refuses a name with '/'
-        daemon = NodeDaemon(store, name, args.slots, ttl=args.ttl, launcher_args=args.launcher_arg,
+        daemon = NodeDaemon(store, name, slots, ttl=args.ttl, launcher_args=args.launcher_arg,
                             leave_timeout=args.leave_timeout)
         _stop_on_signals(daemon.stop, on_sigterm=daemon.drain)  # SIGTERM drains; Ctrl-C, SIGHUP stop now
         if job is not None and args.slurm_poll > 0:
@@ -199,7 +216,9 @@ def add_cluster_commands(sub) -> None:
     node = sub.add_parser("node", help="the node daemon: registers the node and runs the workers the plan gives it "
                           "(SIGTERM drains the node first; Ctrl-C, SIGHUP or a second SIGTERM stop at once)")
     add_etcd_options(node, timeout=DAEMON_TIMEOUT_S)
-    node.add_argument("--slots", type=positive_int, required=True, help="workers this node runs (its GPUs)")
+    node.add_argument("--slots", type=positive_int, default=None,
+                      help="workers this node runs (its GPUs; with --slurm the default is the GPUs SLURM gave this "
+                           "node's task, SLURM_GPUS_ON_NODE)")
     node.add_argument("--name", default=None,
                       help="node name (default: the host name; with --slurm, SLURMD_NODENAME)")
     node.add_argument("--ttl", type=positive_int, default=2, help="lease TTL of the node, seconds")

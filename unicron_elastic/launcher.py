@@ -150,7 +150,11 @@ def apply_slurm(args: argparse.Namespace, job: SlurmJob) -> None:
 
     ``--rdzv-id``: :attr:`~unicron_elastic.slurm.api.SlurmJob.run_id`
     (``<job>-<restart count>``); ``--node-name``: ``SLURMD_NODENAME``;
-    ``--metrics-port P``: ``P`` + the node's index in the job (nodes may share a host).
+    ``--metrics-port P``: ``P`` + the node's index in the job (nodes may share a host);
+    ``OMP_NUM_THREADS`` (when unset) of each worker: the task's CPUs
+    (``SLURM_CPUS_PER_TASK``, else this process's CPU affinity) divided by
+    ``--nproc-per-node``, at least 1 (torchrun sets 1 for several workers
+    and leaves one worker on every core).
 
     Raises:
         ConfigError: ``--standalone`` (a private etcd per node cannot be one
@@ -170,8 +174,33 @@ def apply_slurm(args: argparse.Namespace, job: SlurmJob) -> None:
         args.node_name = job.node
     if args.metrics_port is not None:
         args.metrics_port += job.node_index
+    _set_threads(args)
     log.info("slurm_step", job=job.requeue_id, restart_count=job.restart_count, node=job.node,
              run_id=args.rdzv_id, node_name=args.node_name, nodes=len(job.nodes))
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    """``--slurm``: ``OMP_NUM_THREADS`` for the workers (they inherit it), unless the user set it.
+
+    Raises:
+        ConfigError: A bad ``SLURM_CPUS_PER_TASK`` or ``--nproc-per-node``.
+    """
+    import os
+
+    from torch.distributed.run import determine_local_world_size
+
+    from unicron_elastic.slurm.api import threads_per_worker
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    try:
+        workers = determine_local_world_size(args.nproc_per_node)
+    except ValueError as exc:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {exc}") from None
+    threads = threads_per_worker(os.environ.get("SLURM_CPUS_PER_TASK"), len(os.sched_getaffinity(0)), workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    log.info("slurm_threads", omp_num_threads=threads, workers=workers,
+             cpus_per_task=os.environ.get("SLURM_CPUS_PER_TASK"))
 
 
 def _watch_slurm_node(job: SlurmJob, interval: float) -> None:

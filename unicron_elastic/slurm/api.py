@@ -7,7 +7,9 @@ members; :mod:`unicron_elastic.slurm.drain_watch` follows the node's state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+import json
+from dataclasses import asdict, dataclass
 
 from unicron_elastic.api import ConfigError, UnicronError
 
@@ -158,12 +160,81 @@ def etcd_layout(nodes: tuple[str, ...], addresses: dict[str, str], members: int,
         if not addresses.get(name):
             raise ConfigError(f"node {name!r} of the job has no address in SLURM")
         layout.append(EtcdMember(name, addresses[name], port_base + i, port_base + MAX_MEMBERS + i))
+    check_reachable(layout)
+    return layout
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:  # a name, not an address: not decided here
+        return False
+
+
+def check_reachable(layout: list[EtcdMember]) -> None:
+    """Refuse a member on a loopback address beside members that are not: the others could not reach it.
+
+    A node whose own name resolves to ``127.0.1.1`` (Debian's ``/etc/hosts``)
+    would advertise an address only it can reach. Every member on loopback
+    is one host (a test cluster): allowed.
+
+    Raises:
+        ConfigError: Naming the node and its address.
+    """
+    looped = [member for member in layout if _is_loopback(member.host)]
+    if looped and len(looped) < len(layout):
+        other = next(member for member in layout if not _is_loopback(member.host))
+        raise ConfigError(
+            f"node {looped[0].name!r} resolves to the loopback address {looped[0].host} while node {other.name!r} "
+            f"is at {other.host}: the other members could not reach it; give the node a NodeAddr in slurm.conf or "
+            "fix how its name resolves")
+
+
+def layout_to_json(layout: list[EtcdMember]) -> str:
+    """The layout as one line (``UNICRON_ETCD_LAYOUT``: decided once, handed to every member)."""
+    return json.dumps([asdict(member) for member in layout], separators=(",", ":"))
+
+
+def layout_from_json(text: str) -> list[EtcdMember]:
+    """The layout :func:`layout_to_json` wrote.
+
+    Raises:
+        ConfigError: Malformed, empty, or a loopback member beside others (:func:`check_reachable`).
+    """
+    try:
+        layout = [EtcdMember(str(m["name"]), str(m["host"]), int(m["client_port"]), int(m["peer_port"]))
+                  for m in json.loads(text)]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"UNICRON_ETCD_LAYOUT is not a layout `unicron slurm layout` printed: {exc}") from None
+    if not layout:
+        raise ConfigError("UNICRON_ETCD_LAYOUT names no member")
+    check_reachable(layout)
     return layout
 
 
 def endpoint_list(layout: list[EtcdMember]) -> str:
     """The members as one ``--rdzv-endpoint`` list (``host:port,host:port,...``)."""
     return ",".join(member.endpoint for member in layout)
+
+
+def threads_per_worker(cpus_per_task: str | None, cores: int, workers: int) -> int:
+    """``OMP_NUM_THREADS`` for each of a node's workers: the launcher's CPUs shared out evenly, at least 1.
+
+    Args:
+        cpus_per_task: ``SLURM_CPUS_PER_TASK`` (the CPUs SLURM gave the
+            launcher, one task per node), or None when not set.
+        cores: The cores this process may run on (its CPU affinity): used
+            without ``cpus_per_task``.
+        workers: The node's workers (``--nproc-per-node``).
+
+    Raises:
+        ConfigError: ``cpus_per_task`` is not a positive number.
+    """
+    if cpus_per_task is not None:
+        if not cpus_per_task.isdigit() or int(cpus_per_task) < 1:
+            raise ConfigError(f"SLURM_CPUS_PER_TASK={cpus_per_task!r} is not a positive number")
+        cores = int(cpus_per_task)
+    return max(1, cores // max(1, workers))
 
 
 def parse_node_line(line: str) -> dict[str, str]:

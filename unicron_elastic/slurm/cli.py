@@ -1,4 +1,4 @@
-"""``unicron slurm etcd`` and ``unicron slurm endpoint``: the store inside a SLURM allocation.
+"""``unicron slurm layout``, ``etcd`` and ``endpoint``: the store inside a SLURM allocation; ``requeue``.
 
 Bad input, a process outside a SLURM job and a failing ``scontrol`` are one
 ``unicron: error: ...`` line and exit code 2 (``unicron``'s ``main``).
@@ -7,6 +7,7 @@ Bad input, a process outside a SLURM job and a failing ``scontrol`` are one
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from unicron_elastic.cli_options import bounded
@@ -24,19 +25,36 @@ def _members_option(parser: argparse.ArgumentParser) -> None:
                              "the job id, 20000-32759)")
 
 
-def _cmd_etcd(args: argparse.Namespace) -> int:
-    from unicron_elastic.slurm.etcd import serve
+def _layout_option(parser: argparse.ArgumentParser) -> None:
+    from unicron_elastic.slurm.etcd import LAYOUT_ENV
+
+    parser.add_argument("--layout", default=os.environ.get(LAYOUT_ENV),
+                        help=f"the members as `unicron slurm layout` printed them (default: ${LAYOUT_ENV}, which "
+                             "the batch script exports once for every step)")
+
+
+def _cmd_layout(args: argparse.Namespace) -> int:
+    from unicron_elastic.slurm.api import layout_to_json
+    from unicron_elastic.slurm.etcd import layout_of
     from unicron_elastic.slurm.job import current_job
 
-    return serve(current_job(), args.members, args.port_base, grace=args.grace)
+    print(layout_to_json(layout_of(current_job(), args.members, args.port_base)), flush=True)
+    return 0
+
+
+def _cmd_etcd(args: argparse.Namespace) -> int:
+    from unicron_elastic.slurm.etcd import given_layout, serve
+    from unicron_elastic.slurm.job import current_job
+
+    layout = given_layout(args.layout)
+    return serve(current_job(), layout, grace=args.grace)
 
 
 def _cmd_endpoint(args: argparse.Namespace) -> int:
     from unicron_elastic.slurm.api import endpoint_list
-    from unicron_elastic.slurm.etcd import layout_of, wait_for_cluster
-    from unicron_elastic.slurm.job import current_job
+    from unicron_elastic.slurm.etcd import given_layout, wait_for_cluster
 
-    layout = layout_of(current_job(), args.members, args.port_base)
+    layout = given_layout(args.layout)
     if args.wait is not None and not wait_for_cluster(layout, args.wait):
         print(f"unicron: error: the etcd members {endpoint_list(layout)} did not answer within {args.wait:g}s "
               "(is `unicron slurm etcd` running as a step of this job?)", file=sys.stderr)
@@ -56,19 +74,23 @@ def _cmd_requeue(args: argparse.Namespace) -> int:
 
 
 def add_slurm_commands(sub) -> None:
-    """Add ``slurm`` (``etcd``, ``endpoint``, ``requeue``) to ``unicron``'s sub-commands."""
+    """Add ``slurm`` (``layout``, ``etcd``, ``endpoint``, ``requeue``) to ``unicron``'s sub-commands."""
     slurm = sub.add_parser("slurm", help="run inside a SLURM allocation (docs/slurm.md)")
     verbs = slurm.add_subparsers(dest="verb", required=True)
+    layout = verbs.add_parser(
+        "layout", help="decide the etcd members once for the job (names, addresses from SLURM's NodeAddr, ports) "
+                       "and print them for UNICRON_ETCD_LAYOUT: export UNICRON_ETCD_LAYOUT=$(unicron slurm layout)")
+    _members_option(layout)
+    layout.set_defaults(func=_cmd_layout)
     etcd = verbs.add_parser(
-        "etcd", help="one etcd member on each of the job's first --members nodes (run it as a step: "
+        "etcd", help="one etcd member on each node of the layout (run it as a step: "
                      "srun --ntasks-per-node=1 --overlap --no-kill --kill-on-bad-exit=0 unicron slurm etcd &)")
-    _members_option(etcd)
+    _layout_option(etcd)
     etcd.add_argument("--grace", type=bounded(86400, allow_zero=True), default=60.0,
                       help="seconds a member outlives SLURM's SIGTERM (the launchers stop meanwhile; default 60)")
     etcd.set_defaults(func=_cmd_etcd)
-    endpoint = verbs.add_parser("endpoint", help="print the members of `unicron slurm etcd` as one --rdzv-endpoint "
-                                                 "list (the same flags)")
-    _members_option(endpoint)
+    endpoint = verbs.add_parser("endpoint", help="print the members of the layout as one --rdzv-endpoint list")
+    _layout_option(endpoint)
     endpoint.add_argument("--wait", type=bounded(86400), default=None, metavar="SECONDS",
                           help="first wait until a majority of the members answers (exit 1 if not within SECONDS)")
     endpoint.set_defaults(func=_cmd_endpoint)

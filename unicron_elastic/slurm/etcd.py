@@ -6,10 +6,13 @@ each of the job's first ``--members`` nodes runs one member, the others end at
 once. Every member's name is its node's name, its address the node's
 ``NodeAddr``, its ports ``--port-base + i`` (clients) and ``--port-base + 5 + i``
 (peers), so nodes that share a host (the loopback test cluster) do not
-collide; the default base is derived from the job id. Any process of the job
-computes the same list (``unicron slurm endpoint``), so nothing has to be
-passed around. Losing one of three members' nodes leaves a quorum: the store
-fails over (docs/rendezvous.md, "On an etcd cluster").
+collide; the default base is derived from the job id. The layout is decided
+once, by one process (``unicron slurm layout`` in the batch script, from
+SLURM's ``NodeAddr`` of each node resolved there), and handed to every member
+and to ``unicron slurm endpoint`` in ``UNICRON_ETCD_LAYOUT``: nodes whose
+resolvers disagree (a name that resolves to ``127.0.1.1`` on its own node) still
+give every member the same ``--initial-cluster``. Losing one of three members'
+nodes leaves a quorum: the store fails over (docs/rendezvous.md, "On an etcd cluster").
 
 Each member is an :class:`~unicron_elastic.store.embedded.EmbeddedEtcd` on
 the node's address instead of loopback: the same fast raft settings, no
@@ -25,8 +28,15 @@ import time
 
 import structlog
 
-from unicron_elastic.api import EtcdConfig
-from unicron_elastic.slurm.api import EtcdMember, SlurmJob, default_port_base, endpoint_list, etcd_layout
+from unicron_elastic.api import ConfigError, EtcdConfig
+from unicron_elastic.slurm.api import (
+    EtcdMember,
+    SlurmJob,
+    default_port_base,
+    endpoint_list,
+    etcd_layout,
+    layout_from_json,
+)
 from unicron_elastic.store.client import StatusStore
 from unicron_elastic.store.embedded import EmbeddedEtcd
 
@@ -93,6 +103,22 @@ def layout_of(job: SlurmJob, members: int, port_base: int | None) -> list[EtcdMe
     return etcd_layout(job.nodes, node_addresses(job.nodes[:members]), members, base)
 
 
+#: The environment variable that carries the layout from ``unicron slurm layout`` to every member (srun passes it on).
+LAYOUT_ENV = "UNICRON_ETCD_LAYOUT"
+
+
+def given_layout(text: str | None) -> list[EtcdMember]:
+    """The layout decided once for the job (``UNICRON_ETCD_LAYOUT``, or ``--layout``).
+
+    Raises:
+        ConfigError: None given (each member would decide its own), or malformed.
+    """
+    if not text:
+        raise ConfigError(f"no etcd layout: decide it once in the batch script, before the step: "
+                          f"export {LAYOUT_ENV}=$(unicron slurm layout)")
+    return layout_from_json(text)
+
+
 def wait_for_cluster(layout: list[EtcdMember], timeout: float) -> bool:
     """Whether a majority of the members answers within ``timeout`` seconds (the cluster has its quorum)."""
     deadline = time.monotonic() + timeout
@@ -108,7 +134,7 @@ def wait_for_cluster(layout: list[EtcdMember], timeout: float) -> bool:
         time.sleep(0.5)
 
 
-def serve(job: SlurmJob, members: int, port_base: int | None, grace: float = STOP_GRACE_S) -> int:
+def serve(job: SlurmJob, layout: list[EtcdMember], grace: float = STOP_GRACE_S) -> int:
     """Run this node's member until stopped (the body of ``unicron slurm etcd``).
 
     SIGINT, SIGHUP or SIGUSR2 stop it at once (``srun`` forwards SIGUSR2 to
@@ -121,12 +147,14 @@ def serve(job: SlurmJob, members: int, port_base: int | None, grace: float = STO
     Returns:
         0 after a stop (or on a node that holds no member), 1 if the member exited by itself.
 
+    Args:
+        job: This job step.
+        layout: The members, decided once for the job (:func:`given_layout`).
+        grace: Seconds a member outlives SLURM's SIGTERM.
+
     Raises:
-        ConfigError: A bad layout (see :func:`layout_of`).
-        SlurmCommandError: scontrol failed.
         EtcdStartError: The member did not start or the cluster found no quorum in time.
     """
-    layout = layout_of(job, members, port_base)
     mine = next((m for m in layout if m.name == job.node), None)
     if mine is None:
         log.info("slurm_etcd_no_member_here", node=job.node, members=[m.name for m in layout])
