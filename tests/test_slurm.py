@@ -366,6 +366,38 @@ def test_a_stop_writes_the_step_it_ends_at_and_the_next_run_resumes_from_the_nex
 
 
 @pytest.mark.timeout(120)
+def test_a_preemption_checkpoint_is_resumed_only_by_the_job_or_array_task_that_wrote_it(tmp_path: Path) -> None:
+    """Two tasks of array 500 given one path: task 0 writes it; task 1 (and a job with no SLURM id) refuse it,
+    naming the writer; task 0 requeued (a new run) resumes it. A file there that records no job is refused."""
+    from unicron_elastic.slurm.api import ForeignCheckpoint
+
+    path = tmp_path / "preempted.ckpt"
+    with pytest.raises(SIGTERMException):
+        _trainer(tmp_path, 8, [_StopAt(2), PreemptionCheckpoint(path, job="500_0")]).fit(_Regression(), _loader())
+    for other in ("500_1", "501"):
+        foreign = PreemptionCheckpoint(path, job=other)
+        with pytest.raises(ForeignCheckpoint, match=f"written by SLURM job 500_0 .*not by this job {other}"):
+            _trainer(tmp_path, 8, [foreign]).fit(_Regression(), _loader(), ckpt_path=foreign.resume_path)
+    own, steps = PreemptionCheckpoint(path, job="500_0"), _StopAt(None)
+    _trainer(tmp_path, 8, [own, steps]).fit(_Regression(), _loader(), ckpt_path=own.resume_path)
+    assert steps.steps == [3, 4, 5, 6, 7]
+    trainer = _trainer(tmp_path, 2, [])
+    trainer.fit(_Regression(), _loader())
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")  # written without the callback: no job recorded
+    plain = PreemptionCheckpoint(tmp_path / "plain.ckpt", job="500_0")
+    with pytest.raises(ForeignCheckpoint, match="records no job"):
+        _trainer(tmp_path, 8, [plain]).fit(_Regression(), _loader(), ckpt_path=plain.resume_path)
+
+
+def test_the_job_of_a_process_is_its_array_task_or_its_job() -> None:
+    from unicron_elastic.slurm.api import job_of_environment
+
+    assert job_of_environment({"SLURM_JOB_ID": "512", "SLURM_ARRAY_JOB_ID": "500", "SLURM_ARRAY_TASK_ID": "3"}) \
+        == "500_3"
+    assert job_of_environment({"SLURM_JOB_ID": "512"}) == "512" and job_of_environment({}) is None
+
+
+@pytest.mark.timeout(120)
 def test_a_stop_after_the_last_step_writes_nothing(tmp_path: Path) -> None:
     callback = PreemptionCheckpoint(tmp_path / "preempted.ckpt")
     with contextlib.suppress(SIGTERMException):  # (Lightning raises it at the epoch's end too)

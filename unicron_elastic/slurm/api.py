@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from unicron_elastic.api import ConfigError, UnicronError
@@ -26,6 +27,23 @@ PORT_RANGE = (20000, 32760)
 
 class NotUnderSlurm(ConfigError):
     """A SLURM mode was asked for outside a SLURM job step (``SLURM_JOB_ID``/``SLURMD_NODENAME`` missing)."""
+
+
+class ForeignCheckpoint(ConfigError):
+    """A preemption checkpoint written by another SLURM job or array task than the one resuming it."""
+
+
+def job_of_environment(environ: Mapping[str, str]) -> str | None:
+    """The SLURM job a process belongs to, as ``scontrol requeue`` names it; None outside SLURM.
+
+    ``<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>`` for an array task (each task
+    is a job of its own: ``%A_%a``), else ``SLURM_JOB_ID``. A requeued job
+    keeps it.
+    """
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return environ.get("SLURM_JOB_ID") or None
 
 
 class SlurmCommandError(UnicronError):

@@ -9,7 +9,12 @@ takes part, one writes; written to a temporary name, then renamed), unless
 training finished with that step. The job's batch script then requeues the
 job (``unicron slurm requeue``, examples/slurm/train.sbatch); the requeued
 job passes :attr:`PreemptionCheckpoint.resume_path` to ``fit(ckpt_path=...)``
-and its first step is the one after the checkpoint::
+and its first step is the one after the checkpoint. The checkpoint records the
+SLURM job that wrote it (an array task as ``<array job>_<task>``, each task
+being a job of its own) and the run; only that job resumes it (a requeued job
+keeps its id): another job or array task given it is refused with
+:class:`~unicron_elastic.slurm.api.ForeignCheckpoint`, as is a file at the
+path that records no job::
 
     preempted = PreemptionCheckpoint("/shared/ckpt/preempted.ckpt")
     trainer = pl.Trainer(strategy="unicron_megatron", callbacks=[preempted], max_steps=...)
@@ -25,6 +30,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import structlog
+from typing_extensions import override
+
+from unicron_elastic.slurm.api import ForeignCheckpoint, job_of_environment
 
 log = structlog.get_logger(__name__)
 
@@ -48,15 +56,53 @@ class PreemptionCheckpoint(pl.Callback):
         path: Where the checkpoint goes (a file; with tensor x pipeline
             parallelism Lightning's checkpoint is a directory of shards). On a
             file system every node sees (the requeued job may run elsewhere).
+            One path per job: an array's tasks each need their own.
+        job: The job that owns the checkpoint (default: this process's SLURM
+            job, :func:`~unicron_elastic.slurm.api.job_of_environment`; None
+            outside SLURM).
 
     Attributes:
         saved_step: The first step still to train after the checkpoint this
             run wrote (None: none written).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], job: str | None = None) -> None:
         self.path = Path(path)
+        self.job = job if job is not None else job_of_environment(os.environ)
         self.saved_step: int | None = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """What the checkpoint records of its writer: the job (which alone may resume it) and the run."""
+        return {"job": self.job, "run": os.environ.get("TORCHELASTIC_RUN_ID")}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume only a checkpoint this job wrote.
+
+        Raises:
+            ForeignCheckpoint: Another job or array task wrote it.
+        """
+        if state_dict.get("job") != self.job:
+            raise ForeignCheckpoint(
+                f"the checkpoint {self.path} was written by SLURM job {state_dict.get('job')} (run "
+                f"{state_dict.get('run')}), not by this job {self.job}: only the job that wrote a preemption "
+                "checkpoint resumes it (give each job and array task its own path, e.g. %A_%a)")
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A file at this callback's path that records no job is refused too (it cannot be told to be ours).
+
+        Raises:
+            ForeignCheckpoint: The checkpoint resumed is this callback's path and records no job.
+        """
+        resumed = getattr(trainer, "ckpt_path", None)
+        if resumed is None or Path(resumed).resolve() != self.path.resolve():
+            return
+        if self.state_key not in checkpoint.get("callbacks", {}):
+            raise ForeignCheckpoint(f"the checkpoint {self.path} records no job that wrote it (not written by "
+                                    "PreemptionCheckpoint): refusing to resume it as this job's")
 
     @property
     def resume_path(self) -> str | None:
