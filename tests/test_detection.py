@@ -34,6 +34,8 @@ TABLE_1 = [
     ("KeyError", "'lr'", Severity.SEV2, "software"),
     ("NonFiniteError", "non-finite loss or gradients in step 3, first produced by rank 1: training stops",
      Severity.SEV1, "non_finite"),
+    ("ForeignCheckpoint", "the checkpoint /o/preempted.ckpt was written by SLURM job 500_0 (run 500_0-0), not by "
+     "this job 500_1", Severity.SEV1, "foreign_checkpoint"),
 ]
 
 

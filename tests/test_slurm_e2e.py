@@ -250,13 +250,158 @@ def test_the_warning_signal_checkpoints_the_step_requeues_the_job_and_the_requeu
     assert f"requeued job {job}" in batch
     stops = [e for e in entries(out) if e["event"] == "stopped_by_signal"]
     assert len(stops) == 3 and {e["signal"] for e in stops} == {"SIGUSR1"}  # every node stopped, none killed
+    check_resumed_after(out, resume_at, job, gpt_baseline)
+
+
+def check_left_cleanly(out: Path, etcd: EmbeddedEtcd, cluster: str, node: str, baseline: list[torch.Tensor],
+                       failed: tuple[int, ...] = ()) -> list[int]:
+    """``node`` was drained: its rank retired at a step boundary, no failure event (but those of the ranks
+    ``failed`` on purpose), the others equal the baseline.
+
+    Returns:
+        The ranks that retired.
+    """
+    assert [e["node"] for e in entries(out) if e["event"] == "slurm_node_drained"] == [node]
+    assert [e for e in entries(out) if e["event"] == "leaving_task"]
+    assert not [e for e in entries(out) if e["event"] in ("leave_by_stopping", "stopped_by_signal")]
+    with StatusStore(EtcdConfig(host="127.0.0.1", port=etcd.client_port, cluster=cluster)) as store:
+        events = [ErrorEvent.from_json(kv.value) for kv in store.get_prefix(store.keys.events())]
+    assert {e.rank for e in events} == set(failed), events  # the drain is no failure: no lost node, no stop
+    summaries = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(3)}
+    left = [r for r, summary in summaries.items() if summary["retired_at"] is not None]
+    assert left == ranks_of(out, node), (left, summaries)
+    for r, summary in summaries.items():
+        if r not in left:
+            assert summary["global_step"] == STEPS
+            assert same_params(out, r, baseline), f"rank {r} diverged"
+    return left
+
+
+def _drain_event_before(out: Path, node: str, event: str) -> bool:
+    """Whether ``node``'s launcher saw its drain before it logged ``event``."""
+    mine = [e for e in entries(out) if e.get("node") == node or e.get("node_name") == node]
+    names = [e["event"] for e in mine]
+    return "slurm_node_drained" in names and (event not in names or
+                                              names.index("slurm_node_drained") < names.index(event))
+
+
+@pytest.mark.timeout(900)
+def test_a_node_drained_while_the_rendezvous_forms_leaves_with_exit_0_and_nobody_sees_a_failure(
+        slurm, etcd: EmbeddedEtcd, tmp_path: Path, gpt_baseline) -> None:
+    """Drained as the job starts: its launcher sees it at its first look, before the round is complete; it waits
+    until its worker can leave and leaves at a step boundary (it never stops with 143)."""
+    out, cluster = tmp_path / "out", "slurm-drain-rdzv"
+    job = submit(slurm, out, *TRAIN, run_flags=f"--slurm-poll=0.5 --rdzv-conf=cluster={cluster}",
+                 UNICRON_ETCD=etcd.endpoint)
+    wait_for(lambda: slurm.job(job).get("JobState") == "RUNNING", 120, why="the job started")
+    slurm.drain("n3")
+    record = ended(slurm, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (out / "batch.log").read_text()[-3000:]
+    assert _drain_event_before(out, "n3", "agent_rendezvous_complete"), "the drain came after the rendezvous"
+    assert [e for e in entries(out) if e["event"] == "leave_deferred"]
+    check_left_cleanly(out, etcd, cluster, "n3", gpt_baseline)
+
+
+@pytest.mark.timeout(900)
+def test_a_node_drained_while_its_worker_restarts_leaves_with_exit_0(
+        slurm, etcd: EmbeddedEtcd, tmp_path: Path, gpt_baseline) -> None:
+    """Rank 2's worker is killed at step 4; its node is drained while the agent restarts it (a one-worker node:
+    its whole group restarts). The new worker does not rejoin for one step only: it leaves, exit 0."""
+    from unicron_elastic.testing import fail_at, faults_env
+
+    out, cluster = tmp_path / "out", "slurm-drain-restart"
+    job = submit(slurm, out, *TRAIN, run_flags=f"--slurm-poll=0.5 --rdzv-conf=cluster={cluster}",
+                 UNICRON_ETCD=etcd.endpoint, **faults_env([fail_at(rank=2, step=4, kind="kill")],
+                                                          str(out / "faults.log")))
+    wait_for(lambda: (out / "faults.log").exists() and (out / "faults.log").read_text().strip(), 300,
+             why="the worker killed")
+    [node] = [name for name in slurm.names if ranks_of(out, name) == [2]]
+    slurm.drain(node)
+    record = ended(slurm, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (out / "batch.log").read_text()[-3000:]
+    assert [e["rank"] for e in entries(out) if e["event"] == "worker_restarted"] == [2]
+    assert _drain_event_before(out, node, "leaving_task")
+    check_left_cleanly(out, etcd, cluster, node, gpt_baseline, failed=(2,))
+
+
+def check_resumed_after(out: Path, resume_at: int, job: str, baseline: list[torch.Tensor]) -> None:
+    """Each step trained once (the first run's up to ``resume_at``, then the requeued run's), parameters equal."""
     for r in range(3):
         steps = [t["step"] for t in times(out, r)]
-        assert steps == list(range(STEPS)), steps  # each step once: the first run's, then the requeued run's
+        assert steps == list(range(STEPS)), steps
         assert steps.index(resume_at) > 0 and all(t["step"] < resume_at for t in times(out, r)[:resume_at])
-        assert same_params(out, r, gpt_baseline), f"rank {r} diverged"
+        assert same_params(out, r, baseline), f"rank {r} diverged"
     resumed = [e for e in entries(out, "node-*.log") if e["event"] == "slurm_step" and e["restart_count"] == 1]
     assert len(resumed) == 3 and {e["run_id"] for e in resumed} == {f"{job}-1"}  # a new run of the same job
+
+
+@pytest.mark.timeout(900)
+def test_a_preempted_job_checkpoints_is_requeued_and_resumes_after_the_checkpoint(
+        slurm, tmp_path: Path, gpt_baseline) -> None:
+    """SLURM's own preemption (partition_prio, PreemptMode=REQUEUE): a job of the higher partition takes a node;
+    SLURM sends the training job's steps SIGTERM (not its batch shell) and keeps it RUNNING for its GraceTime."""
+    out = tmp_path / "out"
+    job = submit(slurm, out, *TRAIN)
+    wait_for(lambda: all(len(times(out, r)) >= 4 for r in range(3)), 300, why="four steps on every node")
+    urgent = slurm.sbatch("--partition=high", "--nodes=1", "-o", str(tmp_path / "urgent.log"), "--wrap", "sleep 1")
+    saved = wait_for(lambda: re.search(r"preemption_checkpoint_saved\s+next_step=(\d+)", text(out, "node-*.log")), 120,
+                     why="the preemption checkpoint")
+    record = ended(slurm, job)
+    batch = (out / "batch.log").read_text()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0" and record["Restarts"] == "1", batch
+    assert f"requeued job {job}" in batch and "reason=preempted" in batch
+    assert slurm.job(urgent)["JobState"] == "COMPLETED"  # the preempting job ran
+    stops = [e for e in entries(out) if e["event"] == "stopped_by_signal"]
+    assert len(stops) == 3 and {e["signal"] for e in stops} == {"SIGTERM"}  # every node stopped, none killed
+    check_resumed_after(out, int(saved.group(1)), job, gpt_baseline)
+
+
+@pytest.mark.timeout(1500)
+def test_each_task_of_an_array_resumes_from_its_own_checkpoint_and_refuses_anothers(
+        slurm, tmp_path: Path, gpt_baseline) -> None:
+    """``sbatch --array=0-1`` of the recipe as a user types it (no UNICRON_OUT): each task writes to
+    ``unicron-gpt-<array job>_<task>``; each is preempted once, checkpoints, is requeued and resumes from its own
+    checkpoint to the failure-free parameters. A job given task 0's folder refuses its checkpoint."""
+    env = dict(_env(tmp_path), UNICRON_SCRIPT=GPT,
+               UNICRON_SRUN_FLAGS=f"--output={tmp_path}/node-%A_%a-%t.log --open-mode=append")
+    del env["UNICRON_OUT"]
+    array = slurm.sbatch(f"--chdir={tmp_path}", "--array=0-1", "-o", str(tmp_path / "batch-%A_%a.log"), RECIPE,
+                         *TRAIN, env=env)
+    tasks = [f"{array}_{i}" for i in range(2)]
+    outs = [tmp_path / f"unicron-gpt-{task}" for task in tasks]
+    for task, out in zip(tasks, outs):  # (one task at a time: each needs the three nodes)
+        wait_for(lambda: all(len(times(out, r)) >= 4 for r in range(3)), 600, why=f"four steps of task {task}")
+        slurm.sbatch("--partition=high", "--nodes=1", "-o", str(tmp_path / f"urgent-{task}.log"), "--wrap", "sleep 1")
+        wait_for(lambda: "preemption_checkpoint_saved" in text(tmp_path, f"node-{task}-*.log"), 120,
+                 why=f"task {task}'s preemption checkpoint")
+    for task, out in zip(tasks, outs):
+        record = ended(slurm, task, seconds=600)
+        assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", \
+            (tmp_path / f"batch-{task}.log").read_text()[-3000:]
+        assert (out / "preempted.ckpt").exists()
+        for r in range(3):
+            assert [t["step"] for t in times(out, r)] == list(range(STEPS))  # each step once: its own checkpoint
+            assert same_params(out, r, gpt_baseline), f"task {task} rank {r} diverged"
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    job = slurm.sbatch(f"--chdir={REPO}", "-o", str(foreign / "batch.log"), RECIPE, *TRAIN,
+                       env=dict(_env(foreign), UNICRON_OUT=str(outs[0])))  # (its node logs in foreign/)
+    record = ended(slurm, job)
+    assert record["JobState"] == "FAILED", record
+    assert f"was written by SLURM job {tasks[0]}" in text(foreign, "node-*.log")
+
+
+@pytest.mark.timeout(600)
+def test_a_cancelled_job_is_not_requeued(slurm, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = submit(slurm, out, *TRAIN)
+    wait_for(lambda: all(len(times(out, r)) >= 2 for r in range(3)), 300, why="two steps on every node")
+    slurm.run("scancel", job)
+    record = ended(slurm, job)
+    batch = (out / "batch.log").read_text()
+    assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", batch
+    assert "requeued job" not in batch
+    assert all(len(times(out, r)) < STEPS for r in range(3))  # (it did not run to the end meanwhile)
 
 
 POOL_STEPS = 8

@@ -43,12 +43,11 @@ from unicron_elastic.agent.api import AgentConfig, Detector, NodeGaveUp
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.ladder import LEFT_OUT, Action, RankHistory, Rung, climb
 from unicron_elastic.agent.meeting_point import MeetingPoint
-from unicron_elastic.agent.rank_state import RankState
+from unicron_elastic.agent.rank_state import LeaveDecision, RankState, leave_decision
 from unicron_elastic.agent.signals import (
     begin_shutdown,
     install_leave_signal,
     install_stop_signals,
-    leave_possible,
     leave_requested,
     raise_if_orphaned,
     raise_pending_stop,
@@ -148,6 +147,7 @@ class UnicronAgent(LocalElasticAgent):
         self._closed = False  # stopping for good (signal, error, end of run): never act or respawn again
         self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
         self.left = False  # asked to leave: the workers leave the data-parallel group at a step boundary
+        self._leave_waiting = False  # a leave request waits for workers that have not said whether they can leave
         self.finished = False  # every worker of this node succeeded (torch's exit barrier comes only then)
         self._pm = plugin_manager(builtins=(detectors,))
         self._detectors = make_detectors(self.config, self._pm)
@@ -291,7 +291,6 @@ class UnicronAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         with self._lock:
             self._stopping = True
-            leave_possible(False)
         self._restarting = True
         try:
             super()._stop_workers(worker_group)  # calls self._shutdown()
@@ -330,7 +329,6 @@ class UnicronAgent(LocalElasticAgent):
                 log.info("agent_stopping", pending_give_up=self._give_up is not None)
             self._closed = True
             self._stopping = True
-            leave_possible(False)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         set_group_start(self.node, self.rendezvous_count)
@@ -342,8 +340,6 @@ class UnicronAgent(LocalElasticAgent):
             self._stopping = self._closed
             for state in self._ranks.values():  # requests of the previous round's processes
                 state.rejoining = None
-            if not self._closed:
-                leave_possible(True)
         self._notify_started(list(ids), incarnation(self.node, self.rendezvous_count, 0))
         return ids
 
@@ -670,7 +666,6 @@ class UnicronAgent(LocalElasticAgent):
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY, WorkerState.SUCCEEDED):
                 # torch has just closed the whole group (SIGTERM to the rest): those exits are not failures
                 self._stopping = True
-                leave_possible(False)  # the workers are done: a leave signal now stops the node
             return result
 
     def leave_at_step_boundary(self) -> None:
@@ -681,21 +676,29 @@ class UnicronAgent(LocalElasticAgent):
         is kept by the others), they retire and exit 0, and this launcher then
         exits 0 without waiting in the exit barrier and without closing the
         rendezvous (the task goes on; a node may take the place later).
+        While a worker has not said yet whether it can leave (starting, or
+        restarting), nothing is done: the monitor loop asks again at its next
+        interval (:func:`leave_decision`).
 
         Raises:
             SignalException: (as SIGTERM) The workers cannot leave at a step
                 boundary (no meeting store, or a worker that is not a
-                ``unicron_megatron``/``ElasticDataParallel`` rank, or not started
-                yet): they are stopped instead.
+                ``unicron_megatron``/``ElasticDataParallel`` rank): they are
+                stopped instead.
         """
         with self._lock:
             ranks = sorted(rank for rank, _ in self.workers().values() if self._process(rank) is not None)
             meeting = self._meeting
-            able = meeting is not None and bool(ranks) and all(self._ranks.get(r, RankState()).leavable
-                                                               for r in ranks)
-            if able:
+            said = [self._ranks[r] for r in ranks if r in self._ranks and self._ranks[r].reply]
+            decision = leave_decision(meeting is not None, len(ranks), len(said), all(s.leavable for s in said))
+            if decision is LeaveDecision.LEAVE:
                 self.left = True  # from now on a worker started for one of these ranks is asked to leave too
-        if not able:
+        if decision is LeaveDecision.WAIT:
+            if not self._leave_waiting:
+                log.info("leave_deferred", ranks=ranks, reason="a worker has not said yet whether it can leave")
+            self._leave_waiting = True
+            return
+        if decision is LeaveDecision.STOP:
             log.warning("leave_by_stopping", ranks=ranks,
                         reason="no meeting store" if meeting is None else "workers cannot leave at a step boundary")
             raise SignalException(f"Process {os.getpid()}: asked to leave; the workers cannot leave at a step "

@@ -1,4 +1,5 @@
-"""The agent's record of one rank: its ladder history and what is pending for its worker (no I/O).
+"""The agent's record of one rank: its ladder history and what is pending for its worker (no I/O); what a node
+asked to leave does.
 
 The agent keeps one :class:`RankState` per global rank (under its lock): what
 the worker said in its ``hello``, what the ladder has seen of the rank, and
@@ -7,6 +8,7 @@ what the agent must do when the worker's process exits.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from unicron_elastic.agent.ladder import RankHistory, Rung
@@ -36,3 +38,27 @@ class RankState:
     fatal: Classification | None = None
     expected_exit: Rung | None = None
     rejoining: str | None = None
+
+
+class LeaveDecision(enum.Enum):
+    """What a node asked to leave its task does now (:func:`leave_decision`)."""
+
+    LEAVE = "leave"  # ask every worker to leave at the next step boundary
+    WAIT = "wait"  # a worker has not said yet whether it can leave (starting, restarting): ask again later
+    STOP = "stop"  # the workers can never leave at a step boundary: stop them (as SIGTERM)
+
+
+def leave_decision(meeting: bool, running: int, said: int, all_said_leavable: bool) -> LeaveDecision:
+    """What a node asked to leave (a SLURM drain, a plan without it) does at this monitor interval.
+
+    Args:
+        meeting: The node has a meeting store (where leave requests go).
+        running: Its workers whose processes run.
+        said: Those of them whose ``hello`` arrived.
+        all_said_leavable: Every ``hello`` said the worker can leave at a step boundary.
+    """
+    if not meeting or (said and not all_said_leavable):
+        return LeaveDecision.STOP
+    if running == 0 or said < running:
+        return LeaveDecision.WAIT
+    return LeaveDecision.LEAVE

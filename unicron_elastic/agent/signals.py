@@ -3,7 +3,9 @@
 SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the node (torch's ``SignalException``),
 deferred across steps that must not be cut in half and ignored once the
 clean-up began; SIGUSR2 (:data:`LEAVE_SIGNAL`) asks the agent to leave its
-task at the next step boundary. A node daemon's death stops its launcher too.
+task at the next step boundary, whenever it comes (during the rendezvous, the
+workers' start-up or a restart the request waits until they train; it never
+stops the node). A node daemon's death stops its launcher too.
 Under SLURM (``unicron-run --slurm``), SIGUSR1 (:data:`PREEMPT_SIGNAL`,
 SLURM's warning before the end of the allocation) stops the node as SIGTERM
 does; its workers, which SLURM signals too, never see it.
@@ -33,8 +35,7 @@ LEAVE_SIGNAL = signal.SIGUSR2
 #: SLURM's warning signal (``--signal=USR1@N``): stops ``unicron-run --slurm`` like SIGTERM (exit code 138).
 PREEMPT_SIGNAL = signal.SIGUSR1
 _shutting_down = threading.Event()  # set once the process cleans up: later stop signals are ignored
-_leave_requested = threading.Event()  # LEAVE_SIGNAL arrived: the agent acts on it at its next monitor interval
-_leave_ready = threading.Event()  # workers run under the monitor loop: a leave can be acted on (else it is a stop)
+_leave_requested = threading.Event()  # LEAVE_SIGNAL arrived: the agent acts on it once its workers can leave
 _signals: dict[str, Any] = {"pending": None, "deferring": 0}  # main-thread state of the stop signal
 
 
@@ -139,25 +140,20 @@ def signal_for_workers(sig: int) -> int:
 
 
 def _on_leave_signal(signum: int, frame: object) -> None:
-    """Ask the agent to leave (it acts in its monitor loop); outside the loop, stop as on SIGTERM.
-
-    Raises:
-        SignalException: No workers run under the monitor loop (rendezvous,
-            start-up, exit barrier): leaving is stopping.
-    """
-    if _leave_ready.is_set():
-        _leave_requested.set()
-        return
-    log.info("leave_signal_stops", reason="no workers training under the monitor loop")
-    _on_stop_signal(signal.SIGTERM, frame)
+    """Ask the agent to leave; it acts in its monitor loop once its workers can leave at a step boundary."""
+    if not _leave_requested.is_set():
+        log.info("leave_requested", signal=signal.Signals(signum).name)
+    _leave_requested.set()
 
 
 def install_leave_signal() -> None:
     """Make :data:`LEAVE_SIGNAL` (SIGUSR2) ask the agent to leave the task (main thread only).
 
-    While workers train, the handler only sets a flag and the agent acts on it
-    in its monitor loop (:meth:`~unicron_elastic.agent.agent.UnicronAgent.leave_at_step_boundary`); at any
-    other moment it stops the node as SIGTERM does.
+    The handler only sets a flag; the agent acts on it in its monitor loop
+    (:meth:`~unicron_elastic.agent.agent.UnicronAgent.leave_at_step_boundary`)
+    as soon as every worker of the node said it can leave. A signal during
+    the rendezvous, the workers' start-up or a restart waits for that; one
+    after the workers finished changes nothing (the node exits 0).
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(LEAVE_SIGNAL, _on_leave_signal)
@@ -184,14 +180,6 @@ def begin_shutdown() -> None:
     _shutting_down.set()
 
 
-def leave_possible(possible: bool) -> None:
-    """Whether workers train under the agent's monitor loop, so a leave signal can be acted on (else it stops)."""
-    if possible:
-        _leave_ready.set()
-    else:
-        _leave_ready.clear()
-
-
 def leave_requested() -> bool:
-    """Whether :data:`LEAVE_SIGNAL` arrived while leaving was possible (the agent acts on it once)."""
+    """Whether :data:`LEAVE_SIGNAL` arrived (the agent acts on it once)."""
     return _leave_requested.is_set()

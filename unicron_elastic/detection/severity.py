@@ -20,7 +20,10 @@ One row of our own comes first: :class:`~unicron_elastic.api.NonFiniteError`
 (a step's loss or gradients hold a NaN or Inf and no loss scaler skips it) is
 SEV1 ``non_finite``. Every rank raises it at the same step and a restart would
 only compute the same NaN again, so the node gives up at once and the job ends
-with the error (Megatron-LM stops the same way on its NaN check).
+with the error (Megatron-LM stops the same way on its NaN check). Likewise
+:class:`~unicron_elastic.slurm.api.ForeignCheckpoint` (a preemption checkpoint
+of another SLURM job or array task) is SEV1 ``foreign_checkpoint``: every
+restart would refuse it again.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def _rule(pattern: str, severity: Severity, kind: str) -> Rule:
 #: Ordered: hardware (SEV1) before the generic CUDA row, network rows last.
 SEVERITY_TABLE: tuple[Rule, ...] = (
     _rule(r"^NonFiniteError:", Severity.SEV1, "non_finite"),
+    _rule(r"^ForeignCheckpoint:", Severity.SEV1, "foreign_checkpoint"),
     _rule(r"connection (refused|reset)|ECONNREFUSED|ECONNRESET|connection closed by peer", Severity.SEV3, "connection_reset"),
     _rule(r"illegal memory access", Severity.SEV2, "illegal_memory_access"),
     _rule(r"\bECC\b|uncorrectable ECC|ecc error", Severity.SEV1, "ecc"),

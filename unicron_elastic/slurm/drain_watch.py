@@ -73,6 +73,9 @@ class NodeWatch:
         return True
 
     def _run(self) -> None:
+        """A look at once (a node drained before its launcher started leaves too), then one per interval."""
+        if self.look():
+            return
         while not self._stop.wait(self.interval):
             if self.look():
                 return

@@ -124,18 +124,13 @@ def node_addresses(names: Sequence[str]) -> dict[str, str]:
     return addresses
 
 
-def job_state(job: SlurmJob) -> str:
-    """The job's state as SLURM has it now (``RUNNING``, ``CANCELLED`` ...).
-
-    Raises:
-        SlurmCommandError: scontrol failed.
-    """
-    fields = parse_node_line(scontrol("show", "job", "-o", job.requeue_id))
-    return fields.get("JobState", "UNKNOWN")
-
-
 def requeue_unless_cancelled(job: SlurmJob) -> bool:
     """Requeue the job unless it was cancelled (``scancel`` set its state to ``CANCELLED`` before signalling).
+
+    A preempted job (``PreemptMode=REQUEUE``: SLURM sent its steps SIGTERM
+    and keeps it ``RUNNING`` with a ``PreemptTime`` for its ``GraceTime``) is
+    requeued at once: a job that ends by itself within its grace time is a
+    finished job to SLURM, never requeued.
 
     Returns:
         Whether the job was requeued.
@@ -143,10 +138,14 @@ def requeue_unless_cancelled(job: SlurmJob) -> bool:
     Raises:
         SlurmCommandError: scontrol failed or refused the requeue.
     """
-    state = job_state(job)
+    record = parse_node_line(scontrol("show", "job", "-o", job.requeue_id))
+    state = record.get("JobState", "UNKNOWN")
     if state.startswith("CANCELLED"):
         log.warning("slurm_requeue_skipped", job=job.requeue_id, state=state, reason="the job was cancelled")
         return False
+    preempted = record.get("PreemptTime", "None") not in ("None", "Unknown", "")
+    log.warning("slurm_requeue", job=job.requeue_id, state=state,
+                reason="preempted" if preempted else "stopped (the warning signal or a SIGTERM)")
     requeue(job)
     return True
 

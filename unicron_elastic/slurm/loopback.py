@@ -37,6 +37,8 @@ log = structlog.get_logger(__name__)
 NODE_MARK_ENV = LOOPBACK_SLURM_NODE.name
 #: Seconds a job credential lives, and so how long SLURM holds a requeued job back (its default is 120).
 CRED_EXPIRE_S = 10
+#: Seconds a preempted job of partition ``main`` gets between SLURM's SIGTERM and its SIGKILL (``GraceTime``).
+GRACE_TIME_S = 60
 #: What a loopback cluster needs on PATH (Debian: ``apt-get install slurmd slurmctld munge``).
 BINARIES = ("slurmctld", "slurmd", "munged", "mungekey", "srun", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
 
@@ -59,10 +61,16 @@ def _conf(directory: Path, nodes: list[str], ports: dict[str, int], cpus: int, f
         "SelectType=select/cons_tres", "ReturnToService=2", "MpiDefault=none", "KillWait=10",
         "SchedulerParameters=sched_interval=2,bf_interval=2",  # a requeued job starts within seconds once eligible
         f"FirstJobId={first_job}", "JobRequeue=1",
+        # preemption as sites set it up: a job of partition `high` takes the nodes of jobs in `main`, which are
+        # sent SIGTERM (their steps, not the batch shell), given GRACE_TIME_S, then requeued
+        "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
     ]
     lines += [f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports[name]} CPUs={cpus} "
               "State=UNKNOWN" for name in nodes]
-    lines.append(f"PartitionName=main Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO")
+    lines.append(f"PartitionName=main Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO "
+                 f"PriorityTier=1 GraceTime={GRACE_TIME_S}")
+    lines.append(f"PartitionName=high Nodes={','.join(nodes)} MaxTime=INFINITE State=UP OverSubscribe=NO "
+                 "PriorityTier=2 PreemptMode=OFF")
     return "\n".join(lines) + "\n"
 
 

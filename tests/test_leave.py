@@ -1,0 +1,57 @@
+"""A node asked to leave its task (a SLURM drain, a plan without it) at any moment of its life (no I/O).
+
+The decision is pure (:func:`~unicron_elastic.agent.rank_state.leave_decision`); the leave signal only
+records the request, whatever the launcher is doing: it never stops the node. The multi-process paths
+(a drain during the rendezvous and during a restart, on a real SLURM) are in tests/test_slurm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unicron_elastic.agent import signals
+from unicron_elastic.agent.rank_state import LeaveDecision, leave_decision
+
+
+@pytest.mark.parametrize(("meeting", "running", "said", "leavable", "decision"), [
+    (True, 2, 2, True, LeaveDecision.LEAVE),   # training: every worker said it can leave
+    (True, 2, 1, True, LeaveDecision.WAIT),    # one is starting (or restarting): not said yet
+    (True, 0, 0, True, LeaveDecision.WAIT),    # no worker runs (between a worker's exit and its respawn)
+    (True, 2, 1, False, LeaveDecision.STOP),   # one said it cannot: it never will
+    (False, 2, 2, True, LeaveDecision.STOP),   # no meeting store to ask in
+])
+def test_a_node_leaves_when_every_worker_can_waits_while_one_has_not_said_and_stops_when_one_cannot(
+        meeting: bool, running: int, said: int, leavable: bool, decision: LeaveDecision) -> None:
+    assert leave_decision(meeting, running, said, leavable) is decision
+
+
+@given(st.booleans(), st.integers(0, 8), st.integers(0, 8), st.booleans())
+def test_a_node_never_leaves_before_every_running_worker_said_it_can(
+        meeting: bool, running: int, said: int, leavable: bool) -> None:
+    said = min(said, running)
+    decision = leave_decision(meeting, running, said, leavable)
+    assert (decision is LeaveDecision.LEAVE) == (meeting and running > 0 and said == running and leavable)
+
+
+@pytest.fixture()
+def leave_handler() -> Iterator[None]:
+    previous = signal.getsignal(signals.LEAVE_SIGNAL)
+    signals._leave_requested.clear()
+    signals.install_leave_signal()
+    yield
+    signal.signal(signals.LEAVE_SIGNAL, previous)
+    signals._leave_requested.clear()
+
+
+def test_the_leave_signal_outside_training_is_recorded_and_never_stops_the_node(leave_handler: None) -> None:
+    """No workers train here (what a launcher in its rendezvous or start-up is): the signal raises nothing."""
+    assert not signals.leave_requested()
+    os.kill(os.getpid(), signals.LEAVE_SIGNAL)
+    os.kill(os.getpid(), signals.LEAVE_SIGNAL)  # (a drain watch and a daemon may both ask)
+    assert signals.leave_requested()
