@@ -5,6 +5,7 @@
 gradients infinite in micro-batch M of step S (recorded in ``OUT/inf.log``).
 The scaler must skip that step and halve its scale on *every* rank, or the
 replicas (and, with pipeline parallelism, the stages) would drift apart.
+The Inf case is in the default tier; the NaN, pipeline-stage and rejoin cases in e2e.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def test_an_inf_in_one_ranks_micro_batch_makes_every_rank_skip_the_step_and_lowe
         assert all(torch.isfinite(p).all() for p in params(inf_run, rank))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_nan_in_one_ranks_loss_makes_every_rank_skip_the_step_and_training_goes_on(tmp_path: Path) -> None:
     """With a loss scaler a NaN is an overflow like an Inf: skipped on every rank, no error, the scale halved."""
@@ -82,6 +84,7 @@ def test_a_nan_in_one_ranks_loss_makes_every_rank_skip_the_step_and_training_goe
         assert all(torch.equal(a, b) for a, b in zip(params(tmp_path, 0), params(tmp_path, rank)))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_rank_killed_after_the_skip_rejoins_with_the_same_scaler_state(tmp_path: Path, inf_run: Path) -> None:
     proc = launch(tmp_path, 3, "--precision", "16-mixed", "--inf-at", "1:2:1", "--hold-for-joiner", "4",
@@ -99,6 +102,7 @@ def test_a_rank_killed_after_the_skip_rejoins_with_the_same_scaler_state(tmp_pat
     assert joiner["scales"] == {str(s): SCALE / 2 for s in range(joiner["joined_at"], STEPS)}
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_an_overflow_in_one_pipeline_stage_makes_every_stage_skip_the_step(tmp_path: Path) -> None:
     """Stage 0's gradients only are infinite (a hook on its activations' gradient): stage 1's are finite, and it

@@ -233,6 +233,7 @@ def test_with_dropout_a_kill_at_tp2_sp_pp2_dp2_ends_bit_identical_to_the_failure
             assert torch.equal(ours[name]["tensor"], theirs[name]["tensor"]), (r, name)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_a_nan_in_one_ranks_loss_stops_the_run_naming_the_step_and_the_rank(tmp_path: Path) -> None:
     """DP=2 without a loss scaler, rank 1's loss NaN in step 2: every rank stops before that step's update."""

@@ -46,6 +46,10 @@ def gpt_baseline(failure_free) -> list[torch.Tensor]:
                               "--steps", str(STEPS), "--out", str(out)], capture_output=True, text=True, timeout=400,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert run.returncode == 0, run.stderr[-3000:]
+        for rank in range(3):  # failure-free indeed: every rank trained every step, none was restarted
+            summary = json.loads((out / f"rank{rank}.json").read_text())
+            assert summary["trained"] and summary["global_step"] == STEPS and summary["joined_at"] is None, summary
+        assert "worker_restarted" not in run.stderr + run.stdout
         return torch.load(out / "params0.pt")
 
     return failure_free("test_slurm_e2e.gpt_baseline", reference_run)
