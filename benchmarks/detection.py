@@ -25,6 +25,8 @@ after the last iteration longer than 3 x the mean iteration, at least 0.5 s):
   fault to the verdict, beside the old rule's, computed from the same run
   (its last iteration's end + max(3 x its mean iteration, 0.5 s)).
 
+The script exits 1 when a target is not met.
+
     python benchmarks/detection.py [--runs 3] [--only-hangs]
 """
 
@@ -42,6 +44,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from _targets import Verdicts, at_most, verdict  # (benchmarks/ is on the path: this script's folder)
 from unicron_elastic.store import EmbeddedEtcd, StatusStore
 from unicron_elastic.testing import fail_at, faults_env, kill_node
 
@@ -228,7 +231,8 @@ def false_verdicts(rule_cls, row: str, step_s: float, signs: int, steps: int, se
     return verdicts
 
 
-def false_alarm_table(runs: int = 20, steps: int = 500) -> None:
+def false_alarm_table(runs: int = 20, steps: int = 500) -> str:
+    """The hang verdicts of both rules on healthy ranks, per distribution; returns the progress rule's verdict."""
     print(f"\nHang verdicts on healthy ranks, {runs} runs x {steps} steps per cell (in-process, same signs for both)\n")
     scales = ((1.0, 8), (0.1, 2))
     header = ["distribution"] + [f"{rule} ({s:g} s steps)" for s, _ in scales for rule in ("old rule", "progress")]
@@ -244,7 +248,9 @@ def false_alarm_table(runs: int = 20, steps: int = 500) -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-    print(f"\nfalse verdicts of the progress rule: {total}; target 0: {'met' if total == 0 else 'NOT met'}")
+    said = at_most(total, 0)
+    print(f"\nfalse verdicts of the progress rule: {total}; target 0: {said}")
+    return said
 
 
 # -- hang verdicts: real hangs (unicron-run) ------------------------------------------------------------------
@@ -301,15 +307,16 @@ def real_hangs_table(runs: int) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--only-hangs", action="store_true", help="only the hang verdicts' two tables")
     args = parser.parse_args()
-    false_alarm_table()
+    verdicts = Verdicts()
+    verdicts.note("false verdicts of the progress rule", false_alarm_table())
     real_hangs_table(args.runs)
     if args.only_hangs:
-        return
+        return verdicts.exit_code()
     cases = [
         ("process exit", fail_at(1, 8, kind="kill"), "1.8 s", 0.3),
         ("exception", fail_at(0, 8, kind="raise", message="Connection reset by peer"), "0.3 s", 0.1),
@@ -325,9 +332,8 @@ def main() -> None:
             tmp = Path(tempfile.mkdtemp(prefix="unicron-bench-"))
             plain.append(torchrun_once(fault, tmp))
             shutil.rmtree(tmp, ignore_errors=True)
-        got = [v for v in ours if v is not None]
-        met = bool(got) and len(got) == len(ours) and statistics.median(got) <= target
-        rows.append((name, fmt(ours), paper, fmt(plain), f"<= {target:.1f} s", "met" if met else "NOT met"))
+        said = verdicts.note(name, latency_verdict(ours, target))
+        rows.append((name, fmt(ours), paper, fmt(plain), f"<= {target:.1f} s", said))
         print(f"measured {name}", file=sys.stderr, flush=True)
     with EmbeddedEtcd() as etcd:
         losses = []
@@ -335,10 +341,9 @@ def main() -> None:
             tmp = Path(tempfile.mkdtemp(prefix="unicron-bench-"))
             losses.append(node_loss_once(etcd, tmp, run))
             shutil.rmtree(tmp, ignore_errors=True)
-    got = [v for v in losses if v is not None]
-    met = bool(got) and len(got) == len(losses) and statistics.median(got) <= 2.0
+    said = verdicts.note("node loss", latency_verdict(losses, 2.0))
     rows.append(("node loss (TTL 1 s)", fmt(losses), "5.6 s", "not within bound (no collective traffic)",
-                 "<= 2.0 s", "met" if met else "NOT met"))
+                 "<= 2.0 s", said))
 
     print(f"\nDetection latency, median of {args.runs} (fault -> event)\n")
     header = ("method", "unicron", "paper", "plain torchrun", "target", "")
@@ -348,9 +353,21 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="unicron-bench-"))
     alarms, code = false_alarms(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\nfalse alarms in a 200-iteration run with +-10% jitter: {alarms} (exit code {code}); "
-          f"target 0: {'met' if alarms == 0 and code == 0 else 'NOT met'}")
+    said = verdicts.note("false alarms", alarms_verdict(alarms, code))
+    print(f"\nfalse alarms in a 200-iteration run with +-10% jitter: {alarms} (exit code {code}); target 0: {said}")
+    return verdicts.exit_code()
+
+
+def latency_verdict(values: list[float | None], target: float) -> str:
+    """Met when every run detected the fault (no None) and the median is within ``target`` seconds."""
+    got = [v for v in values if v is not None]
+    return verdict(bool(got) and len(got) == len(values) and statistics.median(got) <= target)
+
+
+def alarms_verdict(alarms: int, code: int) -> str:
+    """Met when the jittered run raised no alarm and exited 0."""
+    return verdict(alarms == 0 and code == 0)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -48,7 +48,8 @@ skipped), about 5-6 minutes on 2 cores; workers get ``OMP_NUM_THREADS=1``
 overrides its default. It installs nothing. A run that fails (e.g. a
 precision the strategy refuses) is reported with its error and the others
 go on. The machine's load average is printed first and last: other work on
-it shows in the step times.
+it shows in the step times. The script exits 1 when a ratio misses its target
+or a compared run failed.
 
     python benchmarks/gpu.py [--steps 40] [--runs 2] [--precisions 32-true,bf16-mixed,16-mixed]
                              [--vocab 32000] [--ninp 1024] [--nhead 16] [--nhid 4096] [--layers 4] [--seq 256]
@@ -73,6 +74,7 @@ from pathlib import Path
 import lightning
 import torch
 
+from _targets import Verdicts, at_most, verdict  # (benchmarks/ is on the path: this script's folder)
 from unicron_elastic.testing import fail_at, faults_env, kill_node
 
 ROOT = Path(__file__).resolve().parent
@@ -281,8 +283,12 @@ def precisions_to_run(args: argparse.Namespace) -> list[str]:
 # -- sections ------------------------------------------------------------------------
 
 
-def compare(args: argparse.Namespace, precisions: list[str]) -> None:
-    """Step time, unicron vs ddp, runs alternated, at each precision; the table side by side."""
+def compare(args: argparse.Namespace, precisions: list[str]) -> list[str]:
+    """Step time, unicron vs ddp, runs alternated, at each precision; the table side by side.
+
+    Returns:
+        What missed its target or failed (empty: every target met).
+    """
     first = first_step(args.steps)
     rows: dict[str, dict[str, list[list]]] = {p: {"ddp": [], "unicron": []} for p in precisions}
     failed: dict[str, dict[str, str]] = {p: {} for p in precisions}
@@ -306,34 +312,43 @@ def compare(args: argparse.Namespace, precisions: list[str]) -> None:
                 print(f"  {precision:10s} {which:8s} run {run + 1}: median {median_ms(steps, 1):8.1f} ms wall, "
                       f"{median_ms(steps, 2):8.1f} ms CPU ({len(steps)} steps; {time.time() - started:.0f} s)",
                       flush=True)
-    print_table(rows, failed)
+    return print_table(rows, failed)
 
 
-def print_table(rows: dict[str, dict[str, list[list]]], failed: dict[str, dict[str, str]]) -> None:
+def ratio_verdicts(cpu: dict[str, float], best: dict[str, float], verdicts: Verdicts, precision: str) -> str:
+    """The verdicts of unicron / ddp CPU time against :data:`TARGET`, pooled and best runs, in words."""
+    return ", ".join(f"{name} {verdicts.note(f'{precision} {name}', at_most(ours / base, TARGET))}"
+                     for name, ours, base in (("pooled", cpu["unicron"], cpu["ddp"]),
+                                              ("best runs", best["unicron"], best["ddp"])))
+
+
+def print_table(rows: dict[str, dict[str, list[list]]], failed: dict[str, dict[str, str]]) -> list[str]:
     """Per precision: each strategy's median step (wall, CPU) and the ratios unicron / ddp, side by side.
 
     Pooled: the median of every measured step of every run. Best runs: the
     lowest per-run median CPU time of each (a run slowed throughout by other
     work on the machine drops out).
+
+    Returns:
+        What missed its target or failed (empty: every target met).
     """
+    verdicts = Verdicts()
     print(f"\n{'precision':11s}| {'wall ms: ddp':>12s} {'unicron':>8s} {'ratio':>7s} | {'CPU ms: ddp':>11s} "
           f"{'unicron':>8s} {'ratio':>7s} | {'best runs, CPU: ddp':>19s} {'unicron':>8s} {'ratio':>7s} | "
           f"CPU ratio <= {TARGET}")
     for precision, by in rows.items():
         if failed[precision] or not by["ddp"] or not by["unicron"]:
             why = "; ".join(f"{w} failed" for w in failed[precision]) or "no runs"
-            print(f"{precision:11s}| {why}")
+            print(f"{precision:11s}| {why}: {verdicts.note(f'{precision}: {why}', verdict(False))}")
             continue
         pooled = {w: [r for run in runs for r in run] for w, runs in by.items()}
         wall = {w: median_ms(p, 1) for w, p in pooled.items()}
         cpu = {w: median_ms(p, 2) for w, p in pooled.items()}
         best = {w: min(median_ms(run, 2) for run in runs) for w, runs in by.items()}
-        verdict = ", ".join(f"{name} {'met' if ours / base <= TARGET else 'NOT met'}"
-                            for name, ours, base in (("pooled", cpu["unicron"], cpu["ddp"]),
-                                                     ("best runs", best["unicron"], best["ddp"])))
+        said = ratio_verdicts(cpu, best, verdicts, precision)
         print(f"{precision:11s}| {wall['ddp']:12.1f} {wall['unicron']:8.1f} {ratio_text(wall['unicron'], wall['ddp'])} | "
               f"{cpu['ddp']:11.1f} {cpu['unicron']:8.1f} {ratio_text(cpu['unicron'], cpu['ddp'])} | "
-              f"{best['ddp']:19.1f} {best['unicron']:8.1f} {ratio_text(best['unicron'], best['ddp'])} | {verdict}")
+              f"{best['ddp']:19.1f} {best['unicron']:8.1f} {ratio_text(best['unicron'], best['ddp'])} | {said}")
     print("(wall and CPU: medians of every measured step of every run pooled; per-run medians, wall/CPU ms:")
     for precision, by in rows.items():
         for which, runs in by.items():
@@ -341,6 +356,7 @@ def print_table(rows: dict[str, dict[str, list[list]]], failed: dict[str, dict[s
                 medians = ", ".join(f"{median_ms(r, 1):.1f}/{median_ms(r, 2):.1f}" for r in runs)
                 print(f"   {precision:10s} {which:8s} {medians}")
     print(")", flush=True)
+    return verdicts.missed
 
 
 def snapshot_cost(args: argparse.Namespace, precision: str) -> None:
@@ -423,20 +439,22 @@ def kill_next_step(args: argparse.Namespace, precision: str) -> None:
     print(flush=True)
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     started = time.time()
     header(args)
     precisions = precisions_to_run(args)
-    if not args.skip_compare and precisions:
-        compare(args, precisions)
+    missed = compare(args, precisions) if not args.skip_compare and precisions else []
     one = "bf16-mixed" if "bf16-mixed" in precisions else (precisions[0] if precisions else "32-true")
     if not args.skip_snapshot:
         snapshot_cost(args, one)
     if not args.skip_kill:
         kill_next_step(args, one)
     print(f"total: {time.time() - started:.0f} s; {load_text()}")
+    if missed:
+        print("NOT met: " + "; ".join(missed))
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

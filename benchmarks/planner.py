@@ -5,7 +5,7 @@ vectorised with numpy, no Python loop over j or k) vs our candidate-size DP
 on 64 tasks x 4096 GPUs (targets: ours <= 50 ms and >= 100x faster), the
 one-step lookup time (target <= 1 ms), and how both grow with m and n.
 Every case where both run must give the same optimum (value and assignment);
-the benchmark stops with an error otherwise.
+the benchmark stops with an error otherwise. It exits 1 when a target is not met.
 
     python benchmarks/planner.py [--quick]
 """
@@ -16,9 +16,11 @@ import argparse
 import math
 import random
 import statistics
+import sys
 import time
 from dataclasses import replace
 
+from _targets import Verdicts, at_least, at_most  # (benchmarks/ is on the path: this script's folder)
 from unicron_elastic.planner import (
     GPU_TYPES,
     MODELS,
@@ -61,7 +63,21 @@ def same_optimum(fast: Plan, plain: Plan, case: str) -> None:
                          f"plain {plain.value!r} {plain.assignment}")
 
 
-def main() -> None:
+#: Targets: our DP at 64 tasks x 4096 GPUs (seconds), its speed-up over the paper's DP, one lookup (seconds).
+SOLVE_TARGET_S, SPEEDUP_TARGET, LOOKUP_TARGET_S = 0.050, 100, 1e-3
+
+
+def solve_verdicts(fast_s: float, ratio: float) -> tuple[str, str]:
+    """The verdicts of our DP's time and of its speed-up over the paper's."""
+    return at_most(fast_s, SOLVE_TARGET_S), at_least(ratio, SPEEDUP_TARGET)
+
+
+def lookup_verdict(lookup_s: float) -> str:
+    """The verdict of one one-step table lookup's time."""
+    return at_most(lookup_s, LOOKUP_TARGET_S)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="skip the plain DP in the growth rows")
     args = parser.parse_args()
@@ -73,10 +89,12 @@ def main() -> None:
     plain_t, plain = timed(lambda: solve_plain(problem), 3)
     same_optimum(fast, plain, "64 tasks x 4096 GPUs")
     ratio = plain_t / fast_t
+    verdicts = Verdicts()
+    solved, faster = solve_verdicts(fast_t, ratio)
     print("== 64 tasks x 4096 GPUs ==")
     print(f"O(m n^2) DP, numpy: {plain_t * 1e3:9.1f} ms")
-    print(f"ours (candidates) : {fast_t * 1e3:9.1f} ms   target <= 50 ms: {'met' if fast_t <= 0.05 else 'NOT met'}")
-    print(f"speed-up          : {ratio:9.0f}x   target >= 100x: {'met' if ratio >= 100 else 'NOT met'}")
+    print(f"ours (candidates) : {fast_t * 1e3:9.1f} ms   target <= 50 ms: {verdicts.note('ours', solved)}")
+    print(f"speed-up          : {ratio:9.0f}x   target >= 100x: {verdicts.note('speed-up', faster)}")
     print(f"same optimum      : True (value {fast.value:.6e}, same assignment; checked)")
 
     current = tuple(replace(t, current=fast.assignment[t.name]) for t in problem.tasks)
@@ -90,7 +108,8 @@ def main() -> None:
     lookup = (time.perf_counter() - start) / lookups
     print("\n== one-step table (64 tasks, 4096 GPUs, 8 per node) ==")
     print(f"plans precomputed : {len(table)} in {build:.2f} s")
-    print(f"lookup            : {lookup * 1e6:9.2f} us   target <= 1 ms: {'met' if lookup <= 1e-3 else 'NOT met'}")
+    print(f"lookup            : {lookup * 1e6:9.2f} us   target <= 1 ms: "
+          f"{verdicts.note('lookup', lookup_verdict(lookup))}")
     print(f"vs solving anew   : {fast_t / lookup:9.0f}x faster")
 
     print("\n== growth (plain: the numpy O(m n^2) DP; same optimum checked on every row) ==")
@@ -106,7 +125,8 @@ def main() -> None:
             same_optimum(ours, reference, f"{m} tasks x {n} GPUs")
             plain_ms, ratio_x = f"{t_plain * 1e3:.0f}", f"{t_plain / t_fast:.0f}x"
         print(f"{m:>4} {n:>6} {t_fast * 1e3:>9.1f} {plain_ms:>10} {ratio_x:>7}")
+    return verdicts.exit_code()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

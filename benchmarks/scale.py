@@ -24,9 +24,14 @@ Scenarios, each a function of N:
     python benchmarks/scale.py --nodes 16,64,256 [--etcd one|three] [--only steady,loss,join,plan,failover]
     python benchmarks/scale.py --report            # tables and plots from benchmarks/scale_results.json
 
-Results accumulate in ``benchmarks/scale_results.json`` (one entry per label, etcd, scenario and N, so
-runs can be split by N); ``--report`` prints the tables, the extrapolation to 2,048 nodes and writes the
-plots (``benchmarks/scale_*.png``).
+Results accumulate in ``benchmarks/scale_results.json``, one entry per run keyed by everything the run depends
+on (:data:`KEY_FIELDS`: the design's label, the scenario, N, the number of etcd members, the node TTL, the
+commit, ``-dirty`` when the tree differed from it, and the emulation's settings): a run replaces only a run of
+the same key, so a run at another TTL or commit is kept beside it. Entries written before the TTL and the
+settings were recorded read as "not recorded" (``None``), never as a default. ``--report`` prints the tables,
+the extrapolation to 2,048 nodes (a linear model of the per-node rates measured at the largest N, not a
+measurement), the verdicts, and writes the plots (``benchmarks/scale_*.png``); it and every run exit 1 when a
+verdict is "NOT met".
 """
 
 from __future__ import annotations
@@ -63,6 +68,13 @@ EVENT_GAP_S = 2.0
 #: second (a 7,200 RPM disk's ~50 fsyncs/s, etcd batching ~20 writes per fsync).
 ETCD_REQUESTS_PER_S = 10_000
 ETCD_WRITES_PER_S_ORDINARY_DISK = 1_000
+
+#: What a run's figures depend on: two runs replace each other in the results file only when all of these are
+#: equal (a field an older entry did not record is None, so it never stands for a value).
+KEY_FIELDS = ("label", "scenario", "n", "etcd_members", "ttl", "commit", "monitor_interval", "supervise_s",
+              "step_time", "task_nodes", "seconds", "events")
+#: The etcd of a run by its name on the command line.
+ETCD_MEMBERS = {"one": 1, "three": 3}
 
 
 def _etcd(kind: str):
@@ -425,35 +437,75 @@ def failover(server, n: int, ttl: int = 5, tasks: int = TASKS) -> dict[str, Any]
 
 
 # -- results, tables, plots -------------------------------------------------------------------------------
+def migrate(entry: dict[str, Any]) -> dict[str, Any]:
+    """An entry of any version of the results file with every key field present.
+
+    A field the entry did not record is None ("not recorded"), the TTL included: an old entry's TTL is not
+    taken for the default. The number of etcd members follows from its recorded etcd.
+    """
+    out = dict(entry)
+    for name in KEY_FIELDS:
+        out.setdefault(name, None)
+    if out["etcd_members"] is None:
+        out["etcd_members"] = ETCD_MEMBERS.get(out.get("etcd"))
+    return out
+
+
+def run_key(entry: dict[str, Any]) -> tuple:
+    """The values of :data:`KEY_FIELDS` of an entry: equal only for runs of the same design, size and setup."""
+    entry = migrate(entry)
+    return tuple(entry[name] for name in KEY_FIELDS)
+
+
 def _load() -> dict[str, Any]:
-    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": []}
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": []}
+    return {**data, "runs": [migrate(r) for r in data["runs"]]}
 
 
 def _save(entry: dict[str, Any]) -> None:
+    """Append ``entry``, replacing a run of the same key only (:func:`run_key`); the file keeps the order."""
     data = _load()
-    data["runs"] = [r for r in data["runs"] if (r["label"], r["etcd"], r["scenario"], r["n"]) !=
-                    (entry["label"], entry["etcd"], entry["scenario"], entry["n"])] + [entry]
+    key = run_key(entry)
+    data["runs"] = [r for r in data["runs"] if run_key(r) != key] + [migrate(entry)]
     RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
 
 
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
 def _commit() -> str:
+    """The short commit of the tree measured, ``-dirty`` when tracked files differ from it; ``?`` without git."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        head = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("diff", "--quiet", "HEAD", "--")
+    except OSError:
         return "?"
+    if head.returncode != 0:
+        return "?"
+    return head.stdout.strip() + ("-dirty" if dirty.returncode != 0 else "")
 
 
-def run(args: argparse.Namespace) -> None:
+def _meta(args: argparse.Namespace) -> dict[str, Any]:
+    """What every entry of this invocation records besides its result (the key fields among them)."""
+    now = datetime.now(timezone.utc)
+    return {"label": args.label, "etcd": args.etcd, "etcd_members": ETCD_MEMBERS[args.etcd],
+            "date": now.strftime("%Y-%m-%d"), "recorded": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "ttl": args.ttl, "monitor_interval": args.monitor_interval, "supervise_s": args.supervise,
+            "step_time": args.step_time, "task_nodes": args.task_nodes, "seconds": args.seconds,
+            "events": args.events, "commit": _commit(),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+            "command": " ".join(["python", "benchmarks/scale.py", *sys.argv[1:]])}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure each scenario at each N, record each run, print the report; returns the report's exit code."""
     from unicron_elastic.node import daemon
 
     settings = emu.Settings(ttl=args.ttl, step_time=args.step_time, monitor_interval=args.monitor_interval)
     daemon.SUPERVISE_S = args.supervise  # (the daemon's look at its launcher: no etcd request)
     scenarios = args.only.split(",")
-    meta = {"label": args.label, "etcd": args.etcd, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-            "ttl": args.ttl, "monitor_interval": args.monitor_interval, "supervise_s": args.supervise,
-            "commit": _commit(), "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
-            "command": " ".join(["python", "benchmarks/scale.py", *sys.argv[1:]])}
+    meta = _meta(args)
     for n in [int(x) for x in args.nodes.split(",") if x]:
         for scenario in scenarios:
             server = _etcd(args.etcd)
@@ -478,10 +530,10 @@ def run(args: argparse.Namespace) -> None:
             _save({**meta, "scenario": scenario, "n": n, "result": result})
     import _scale_report
 
-    _scale_report.report(_load())
+    return _scale_report.report(_load())
 
 
-def main() -> None:
+def main() -> int:
     import logging
 
     import structlog
@@ -507,10 +559,9 @@ def main() -> None:
     if args.report:
         import _scale_report
 
-        _scale_report.report(_load())
-        return
-    run(args)
+        return _scale_report.report(_load())
+    return run(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,9 @@ takes 50 ms to load, inside the step). Once every node finished three steps:
 - ``warning``: SIGUSR1 to the batch shell (what ``--signal=B:USR1@N`` sends): the signal -> the checkpoint
   written, -> the job requeued; the requeued job's first step against the checkpoint's.
 
+The script exits 1 when a target is not met (a ``lost-*`` median above node TTL + 1 s, or a requeued job
+that does not start at the checkpoint's next step), naming each.
+
     python benchmarks/slurm.py [--runs 3] [--only lost-follower,lost-leader,lost-site,drain,warning]
 
 Needs root and Debian's ``slurmd slurmctld munge`` (``.ci/run`` installs them).
@@ -33,6 +36,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from _targets import Verdicts, at_most, verdict  # (benchmarks/ is on the path: this script's folder)
 from unicron_elastic.slurm.loopback import LoopbackSlurm
 from unicron_elastic.store.embedded import EmbeddedEtcd
 from unicron_elastic.testing import json_log_entries
@@ -184,25 +188,49 @@ def main() -> None:
                     print(f"{name} failed; its logs are in {out}", file=sys.stderr)
                     raise
                 shutil.rmtree(out, ignore_errors=True)
+    sys.exit(summary(results, args.runs))
+
+
+def lost_verdict(rows: list[tuple[float, int]]) -> tuple[float, str]:
+    """The median stall of a ``lost-*`` scenario's runs and its verdict against node TTL + 1 s."""
+    stall = statistics.median(r[0] for r in rows)
+    return stall, at_most(stall, NODE_TTL + 1)
+
+
+def summary(results: dict[str, list], runs: int) -> int:
+    """Print each scenario's medians and verdict.
+
+    Args:
+        results: Per scenario, its runs' results as :func:`lost`, :func:`drain` and :func:`warning` return them.
+        runs: Runs per scenario.
+
+    Returns:
+        The script's exit code: 1 when a target was not met (or the requeued job did not resume after the
+        checkpoint), else 0.
+    """
+    verdicts = Verdicts()
     print(f"\n== examples/slurm/train.sbatch on a loopback SLURM (3 nodes x 1 rank, ~0.45 s steps, node TTL "
-          f"{NODE_TTL} s), median of {args.runs} ==")
-    for name in chosen:
-        rows = results[name]
+          f"{NODE_TTL} s), median of {runs} ==")
+    for name, rows in results.items():
         if name.startswith("lost"):
-            stall = statistics.median(r[0] for r in rows)
-            verdict = "met" if stall <= NODE_TTL + 1 else "NOT met"
+            stall, said = lost_verdict(rows)
+            verdicts.note(f"{name}: kill -> survivors' next step {stall:.3f} s", said)
             print(f"{name:<14} kill -> survivors' next step {stall:7.3f} s   target <= TTL + 1 = {NODE_TTL + 1} s: "
-                  f"{verdict}; workers restarted: {sum(r[1] for r in rows)}")
+                  f"{said}; workers restarted: {sum(r[1] for r in rows)}")
         elif name == "drain":
             print(f"{name:<14} drain -> leave request {statistics.median(r[0] for r in rows):7.3f} s; survivors' "
                   f"longest step interval after it {statistics.median(r[1] for r in rows):.3f} s vs median step "
                   f"{statistics.median(r[2] for r in rows):.3f} s")
         else:
             resumed = all(r[3] == r[2] for r in rows)
+            verdicts.note(f"{name}: the requeued job's first step is not the checkpoint's next", verdict(resumed))
             print(f"{name:<14} signal -> checkpoint {statistics.median(r[0] for r in rows):7.3f} s, -> requeued "
                   f"{statistics.median(r[1] for r in rows):.3f} s; the requeued job's first step is the "
                   f"checkpoint's next: {'yes' if resumed else 'NO'}")
         print(f"{'':<14} per run: {[tuple(round(x, 3) if isinstance(x, float) else x for x in r) for r in rows]}")
+    if verdicts.missed:
+        print("NOT met: " + "; ".join(verdicts.missed))
+    return verdicts.exit_code()
 
 
 if __name__ == "__main__":

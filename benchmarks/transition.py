@@ -49,7 +49,8 @@ TTL + 1 s), and, counted from each run's own logs (the launchers'
 ``worker_restarted`` events, each survivor's step reports and PIDs), the
 survivors restarted and the steps a survivor did not complete exactly once.
 The script exits 1, naming each, if a survivor was restarted, a step was
-lost, or a target was not met.
+lost, or a target was not met. Every section's targets count: whatever the
+section, a target printed "NOT met" makes the script exit 1.
 
 ``--ab PART[,PART]``: what one part of the step costs, measured within one run:
 one TP=2 x DP=2 run per part and ``--tp-width`` with the part on in every other
@@ -82,6 +83,7 @@ from pathlib import Path
 
 
 from _ab import BLOCK, PARTS, with_part  # (benchmarks/ is on the path: this script's folder)
+from _targets import MET, Verdicts, at_least, at_most
 from unicron_elastic.store import EmbeddedEtcd
 from unicron_elastic.testing import fail_at, faults_env, kill_node, process_tree, run_workers
 
@@ -100,6 +102,17 @@ GPT_STEPS, GPT_KILL = 80, 12
 BIN = os.path.dirname(sys.executable)
 WORLD, STEPS, KILL_STEP = 3, 10, 6
 FAULT = fail_at(rank=2, step=KILL_STEP, micro_batch=5)  # rank 2's last micro-batch of step 6
+OVERHEAD_TARGET_PCT, SPEEDUP_TARGET = 2.0, 10.0  # failure-free overhead (Lightning, TP), kill -> step speed-up
+
+
+def overhead_verdict(percent: float) -> str:
+    """The failure-free overhead's verdict (target <= 2 %)."""
+    return at_most(percent, OVERHEAD_TARGET_PCT)
+
+
+def speedup_verdict(ratio: float) -> str:
+    """The kill -> step speed-up's verdict over a restart-all (target >= 10x)."""
+    return at_least(ratio, SPEEDUP_TARGET)
 
 
 def _env(tmp: Path, faults) -> dict[str, str]:
@@ -229,7 +242,8 @@ def lightning_transition(times: list[dict], killed: float) -> float:
     return min(s["t"] for s in times if s["step"] == GPT_KILL and s["t"] > killed) - killed
 
 
-def lightning(runs: int, width: int) -> None:
+def lightning(runs: int, width: int) -> list[str]:
+    """Failure-free step and kill -> step, unicron_megatron vs ddp, runs alternated; returns what was not met."""
     fault = [fail_at(rank=1, step=GPT_KILL, micro_batch=3)]  # rank 1's second micro-batch of the step
     defaults = ["--grad-dtype", "float32", "--snapshot-every", "50"]  # the strategy's defaults
     variants = {"ddp": ("ddp", []), "unicron": ("unicron", defaults),
@@ -246,6 +260,17 @@ def lightning(runs: int, width: int) -> None:
             times = lightning_run(which, tmp, width, fault, extra)
             kill[which].append(lightning_transition(times, _kill_time(tmp)))
             shutil.rmtree(tmp, ignore_errors=True)
+    return print_lightning(free, kill, runs, width)
+
+
+def print_lightning(free: dict[str, list[list[float]]], kill: dict[str, list[float]], runs: int,
+                    width: int) -> list[str]:
+    """The Lightning section's figures and verdicts from its runs' step times and kill -> step times (s).
+
+    Returns:
+        What was not met (empty: both targets met).
+    """
+    verdicts = Verdicts()
     # every step of every run pooled: the machine's noise between runs is larger than the target
     ours, ddp, exact = (statistics.median([x for run in free[k] for x in run]) for k in ("unicron", "ddp", "unicron float64"))
     overhead = (ours - ddp) / ddp * 100
@@ -253,13 +278,16 @@ def lightning(runs: int, width: int) -> None:
           f"step times: median of all {GPT_STEPS - 6} steps of every run ==")
     print(f"failure-free step, strategy=unicron_megatron : {ours * 1e3:8.2f} ms   (defaults: float32 sums, snapshot every 50)")
     print(f"failure-free step, strategy=ddp              : {ddp * 1e3:8.2f} ms")
-    print(f"overhead                                     : {overhead:+8.1f} %  target <= 2%: {'met' if overhead <= 2 else 'NOT met'}")
+    said = verdicts.note(f"Lightning overhead {overhead:+.1f} %", overhead_verdict(overhead))
+    print(f"overhead                                     : {overhead:+8.1f} %  target <= 2%: {said}")
     print(f"  with grad_dtype=float64 (bit-exact)        : {exact * 1e3:8.2f} ms  ({(exact - ddp) / ddp * 100:+.1f} %)")
     a, b = statistics.median(kill["unicron"]), statistics.median(kill["ddp"])
+    said = verdicts.note(f"Lightning speed-up {b / a:.1f}x", speedup_verdict(b / a))
     print(f"kill -> step done, unicron_megatron          : {a:8.3f} s")
     print(f"kill -> step done, ddp restart-all + ckpt    : {b:8.3f} s")
-    print(f"speed-up                                     : {b / a:8.1f}x   target >= 10x: {'met' if b / a >= 10 else 'NOT met'}")
+    print(f"speed-up                                     : {b / a:8.1f}x   target >= 10x: {said}")
     print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in free.items()})
+    return verdicts.missed
 
 
 CPU_PARTS = ("workers", "launcher", "etcd")
@@ -389,8 +417,9 @@ def print_breakdown(width: int, layers: int) -> None:
     print("(medians of each part: the parts need not add up to the step)")
 
 
-def tensor_parallel(runs: int, width: int, layers: int) -> None:
-    """Failure-free step time, TP=2 x DP=2: the strategy vs a plain loop of the same TP layers, alternated."""
+def tensor_parallel(runs: int, width: int, layers: int) -> list[str]:
+    """Failure-free step time, TP=2 x DP=2: the strategy vs a plain loop of the same TP layers, alternated;
+    returns what was not met."""
     times: dict[str, list[list[float]]] = {"unicron": [], "plain": []}
     cpu = {which: {part: [] for part in CPU_PARTS} for which in times}
     for _ in range(runs):
@@ -398,6 +427,16 @@ def tensor_parallel(runs: int, width: int, layers: int) -> None:
             tmp = Path(tempfile.mkdtemp(prefix="unicron-tp-"))
             times[which].append(tp_run(which, tmp, width, layers, cpu=cpu[which]))
             shutil.rmtree(tmp, ignore_errors=True)
+    return print_tp(times, cpu, runs, width, layers)
+
+
+def print_tp(times: dict[str, list[list[float]]], cpu: dict[str, dict[str, list[float]]], runs: int, width: int,
+             layers: int) -> list[str]:
+    """The TP section's figures and verdict from its runs' step times (s) and CPU per step (ms).
+
+    Returns:
+        What was not met (empty: the overhead target met).
+    """
     ours, plain_ = (statistics.median([x for run in times[k] for x in run]) for k in ("unicron", "plain"))
     overhead = (ours - plain_) / plain_ * 100
     print(f"\n== TP=2 x DP=2 (4 ranks), MegatronGPT width {width}, {layers} layers, gloo, CPU, {runs} alternated "
@@ -405,13 +444,16 @@ def tensor_parallel(runs: int, width: int, layers: int) -> None:
     print(f"failure-free step, strategy=unicron_megatron : {ours * 1e3:8.2f} ms   (defaults: float32 sums, snapshot every 50)")
     print(f"failure-free step, plain loop + all-reduce   : {plain_ * 1e3:8.2f} ms   (same TP layers, no resilience)")
     print(f"difference                                   : {(ours - plain_) * 1e3:+8.2f} ms per step")
-    print(f"overhead                                     : {overhead:+8.1f} %  target <= 2%: {'met' if overhead <= 2 else 'NOT met'}")
+    verdicts = Verdicts()
+    said = verdicts.note(f"TP width {width} overhead {overhead:+.1f} %", overhead_verdict(overhead))
+    print(f"overhead                                     : {overhead:+8.1f} %  target <= 2%: {said}")
     print("per-run medians, ms:", {k: [round(statistics.median(run) * 1e3, 2) for run in v] for k, v in times.items()})
     print("CPU per step (ms; median of the runs; both cores: ~2x the step when the machine is saturated):")
     for which, parts in cpu.items():
         used = {part: statistics.median(values) for part, values in parts.items()}
         print(f"  {which:8s}: " + ", ".join(f"{part} {ms:6.1f}" for part, ms in used.items())
               + f", all {sum(used.values()):6.1f}")
+    return verdicts.missed
 
 
 def part_ab(part: str, width: int, layers: int) -> None:
@@ -461,19 +503,16 @@ def main() -> int:
                 part_ab(part, width, args.tp_layers)
         return 0
     if args.only_tp:
-        for width in args.tp_width:
-            tensor_parallel(args.runs, width, args.tp_layers)
+        missed = [m for width in args.tp_width for m in tensor_parallel(args.runs, width, args.tp_layers)]
         if args.breakdown:
             print_breakdown(args.tp_width[0], args.tp_layers)
-        return 0
+        return exit_code(missed)
     if args.only_node_lost:
-        print_node_lost(args.runs, args.width)
-        return 0
+        return exit_code(print_node_lost(args.runs, args.width))
     if args.only_hang:
-        return 1 if print_hangs(args.runs, args.width) else 0
+        return exit_code(print_hangs(args.runs, args.width))
     if args.skip_torch:
-        lightning(args.runs, args.gpt_width)
-        return 0
+        return exit_code(lightning(args.runs, args.gpt_width))
     ours, theirs, free_ours, free_plain = [], [], [], []
     for _ in range(args.runs):
         for runner, out in ((unicron, ours), (plain, theirs)):
@@ -485,23 +524,43 @@ def main() -> int:
             tmp = Path(tempfile.mkdtemp(prefix="unicron-transition-"))
             out.append(step_time(runner(tmp, args.width, [])))
             shutil.rmtree(tmp, ignore_errors=True)
+    missed = print_torch_level(ours, theirs, free_ours, free_plain, args.runs, args.width)
+    missed += print_node_lost(args.runs, args.width)
+    missed += print_hangs(args.runs, args.width)
+    missed += lightning(args.runs, args.gpt_width)
+    for width in args.tp_width:
+        missed += tensor_parallel(args.runs, width, args.tp_layers)
+    return exit_code(missed)
+
+
+def exit_code(missed: list[str]) -> int:
+    """The script's exit code: 1, naming each, when something was not met; else 0."""
+    if missed:
+        print("NOT met: " + "; ".join(missed))
+    return 1 if missed else 0
+
+
+def print_torch_level(ours: list[float], theirs: list[float], free_ours: list[float], free_plain: list[float],
+                      runs: int, width: int) -> list[str]:
+    """The torch-level sections from their runs (seconds): kill -> step, both ways, and failure-free steps.
+
+    Returns:
+        What was not met (empty: the speed-up target met; the torch-level overhead has no target).
+    """
     a, b = statistics.median(ours), statistics.median(theirs)
-    print(f"== a rank dies mid-step (3 ranks, gloo, CPU, MLP width {args.width}), median of {args.runs} ==")
+    verdicts = Verdicts()
+    said = verdicts.note(f"torch-level speed-up {b / a:.1f}x", speedup_verdict(b / a))
+    print(f"== a rank dies mid-step (3 ranks, gloo, CPU, MLP width {width}), median of {runs} ==")
     print(f"unicron ElasticDataParallel, kill -> step done : {a:8.3f} s")
     print(f"torchrun restart-all + checkpoint reload + redo : {b:8.3f} s")
-    print(f"speed-up                                        : {b / a:8.1f}x   target >= 10x: {'met' if b / a >= 10 else 'NOT met'}")
+    print(f"speed-up                                        : {b / a:8.1f}x   target >= 10x: {said}")
     fa, fb = statistics.median(free_ours), statistics.median(free_plain)
     overhead = (fa - fb) / fb * 100
     print("\n== failure-free step time ==")
     print(f"ElasticDataParallel   : {fa * 1e3:8.2f} ms")
     print(f"plain all-reduce loop : {fb * 1e3:8.2f} ms")
     print(f"overhead              : {overhead:+8.1f} %  (torch level; the <= 2% target is for Lightning, below)")
-    print_node_lost(args.runs, args.width)
-    hang_failures = print_hangs(args.runs, args.width)
-    lightning(args.runs, args.gpt_width)
-    for width in args.tp_width:
-        tensor_parallel(args.runs, width, args.tp_layers)
-    return 1 if hang_failures else 0
+    return verdicts.missed
 
 
 def _widths(text: str) -> list[int]:
@@ -532,13 +591,16 @@ def _parts(text: str) -> list[str]:
     return parts
 
 
-def print_node_lost(runs: int, width: int) -> None:
+def print_node_lost(runs: int, width: int) -> list[str]:
     """The node-lost rows: two launchers x 2 ranks, the node of rank 2 SIGKILLed mid-step.
 
     Measured twice, alternated: with the rendezvous' defaults (what a user gets:
     torchrun's restart-all waits out the lost node's keep-alive and the last
     call) and with a fast keep-alive (1 s x 2, last call 1 s: the most
     favourable restart-all).
+
+    Returns:
+        What was not met (empty: every target met).
     """
     settings = (("rendezvous defaults", ""), (f"fast keep-alive ({FAST_RDZV})", FAST_RDZV))
     pairs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in settings}
@@ -549,16 +611,32 @@ def print_node_lost(runs: int, width: int) -> None:
                 pairs[name].append(node_lost(etcd, width, rdzv))
     finally:
         etcd.stop()
-    for name, _ in settings:
-        a, b = statistics.median(p[0] for p in pairs[name]), statistics.median(p[1] for p in pairs[name])
+    return print_node_lost_rows(pairs, runs)
+
+
+def ttl_verdict(seconds: float) -> str:
+    """The verdict of a node's loss against its lease: the survivors' step within node TTL + 1 s."""
+    return at_most(seconds, NODE_TTL + 1)
+
+
+def print_node_lost_rows(pairs: dict[str, list[tuple[float, float]]], runs: int) -> list[str]:
+    """The node-lost rows from their runs: per rendezvous setting, (unicron-run, restart-all) seconds each.
+
+    Returns:
+        What was not met (empty: every target met).
+    """
+    verdicts = Verdicts()
+    for name, runs_of in pairs.items():
+        a, b = statistics.median(p[0] for p in runs_of), statistics.median(p[1] for p in runs_of)
         print(f"\n== node lost (2 launchers x 2 ranks, the node of rank 2 SIGKILLed mid-step), {name}, "
               f"median of {runs} ==")
         print(f"unicron-run, kill -> survivors' step done       : {a:8.3f} s   target <= node TTL + 1 = "
-              f"{NODE_TTL + 1} s: {'met' if a <= NODE_TTL + 1 else 'NOT met'}")
+              f"{NODE_TTL + 1} s: {verdicts.note(f'node lost, {name}: {a:.3f} s', ttl_verdict(a))}")
         print(f"torchrun restart-all + checkpoint reload + redo : {b:8.3f} s")
         print(f"speed-up                                        : {b / a:8.1f}x   target >= 10x: "
-              f"{'met' if b / a >= 10 else 'NOT met'}")
-        print("per-run (unicron, restart-all) s:", [(round(x, 3), round(y, 3)) for x, y in pairs[name]])
+              f"{verdicts.note(f'node lost, {name}: speed-up {b / a:.1f}x', speedup_verdict(b / a))}")
+        print("per-run (unicron, restart-all) s:", [(round(x, 3), round(y, 3)) for x, y in runs_of])
+    return verdicts.missed
 
 
 HANG_STEPS = 14  # the fault at step 6 comes after the hang detector's warmup (5 steps)
@@ -679,9 +757,9 @@ def print_hangs(runs: int, width: int) -> list[str]:
         restarts, lost = sum(r.restarts for r in results[name]), sum(r.lost for r in results[name])
         target = ""
         if name.startswith("node"):
-            met = done <= NODE_TTL + 1
-            target = f"   target <= TTL + 1 = {NODE_TTL + 1} s: {'met' if met else 'NOT met'}"
-            if not met:
+            said = ttl_verdict(done)
+            target = f"   target <= TTL + 1 = {NODE_TTL + 1} s: {said}"
+            if said != MET:
                 failed.append(f"{name}: fault -> step done {done:.3f} s above {NODE_TTL + 1} s")
         print(f"{name:<17}{done:>18.3f} s{beyond:>22.3f} s{restarts:>19}{lost:>12}{target}")
         failed += [f"{name}: {problem}" for r in results[name] for problem in r.problems]
@@ -691,8 +769,6 @@ def print_hangs(runs: int, width: int) -> list[str]:
     print(f"survivors restarted: {sum(r.restarts for rs in results.values() for r in rs)}, steps lost: "
           f"{sum(r.lost for rs in results.values() for r in rs)}, in {runs_total} runs (from the runs' own logs: "
           f"the launchers' worker_restarted events, each survivor's step reports and PIDs)")
-    if failed:
-        print("NOT met: " + "; ".join(failed))
     return failed
 
 

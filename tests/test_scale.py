@@ -4,8 +4,9 @@
 and coordinator, many nodes in this process) run two tasks of 16 nodes on the session's etcd. In the steady
 state no daemon or agent writes to etcd and each node costs a fixed number of requests (its two leases'
 keep-alives, two slow polls); a node lost is seen by the 15 other nodes of its run only, within its TTL, and
-sends about one watch event to each of them. ``benchmarks/scale.py`` measured those per-node figures from 16
-to 2,048 nodes; a change that makes any of them grow with the cluster fails here.
+sends about one watch event to each of them. ``benchmarks/scale.py`` measured those per-node figures at 16 and
+64 nodes (steady state and one loss; the 2,048-node figures in benchmarks/RESULTS.md are a linear model of them,
+not a measurement); a change that makes any of them grow with the cluster fails here.
 """
 
 from __future__ import annotations
