@@ -1,7 +1,8 @@
 """A node asked to leave its task (a SLURM drain, a plan without it) at any moment of its life (no I/O).
 
-The decision is pure (:func:`~unicron_elastic.agent.rank_state.leave_decision`); the leave signal only
-records the request, whatever the launcher is doing: it never stops the node. The multi-process paths
+The decision is pure (:func:`~unicron_elastic.agent.rank_state.leave_decision`); the leave signal records
+the request and never stops the node as a failure: while the node waits for a round it ends the wait
+(exit code 0), later the agent acts on it once its workers can leave. The multi-process paths
 (a drain during the rendezvous and during a restart, on a real SLURM) are in tests/test_slurm_e2e.py.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -54,4 +56,19 @@ def test_the_leave_signal_outside_training_is_recorded_and_never_stops_the_node(
     assert not signals.leave_requested()
     os.kill(os.getpid(), signals.LEAVE_SIGNAL)
     os.kill(os.getpid(), signals.LEAVE_SIGNAL)  # (a drain watch and a daemon may both ask)
+    assert signals.leave_requested()
+
+
+def test_a_leave_while_the_node_waits_for_a_round_ends_the_wait_and_one_before_it_never_starts_it(
+        leave_handler: None) -> None:
+    with pytest.raises(signals.LeftBeforeTraining):
+        with signals.leaving_ends_the_wait():
+            os.kill(os.getpid(), signals.LEAVE_SIGNAL)
+            time.sleep(5)  # (the handler raises in this thread at once)
+    assert signals.leave_requested()
+    with pytest.raises(signals.LeftBeforeTraining):  # (a drain seen before the rendezvous)
+        with signals.leaving_ends_the_wait():
+            raise AssertionError("the wait started")
+    signals._leave_requested.clear()
+    os.kill(os.getpid(), signals.LEAVE_SIGNAL)  # after the wait: only recorded (start-up, training)
     assert signals.leave_requested()

@@ -290,10 +290,11 @@ def _drain_event_before(out: Path, node: str, event: str) -> bool:
 
 
 @pytest.mark.timeout(900)
-def test_a_node_drained_while_the_rendezvous_forms_leaves_with_exit_0_and_nobody_sees_a_failure(
+def test_a_node_drained_while_the_rendezvous_forms_takes_no_part_and_exits_0(
         slurm, etcd: EmbeddedEtcd, tmp_path: Path, gpt_baseline) -> None:
-    """Drained as the job starts: its launcher sees it at its first look, before the round is complete; it waits
-    until its worker can leave and leaves at a step boundary (it never stops with 143)."""
+    """Drained as the job starts: its launcher sees it at its first look, while it waits for a round, and ends
+    with exit code 0 (never 143); the other two nodes form the round without it and train to the failure-free
+    parameters (the same global batch), and nobody records a failure."""
     out, cluster = tmp_path / "out", "slurm-drain-rdzv"
     job = submit(slurm, out, *TRAIN, run_flags=f"--slurm-poll=0.5 --rdzv-conf=cluster={cluster}",
                  UNICRON_ETCD=etcd.endpoint)
@@ -302,8 +303,18 @@ def test_a_node_drained_while_the_rendezvous_forms_leaves_with_exit_0_and_nobody
     record = ended(slurm, job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (out / "batch.log").read_text()[-3000:]
     assert _drain_event_before(out, "n3", "agent_rendezvous_complete"), "the drain came after the rendezvous"
-    assert [e for e in entries(out) if e["event"] == "leave_deferred"]
-    check_left_cleanly(out, etcd, cluster, "n3", gpt_baseline)
+    mine = [e["event"] for e in entries(out) if e.get("node") == "n3" or e.get("node_name") == "n3"]
+    assert "agent_rendezvous_complete" not in mine and ranks_of(out, "n3") == []
+    assert [e for e in entries(out) if e["event"] == "left_before_training"]
+    assert not [e for e in entries(out) if e["event"] in ("stopped_by_signal", "leave_by_stopping")]
+    with StatusStore(EtcdConfig(host="127.0.0.1", port=etcd.client_port, cluster=cluster)) as store:
+        assert store.get_prefix(store.keys.events()) == []  # no failure event at all
+    for r in range(2):  # the round of the two others
+        summary = json.loads((out / f"rank{r}.json").read_text())
+        assert summary["global_step"] == STEPS and summary["joined_at"] is None
+        assert all(not x["recoveries"] and not x["dead"] for x in summary["reports"])
+        assert same_params(out, r, gpt_baseline), f"rank {r} diverged"
+    assert not (out / "rank2.json").exists()
 
 
 @pytest.mark.timeout(900)
@@ -315,7 +326,7 @@ def test_a_node_drained_while_its_worker_restarts_leaves_with_exit_0(
 
     out, cluster = tmp_path / "out", "slurm-drain-restart"
     job = submit(slurm, out, *TRAIN, run_flags=f"--slurm-poll=0.5 --rdzv-conf=cluster={cluster}",
-                 UNICRON_ETCD=etcd.endpoint, **faults_env([fail_at(rank=2, step=4, kind="kill")],
+                 UNICRON_ETCD=etcd.endpoint, **faults_env([fail_at(rank=2, step=4, bucket=0)],
                                                           str(out / "faults.log")))
     wait_for(lambda: (out / "faults.log").exists() and (out / "faults.log").read_text().strip(), 300,
              why="the worker killed")

@@ -43,6 +43,7 @@ from unicron_elastic.agent.api import ALL_DETECTORS, AgentConfig, NodeGaveUp
 from unicron_elastic.agent.ladder import LadderPolicy
 from unicron_elastic.agent.signals import (
     LEAVE_SIGNAL,
+    LeftBeforeTraining,
     begin_shutdown,
     install_leave_signal,
     install_preemption_signal,
@@ -297,8 +298,8 @@ def launch(
             log.info("stopped_after_training_finished", signal=exc.sigval.name)
             shutdown_rdzv = False
             return {}
-        # A signal or a node giving up must not close the rendezvous for the others.
-        if isinstance(exc, NodeGaveUp) or type(exc).__name__ == "SignalException":
+        # A signal, a node leaving or a node giving up must not close the rendezvous for the others.
+        if isinstance(exc, (NodeGaveUp, LeftBeforeTraining)) or type(exc).__name__ == "SignalException":
             shutdown_rdzv = False
         events.record(elastic_agent.get_event_failed(), config.event_log_handler)
         raise
@@ -385,6 +386,9 @@ def main(argv: list[str] | None = None) -> None:
     except NodeGaveUp as exc:
         log.error("node_gave_up", reason=str(exc), exit_code=exc.exit_code)
         raise SystemExit(exc.exit_code) from None
+    except LeftBeforeTraining:
+        log.info("left_before_training", reason="asked to leave while waiting for a round: the others go on")
+        raise SystemExit(0) from None
     except SignalException as exc:
         log.warning("stopped_by_signal", signal=exc.sigval.name)
         raise SystemExit(128 + int(exc.sigval)) from None

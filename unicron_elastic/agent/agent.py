@@ -49,6 +49,7 @@ from unicron_elastic.agent.signals import (
     install_leave_signal,
     install_stop_signals,
     leave_requested,
+    leaving_ends_the_wait,
     raise_if_orphaned,
     raise_pending_stop,
     signal_for_workers,
@@ -182,7 +183,8 @@ class UnicronAgent(LocalElasticAgent):
         return (rendezvous.task if rendezvous is not None else "") or self._worker_group.spec.rdzv_handler.get_run_id()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
+        with leaving_ends_the_wait():  # (a drain seen before the node has a round: it takes no part)
+            super()._rendezvous(worker_group)
         raise_pending_stop()  # a signal that the rendezvous' etcd calls swallowed
         self.rendezvous_count += 1
         structlog.contextvars.bind_contextvars(

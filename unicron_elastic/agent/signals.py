@@ -3,9 +3,10 @@
 SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the node (torch's ``SignalException``),
 deferred across steps that must not be cut in half and ignored once the
 clean-up began; SIGUSR2 (:data:`LEAVE_SIGNAL`) asks the agent to leave its
-task at the next step boundary, whenever it comes (during the rendezvous, the
-workers' start-up or a restart the request waits until they train; it never
-stops the node). A node daemon's death stops its launcher too.
+task at the next step boundary (during the workers' start-up or a restart the
+request waits until they train); while the node waits for a round it ends the
+node at once, exit code 0 (:class:`LeftBeforeTraining`). It never stops a
+node as a failure. A node daemon's death stops its launcher too.
 Under SLURM (``unicron-run --slurm``), SIGUSR1 (:data:`PREEMPT_SIGNAL`,
 SLURM's warning before the end of the allocation) stops the node as SIGTERM
 does; its workers, which SLURM signals too, never see it.
@@ -36,6 +37,7 @@ LEAVE_SIGNAL = signal.SIGUSR2
 PREEMPT_SIGNAL = signal.SIGUSR1
 _shutting_down = threading.Event()  # set once the process cleans up: later stop signals are ignored
 _leave_requested = threading.Event()  # LEAVE_SIGNAL arrived: the agent acts on it once its workers can leave
+_in_rendezvous = threading.Event()  # the node waits for a round (no workers of its own): a leave ends it at once
 _signals: dict[str, Any] = {"pending": None, "deferring": 0}  # main-thread state of the stop signal
 
 
@@ -139,21 +141,58 @@ def signal_for_workers(sig: int) -> int:
     return signal.SIGTERM if sig == PREEMPT_SIGNAL else sig
 
 
+class LeftBeforeTraining(SignalException):
+    """The node was asked to leave while it waited for a round: it ends at once, exit code 0 (not a stop)."""
+
+    def __init__(self) -> None:
+        super().__init__(f"Process {os.getpid()}: asked to leave while waiting for a round", sigval=LEAVE_SIGNAL)
+
+
 def _on_leave_signal(signum: int, frame: object) -> None:
-    """Ask the agent to leave; it acts in its monitor loop once its workers can leave at a step boundary."""
+    """Ask the agent to leave; it acts in its monitor loop once its workers can leave at a step boundary.
+
+    Raises:
+        LeftBeforeTraining: The node waits in the rendezvous (:func:`leaving_ends_the_wait`).
+    """
     if not _leave_requested.is_set():
-        log.info("leave_requested", signal=signal.Signals(signum).name)
+        log.info("leave_requested", signal=signal.Signals(signum).name, waiting_for_a_round=_in_rendezvous.is_set())
     _leave_requested.set()
+    if _in_rendezvous.is_set() and not _shutting_down.is_set():
+        raise LeftBeforeTraining()
+
+
+@contextmanager
+def leaving_ends_the_wait() -> Iterator[None]:
+    """While the node waits for a round (the rendezvous, main thread): a leave request ends the wait and the node.
+
+    A node asked to leave before it has a round of its own (a SLURM drain
+    seen as the job starts, a plan that moved the node away) takes no part:
+    the others form the round without it.
+
+    Raises:
+        LeftBeforeTraining: A leave request came before the block or comes in it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _leave_requested.is_set():
+        raise LeftBeforeTraining()
+    _in_rendezvous.set()
+    try:
+        yield
+    finally:
+        _in_rendezvous.clear()
 
 
 def install_leave_signal() -> None:
     """Make :data:`LEAVE_SIGNAL` (SIGUSR2) ask the agent to leave the task (main thread only).
 
-    The handler only sets a flag; the agent acts on it in its monitor loop
+    The handler sets a flag; the agent acts on it in its monitor loop
     (:meth:`~unicron_elastic.agent.agent.UnicronAgent.leave_at_step_boundary`)
     as soon as every worker of the node said it can leave. A signal during
-    the rendezvous, the workers' start-up or a restart waits for that; one
-    after the workers finished changes nothing (the node exits 0).
+    the workers' start-up or a restart waits for that; one while the node
+    waits for a round ends it (:func:`leaving_ends_the_wait`); one after the
+    workers finished changes nothing (the node exits 0).
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(LEAVE_SIGNAL, _on_leave_signal)
