@@ -352,11 +352,13 @@ def check_resumed_after(out: Path, resume_at: int, job: str, baseline: list[torc
 
 @pytest.mark.timeout(900)
 def test_a_preempted_job_checkpoints_is_requeued_and_resumes_after_the_checkpoint(
-        slurm, tmp_path: Path, gpt_baseline) -> None:
+        slurm, etcd: EmbeddedEtcd, tmp_path: Path, gpt_baseline) -> None:
     """SLURM's own preemption (partition_prio, PreemptMode=REQUEUE): a job of the higher partition takes a node;
-    SLURM sends the training job's steps SIGTERM (not its batch shell) and keeps it RUNNING for its GraceTime."""
+    SLURM sends the training job's steps SIGTERM (not its batch shell) and keeps it RUNNING for its GraceTime.
+    On a site etcd: SLURM's SIGTERM reaches every process of every step, the members of `unicron slurm etcd`
+    included, and etcd exits on it (docs/slurm.md, "Preemption and the time limit")."""
     out = tmp_path / "out"
-    job = submit(slurm, out, *TRAIN)
+    job = submit(slurm, out, *TRAIN, run_flags="--rdzv-conf=cluster=slurm-preempted", UNICRON_ETCD=etcd.endpoint)
     wait_for(lambda: all(len(times(out, r)) >= 4 for r in range(3)), 300, why="four steps on every node")
     urgent = slurm.sbatch("--partition=high", "--nodes=1", "-o", str(tmp_path / "urgent.log"), "--wrap", "sleep 1")
     saved = wait_for(lambda: re.search(r"preemption_checkpoint_saved\s+next_step=(\d+)", text(out, "node-*.log")), 120,
@@ -373,11 +375,12 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_after_the_checkpoin
 
 @pytest.mark.timeout(1500)
 def test_each_task_of_an_array_resumes_from_its_own_checkpoint_and_refuses_anothers(
-        slurm, tmp_path: Path, gpt_baseline) -> None:
+        slurm, etcd: EmbeddedEtcd, tmp_path: Path, gpt_baseline) -> None:
     """``sbatch --array=0-1`` of the recipe as a user types it (no UNICRON_OUT): each task writes to
     ``unicron-gpt-<array job>_<task>``; each is preempted once, checkpoints, is requeued and resumes from its own
-    checkpoint to the failure-free parameters. A job given task 0's folder refuses its checkpoint."""
-    env = dict(_env(tmp_path), UNICRON_SCRIPT=GPT,
+    checkpoint to the failure-free parameters. A job given task 0's folder refuses its checkpoint. (A site
+    etcd: see the preemption test.)"""
+    env = dict(_env(tmp_path, "--rdzv-conf=cluster=slurm-array"), UNICRON_SCRIPT=GPT, UNICRON_ETCD=etcd.endpoint,
                UNICRON_SRUN_FLAGS=f"--output={tmp_path}/node-%A_%a-%t.log --open-mode=append")
     del env["UNICRON_OUT"]
     array = slurm.sbatch(f"--chdir={tmp_path}", "--array=0-1", "-o", str(tmp_path / "batch-%A_%a.log"), RECIPE,

@@ -315,6 +315,7 @@ class SnapshotWriter:
         except BlockingIOError:
             if time.monotonic() - self._starting_since > READY_TIMEOUT_S:
                 log.warning("snapshot_writer_lost", error=f"not ready within {READY_TIMEOUT_S:.0f} s")
+                self._process.kill()  # (stuck: the step must not wait for it to exit)
                 self._stop()
             return False
         except OSError as exc:
