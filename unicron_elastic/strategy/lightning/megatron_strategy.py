@@ -399,7 +399,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         self._admission_started = True
         self.finished_before_join = not self.engine.start_join(self.join_timeout)
         if self.finished_before_join:  # nothing left to train: a world of its own, so the model can be built
-            log.info("joined_too_late", reason="training finished before this rank was admitted")
+            log.info("not_joining", reason="training finished before this rank was admitted, or its node leaves "
+                     "the task (dp_join_skipped)")
             build_world(dist.HashStore(), 0, 0, 1)
 
     @contextmanager
