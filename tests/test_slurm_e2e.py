@@ -56,16 +56,23 @@ def gpt_baseline(failure_free) -> list[torch.Tensor]:
 
 
 def _env(out: Path, run_flags: str = "", srun_flags: str = "", **extra: str) -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"], UNICRON_OUT=str(out),
-                UNICRON_SRUN_FLAGS=f"--output={out}/node-%t.log --open-mode=append {srun_flags}",
-                UNICRON_RUN_FLAGS=f"--log-format=json --monitor-interval=0.05 {run_flags}", **extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"], UNICRON_OUT=str(out),
+               UNICRON_SRUN_FLAGS=f"--output={out}/node-%t.log --open-mode=append {srun_flags}",
+               UNICRON_RUN_FLAGS=f"--log-format=json --monitor-interval=0.05 {run_flags}")
+    return {**env, **extra}
 
 
-def submit(slurm, out: Path, *script_args: str, run_flags: str = "", **extra: str) -> str:
-    """``sbatch examples/slurm/train.sbatch`` from the repository, as a user types it; the job id."""
+def submit(slurm, out: Path, *script_args: str, run_flags: str = "", sbatch_flags: tuple[str, ...] = (),
+           **extra: str) -> str:
+    """``sbatch examples/slurm/train.sbatch`` from the repository, as a user types it; the job id.
+
+    ``OMP_NUM_THREADS`` is 1 unless ``extra`` names it (``""``: not set, the recipe decides).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    return slurm.sbatch(f"--chdir={REPO}", "-o", str(out / "batch.log"), RECIPE, *script_args,
-                        env=_env(out, run_flags, **extra))
+    env = _env(out, run_flags, **extra)
+    if env.get("OMP_NUM_THREADS") == "":
+        del env["OMP_NUM_THREADS"]
+    return slurm.sbatch(f"--chdir={REPO}", "-o", str(out / "batch.log"), *sbatch_flags, RECIPE, *script_args, env=env)
 
 
 def ended(slurm, job: str, seconds: float = 400) -> dict[str, str]:
@@ -360,7 +367,8 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_after_the_checkpoin
     On a site etcd: SLURM's SIGTERM reaches every process of every step, the members of `unicron slurm etcd`
     included, and etcd exits on it (docs/slurm.md, "Preemption and the time limit")."""
     out = tmp_path / "out"
-    job = submit(slurm, out, *TRAIN, run_flags="--rdzv-conf=cluster=slurm-preempted", UNICRON_ETCD=etcd.endpoint)
+    job = submit(slurm, out, *TRAIN, run_flags="--rdzv-conf=cluster=slurm-preempted", UNICRON_ETCD=etcd.endpoint,
+                 sbatch_flags=("--cpus-per-task=1",), OMP_NUM_THREADS="")  # (the recipe sets each worker's threads)
     wait_for(lambda: all(len(times(out, r)) >= 4 for r in range(3)), 300, why="four steps on every node")
     urgent = slurm.sbatch("--partition=high", "--nodes=1", "-o", str(tmp_path / "urgent.log"), "--wrap", "sleep 1")
     saved = wait_for(lambda: re.search(r"preemption_checkpoint_saved\s+next_step=(\d+)", text(out, "node-*.log")), 120,
@@ -370,6 +378,8 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_after_the_checkpoin
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0" and record["Restarts"] == "1", batch
     assert f"requeued job {job}" in batch and '"reason": "preempted"' in batch
     assert slurm.job(urgent)["JobState"] == "COMPLETED"  # the preempting job ran
+    threads = [e for e in entries(out) if e["event"] == "slurm_threads"]  # both runs: 3 nodes each
+    assert len(threads) == 6 and {(e["omp_num_threads"], e["cpus_per_task"]) for e in threads} == {(1, "1")}
     stops = [e for e in entries(out) if e["event"] == "stopped_by_signal"]
     assert len(stops) == 3 and {e["signal"] for e in stops} == {"SIGTERM"}  # every node stopped, none killed
     check_resumed_after(out, int(saved.group(1)), job, gpt_baseline)

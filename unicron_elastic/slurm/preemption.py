@@ -77,32 +77,30 @@ class PreemptionCheckpoint(pl.Callback):
         return {"job": self.job, "run": os.environ.get("TORCHELASTIC_RUN_ID")}
 
     @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume only a checkpoint this job wrote.
-
-        Raises:
-            ForeignCheckpoint: Another job or array task wrote it.
-        """
-        if state_dict.get("job") != self.job:
-            raise ForeignCheckpoint(
-                f"the checkpoint {self.path} was written by SLURM job {state_dict.get('job')} (run "
-                f"{state_dict.get('run')}), not by this job {self.job}: only the job that wrote a preemption "
-                "checkpoint resumes it (give each job and array task its own path, e.g. %A_%a)")
-
-    @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        """A file at this callback's path that records no job is refused too (it cannot be told to be ours).
+        """Resume from this callback's file only the checkpoint this job wrote.
+
+        Only a resume from :attr:`path` (``fit(ckpt_path=...)``) is checked:
+        the state a rank that rejoins takes from a healthy replica is the
+        run's own (a node that comes back may be another SLURM job).
 
         Raises:
-            ForeignCheckpoint: The checkpoint resumed is this callback's path and records no job.
+            ForeignCheckpoint: The file was written by another job or array
+                task, or records no job (it cannot be told to be ours).
         """
         resumed = getattr(trainer, "ckpt_path", None)
         if resumed is None or Path(resumed).resolve() != self.path.resolve():
             return
-        if self.state_key not in checkpoint.get("callbacks", {}):
+        writer = checkpoint.get("callbacks", {}).get(self.state_key)
+        if writer is None:
             raise ForeignCheckpoint(f"the checkpoint {self.path} records no job that wrote it (not written by "
                                     "PreemptionCheckpoint): refusing to resume it as this job's")
+        if writer.get("job") != self.job:
+            raise ForeignCheckpoint(
+                f"the checkpoint {self.path} was written by SLURM job {writer.get('job')} (run {writer.get('run')}), "
+                f"not by this job {self.job}: only the job that wrote a preemption checkpoint resumes it (give "
+                "each job and array task its own path, e.g. %A_%a)")
 
     @property
     def resume_path(self) -> str | None:
