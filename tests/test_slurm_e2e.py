@@ -469,7 +469,9 @@ def test_the_coordinators_pool_on_slurm_moves_a_drained_nodes_share_and_both_tas
         wait_for(lambda: sorted(kv.key.rsplit("/", 1)[-1] for kv in store.get_prefix(store.keys.nodes()))
                  == ["n1", "n2", "n3"], 120, why="the pool's three nodes registered under SLURM's names")
         a_done = tmp_path / "a-done"  # b ends after a, whatever the timing
-        store.put(store.keys.task_spec("a"), _spec("a", out_a, 1.0, {"1": 1.0, "2": 1.8}, 2))
+        a_release = tmp_path / "a-release"  # a holds before its step 6 until its drained node's rank was asked to leave
+        store.put(store.keys.task_spec("a"), _spec("a", out_a, 1.0, {"1": 1.0, "2": 1.8}, 2, "--hold-until",
+                                                   str(a_release), "--hold-step", str(POOL_STEPS - 2)))
         store.put(store.keys.task_spec("b"), _spec("b", out_b, 2.0, {"1": 1.0}, 1, "--hold-until", str(a_done),
                                                    "--hold-step", "5"))
         plan = wait_for(lambda: (p := read_plan(store)) and len(p.tasks) == 2 and p, 120, why="the first plan")
@@ -481,6 +483,8 @@ def test_the_coordinators_pool_on_slurm_moves_a_drained_nodes_share_and_both_tas
                          why="the plan without the drained node")
         assert {n: len(t.nodes) for n, t in moved.tasks.items() if n in ("a", "b")} == {"a": 1, "b": 1}
         assert "left" in moved.reason and "lost" not in moved.reason, moved.reason
+        wait_for(lambda: "leaving_task" in (tmp_path / "pool.log").read_text(), 120, why="the drained rank leaving")
+        a_release.touch()  # (the run could not end before the leave was asked: its leader sees it at a boundary)
         wait_for(lambda: "a" in read_plan(store).finished, 400, why="task a finished")
         a_done.touch()
         wait_for(lambda: "b" in read_plan(store).finished, 400, why="task b finished")
