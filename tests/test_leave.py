@@ -18,27 +18,29 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from unicron_elastic.agent import signals
-from unicron_elastic.agent.rank_state import LeaveDecision, leave_decision
+from unicron_elastic.agent.rank_state import HELLO_GRACE_S, LeaveDecision, leave_decision
 
 
-@pytest.mark.parametrize(("meeting", "running", "said", "leavable", "decision"), [
-    (True, 2, 2, True, LeaveDecision.LEAVE),   # training: every worker said it can leave
-    (True, 2, 1, True, LeaveDecision.WAIT),    # one is starting (or restarting): not said yet
-    (True, 0, 0, True, LeaveDecision.WAIT),    # no worker runs (between a worker's exit and its respawn)
-    (True, 2, 1, False, LeaveDecision.STOP),   # one said it cannot: it never will
-    (False, 2, 2, True, LeaveDecision.STOP),   # no meeting store to ask in
+@pytest.mark.parametrize(("meeting", "running", "said", "leavable", "waited", "decision"), [
+    (True, 2, 2, True, 0.0, LeaveDecision.LEAVE),   # training: every worker said it can leave
+    (True, 2, 1, True, 0.0, LeaveDecision.WAIT),    # one is starting (or restarting): not said yet
+    (True, 0, 0, True, 5.0, LeaveDecision.WAIT),    # no worker runs (between a worker's exit and its respawn)
+    (True, 2, 0, True, HELLO_GRACE_S, LeaveDecision.STOP),  # none said within the grace: a plain torchrun script
+    (True, 2, 1, False, 0.0, LeaveDecision.STOP),   # one said it cannot: it never will
+    (False, 2, 2, True, 0.0, LeaveDecision.STOP),   # no meeting store to ask in
 ])
 def test_a_node_leaves_when_every_worker_can_waits_while_one_has_not_said_and_stops_when_one_cannot(
-        meeting: bool, running: int, said: int, leavable: bool, decision: LeaveDecision) -> None:
-    assert leave_decision(meeting, running, said, leavable) is decision
+        meeting: bool, running: int, said: int, leavable: bool, waited: float, decision: LeaveDecision) -> None:
+    assert leave_decision(meeting, running, said, leavable, waited) is decision
 
 
-@given(st.booleans(), st.integers(0, 8), st.integers(0, 8), st.booleans())
-def test_a_node_never_leaves_before_every_running_worker_said_it_can(
-        meeting: bool, running: int, said: int, leavable: bool) -> None:
+@given(st.booleans(), st.integers(0, 8), st.integers(0, 8), st.booleans(), st.floats(0, 100))
+def test_a_node_never_leaves_before_every_running_worker_said_it_can_and_waits_a_bounded_time(
+        meeting: bool, running: int, said: int, leavable: bool, waited: float) -> None:
     said = min(said, running)
-    decision = leave_decision(meeting, running, said, leavable)
+    decision = leave_decision(meeting, running, said, leavable, waited)
     assert (decision is LeaveDecision.LEAVE) == (meeting and running > 0 and said == running and leavable)
+    assert decision is not LeaveDecision.WAIT or waited < HELLO_GRACE_S
 
 
 @pytest.fixture()

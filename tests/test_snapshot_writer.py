@@ -3,7 +3,7 @@
 A real writer process and a real TCPStore (the agent's): the document it sends
 is the one :func:`~unicron_elastic.strategy.snapshots.safe_state.dumps` writes, the buffer
 grows with the state, a writer not ready (lost and restarted, or started late)
-never makes a step wait, and the writer ends with the
+never makes a step wait (a thread sends the snapshot meanwhile), and the writer ends with the
 training process (a SIGKILL included), leaving no memory behind.
 """
 
@@ -73,12 +73,14 @@ def test_the_writer_process_sends_each_snapshot_and_a_lost_writer_is_restarted(c
             assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(step, n))
         writer = snapshot._writer._process
         assert writer.pid != os.getpid() and writer.poll() is None
-        writer.kill()  # lost: the next save starts another one, without waiting for it (that save is skipped)
+        writer.kill()  # lost: the next save starts another one without waiting for it (a thread sends that one)
         writer.wait()
-        assert not snapshot.save(_state(4))
+        assert snapshot.save(_state(4))
         assert events_named(captured, "snapshot_writer_lost")
-        assert [e["step"] for e in events_named(captured, "snapshot_skipped")] == [4]
-        wait_for(lambda: snapshot.save(_state(5)), deadline_s=60, why="the restarted writer never took a snapshot")
+        snapshot.wait()
+        assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(4))
+        wait_for(snapshot._writer.ready, deadline_s=60, why="the restarted writer never became ready")
+        assert snapshot.save(_state(5))
         snapshot.wait()
         assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(5))
         assert snapshot._writer._process.pid != writer.pid
@@ -143,20 +145,25 @@ def test_a_snapshot_due_while_the_previous_is_still_sent_is_skipped_not_waited_f
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_becomes_a_saver_later_never_waits_for_its_writer_to_start(captured) -> None:
+def test_a_rank_that_becomes_a_saver_later_never_waits_for_its_writer_to_start(captured, capture_log) -> None:
     """The new primary replica after a regroup: its first snapshot due starts the writer (1-3 s of imports on a
-    loaded machine) and is skipped; the step goes on at once, and a snapshot is taken once the writer is ready."""
+    loaded machine) without waiting, and a thread sends that snapshot at once; the writer takes the later ones."""
+    import unicron_elastic.strategy.snapshots.tiers as tiers_module
+
+    in_thread = capture_log(tiers_module)
     agent, worker = _stores()
     snapshot = MemorySnapshot(worker, every=1, out_of_process=True)
     try:
         began = time.monotonic()
-        assert not snapshot.save(_state(1))
+        assert snapshot.save(_state(1))
         assert time.monotonic() - began < 0.5  # (the writer's imports alone take about a second)
-        assert [e["reason"] for e in events_named(captured, "snapshot_skipped")] == [
-            "the snapshot writer is starting: the next one due is taken"]
-        step = iter(range(2, 10_000))
-        wait_for(lambda: snapshot.save(_state(next(step))), deadline_s=60, why="the writer never became ready")
+        assert [e["step"] for e in events_named(in_thread, "snapshot_in_thread")] == [1]
         snapshot.wait()
-        assert read_snapshot("agent", agent, SNAPSHOT_KEY)["step"] > 1
+        assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(1))  # landed without the writer
+        wait_for(snapshot._writer.ready, deadline_s=60, why="the writer never became ready")
+        assert snapshot.save(_state(2))
+        snapshot.wait()
+        assert same(read_snapshot("agent", agent, SNAPSHOT_KEY), _state(2))
+        assert [e["step"] for e in events_named(in_thread, "snapshot_in_thread")] == [1]  # the writer sent step 2
     finally:
         snapshot.close()

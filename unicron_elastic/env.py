@@ -60,6 +60,9 @@ DAEMON_PID = Variable("UNICRON_NODE_DAEMON_PID", "decimal pid", "the node daemon
 EVENT_RETENTION = Variable("UNICRON_EVENT_RETENTION", "int >= 1 (default 1000)", "the user", "`store/client.py`")
 ETCD_BINARY = Variable("UNICRON_ETCD_BINARY", "path of an executable", "the user, tests", "`store/embedded.py`")
 LOG_LEVEL = Variable("UNICRON_LOG_LEVEL", "a level name (default INFO)", "the user", "`logging.py`")
+ETCD_LAYOUT = Variable("UNICRON_ETCD_LAYOUT", "JSON list of the members' `name`, `host`, `client_port`, `peer_port`",
+                       "the SLURM batch script (`unicron slurm layout`, once per job)",
+                       "`unicron slurm etcd`, `unicron slurm endpoint`")
 LOOPBACK_SLURM_NODE = Variable("UNICRON_LOOPBACK_SLURM_NODE", "`<slurm.conf>:<mark>`",
                                "`slurm/loopback.py` (a loopback slurmd's environment)",
                                "`slurm/loopback.py` (from `/proc/<pid>/environ`)")
@@ -67,7 +70,7 @@ LOOPBACK_SLURM_NODE = Variable("UNICRON_LOOPBACK_SLURM_NODE", "`<slurm.conf>:<ma
 #: Every variable, in the order of docs/architecture.md's table.
 VARIABLES: tuple[Variable, ...] = (AGENT_SOCKET, MEETING, ETCD_PASSWORD, MAX_WORLD, INCARNATION, GENERATION, ROUND,
                                    WORKER_RESTARTS, FAULTS, FAULT_LOG, NODE_DAEMON, DAEMON_PID,
-                                   EVENT_RETENTION, ETCD_BINARY, LOG_LEVEL, LOOPBACK_SLURM_NODE)
+                                   EVENT_RETENTION, ETCD_BINARY, LOG_LEVEL, ETCD_LAYOUT, LOOPBACK_SLURM_NODE)
 
 
 def _text(variable: Variable) -> str | None:

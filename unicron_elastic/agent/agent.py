@@ -43,7 +43,7 @@ from unicron_elastic.agent.api import AgentConfig, Detector, NodeGaveUp
 from unicron_elastic.agent.channel import AgentChannel
 from unicron_elastic.agent.ladder import LEFT_OUT, Action, RankHistory, Rung, climb
 from unicron_elastic.agent.meeting_point import MeetingPoint
-from unicron_elastic.agent.rank_state import LeaveDecision, RankState, leave_decision
+from unicron_elastic.agent.rank_state import HELLO_GRACE_S, LeaveDecision, RankState, leave_decision
 from unicron_elastic.agent.signals import (
     begin_shutdown,
     install_leave_signal,
@@ -148,7 +148,7 @@ class UnicronAgent(LocalElasticAgent):
         self._closed = False  # stopping for good (signal, error, end of run): never act or respawn again
         self._restarting = False  # inside _stop_workers: a stop before a restart, not the final one
         self.left = False  # asked to leave: the workers leave the data-parallel group at a step boundary
-        self._leave_waiting = False  # a leave request waits for workers that have not said whether they can leave
+        self._leave_waiting_since: float | None = None  # a leave waits for workers' hello since then (monotonic)
         self.finished = False  # every worker of this node succeeded (torch's exit barrier comes only then)
         self._pm = plugin_manager(builtins=(detectors,))
         self._detectors = make_detectors(self.config, self._pm)
@@ -679,30 +679,33 @@ class UnicronAgent(LocalElasticAgent):
         exits 0 without waiting in the exit barrier and without closing the
         rendezvous (the task goes on; a node may take the place later).
         While a worker has not said yet whether it can leave (starting, or
-        restarting), nothing is done: the monitor loop asks again at its next
-        interval (:func:`leave_decision`).
+        restarting), nothing is done, for at most ``HELLO_GRACE_S``: the
+        monitor loop asks again at its next interval (:func:`leave_decision`).
 
         Raises:
             SignalException: (as SIGTERM) The workers cannot leave at a step
-                boundary (no meeting store, or a worker that is not a
-                ``unicron_megatron``/``ElasticDataParallel`` rank): they are
-                stopped instead.
+                boundary (no meeting store, a worker that said it is not a
+                ``unicron_megatron``/``ElasticDataParallel`` rank, or none said
+                within ``HELLO_GRACE_S``): they are stopped instead.
         """
         with self._lock:
             ranks = sorted(rank for rank, _ in self.workers().values() if self._process(rank) is not None)
             meeting = self._meeting
             said = [self._ranks[r] for r in ranks if r in self._ranks and self._ranks[r].reply]
-            decision = leave_decision(meeting is not None, len(ranks), len(said), all(s.leavable for s in said))
+            waited = 0.0 if self._leave_waiting_since is None else time.monotonic() - self._leave_waiting_since
+            decision = leave_decision(meeting is not None, len(ranks), len(said), all(s.leavable for s in said), waited)
             if decision is LeaveDecision.LEAVE:
                 self.left = True  # from now on a worker started for one of these ranks is asked to leave too
         if decision is LeaveDecision.WAIT:
-            if not self._leave_waiting:
-                log.info("leave_deferred", ranks=ranks, reason="a worker has not said yet whether it can leave")
-            self._leave_waiting = True
+            if self._leave_waiting_since is None:
+                log.info("leave_deferred", ranks=ranks, reason="a worker has not said yet whether it can leave",
+                         at_most_s=HELLO_GRACE_S)
+                self._leave_waiting_since = time.monotonic()
             return
         if decision is LeaveDecision.STOP:
             log.warning("leave_by_stopping", ranks=ranks,
-                        reason="no meeting store" if meeting is None else "workers cannot leave at a step boundary")
+                        reason="no meeting store" if meeting is None else "workers cannot leave at a step boundary "
+                        f"(one said so, or none said within {HELLO_GRACE_S:g} s)")
             raise SignalException(f"Process {os.getpid()}: asked to leave; the workers cannot leave at a step "
                                   "boundary", sigval=signal.SIGTERM)
         try:  # etcd requests outside the lock: exits and detections are handled meanwhile

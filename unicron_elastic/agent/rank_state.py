@@ -40,15 +40,21 @@ class RankState:
     rejoining: str | None = None
 
 
+#: Seconds a node asked to leave waits for its workers' ``hello`` (their start-up, a restart) before it stops them:
+#: a worker that does not use the agent's channel (a plain torchrun script) never says it.
+HELLO_GRACE_S = 30.0
+
+
 class LeaveDecision(enum.Enum):
     """What a node asked to leave its task does now (:func:`leave_decision`)."""
 
     LEAVE = "leave"  # ask every worker to leave at the next step boundary
     WAIT = "wait"  # a worker has not said yet whether it can leave (starting, restarting): ask again later
-    STOP = "stop"  # the workers can never leave at a step boundary: stop them (as SIGTERM)
+    STOP = "stop"  # the workers cannot leave at a step boundary: stop them (as SIGTERM)
 
 
-def leave_decision(meeting: bool, running: int, said: int, all_said_leavable: bool) -> LeaveDecision:
+def leave_decision(meeting: bool, running: int, said: int, all_said_leavable: bool, waited_s: float,
+                   grace_s: float = HELLO_GRACE_S) -> LeaveDecision:
     """What a node asked to leave (a SLURM drain, a plan without it) does at this monitor interval.
 
     Args:
@@ -56,9 +62,11 @@ def leave_decision(meeting: bool, running: int, said: int, all_said_leavable: bo
         running: Its workers whose processes run.
         said: Those of them whose ``hello`` arrived.
         all_said_leavable: Every ``hello`` said the worker can leave at a step boundary.
+        waited_s: Seconds since the node first waited for a ``hello``.
+        grace_s: Seconds it waits at most (a worker that never says ``hello`` cannot leave).
     """
     if not meeting or (said and not all_said_leavable):
         return LeaveDecision.STOP
-    if running == 0 or said < running:
-        return LeaveDecision.WAIT
-    return LeaveDecision.LEAVE
+    if running and said == running:
+        return LeaveDecision.LEAVE
+    return LeaveDecision.WAIT if waited_s < grace_s else LeaveDecision.STOP

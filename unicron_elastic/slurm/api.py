@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from unicron_elastic.api import ConfigError, UnicronError
+from unicron_elastic.env import ETCD_LAYOUT
 
 #: Exit code of ``unicron-run --slurm`` (and of the recipe's batch script) when training finished: do not requeue.
 FINISHED_EXIT_CODE = 0
@@ -209,7 +210,7 @@ def check_reachable(layout: list[EtcdMember]) -> None:
 
 
 def layout_to_json(layout: list[EtcdMember]) -> str:
-    """The layout as one line (``UNICRON_ETCD_LAYOUT``: decided once, handed to every member)."""
+    """The layout as one line (:data:`~unicron_elastic.env.ETCD_LAYOUT`: decided once, handed to every member)."""
     return json.dumps([asdict(member) for member in layout], separators=(",", ":"))
 
 
@@ -223,9 +224,9 @@ def layout_from_json(text: str) -> list[EtcdMember]:
         layout = [EtcdMember(str(m["name"]), str(m["host"]), int(m["client_port"]), int(m["peer_port"]))
                   for m in json.loads(text)]
     except (ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"UNICRON_ETCD_LAYOUT is not a layout `unicron slurm layout` printed: {exc}") from None
+        raise ConfigError(f"{ETCD_LAYOUT.name} is not a layout `unicron slurm layout` printed: {exc}") from None
     if not layout:
-        raise ConfigError("UNICRON_ETCD_LAYOUT names no member")
+        raise ConfigError(f"{ETCD_LAYOUT.name} names no member")
     check_reachable(layout)
     return layout
 

@@ -75,11 +75,13 @@ def _cmd_requeue(args: argparse.Namespace) -> int:
 
 def add_slurm_commands(sub) -> None:
     """Add ``slurm`` (``layout``, ``etcd``, ``endpoint``, ``requeue``) to ``unicron``'s sub-commands."""
+    from unicron_elastic.slurm.etcd import LAYOUT_ENV
+
     slurm = sub.add_parser("slurm", help="run inside a SLURM allocation (docs/slurm.md)")
     verbs = slurm.add_subparsers(dest="verb", required=True)
     layout = verbs.add_parser(
         "layout", help="decide the etcd members once for the job (names, addresses from SLURM's NodeAddr, ports) "
-                       "and print them for UNICRON_ETCD_LAYOUT: export UNICRON_ETCD_LAYOUT=$(unicron slurm layout)")
+                       f"and print them: export {LAYOUT_ENV}=$(unicron slurm layout)")
     _members_option(layout)
     layout.set_defaults(func=_cmd_layout)
     etcd = verbs.add_parser(

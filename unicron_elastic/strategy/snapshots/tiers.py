@@ -119,8 +119,12 @@ class MemorySnapshot:
         copy of each array into the kept host buffer, the rest in the writer
         process (call :meth:`settle` before the state changes); while the
         writer still sends the previous snapshot this one is skipped with a
-        warning. Else a thread of this process packs and uploads a copy, a
-        snapshot still being sent waited for first. Training goes on while
+        warning. While the writer process starts (a rank that became the
+        primary replica after a regroup, or whose writer was lost), a thread
+        sends a copy, so a snapshot lands at once after a failover (and a
+        frozen former primary's older upload is refused over it). Else a
+        thread of this process packs and uploads a copy, a snapshot still
+        being sent waited for first. Training goes on while
         the snapshot is sent (at most one in flight).
 
         Returns:
@@ -132,7 +136,14 @@ class MemorySnapshot:
         """
         step = state_step(state)
         if self._writer is not None:
-            return self._writer.write(encode(state), step, self.shard, self._slot(step), self._spec)
+            if self._thread is not None and self._thread.is_alive():
+                log.warning("snapshot_skipped", step=step, reason="the snapshot sent while the writer started is "
+                            "still being sent: the next one due is taken")
+                return False
+            if self._writer.ready():
+                return self._writer.write(encode(state), step, self.shard, self._slot(step), self._spec)
+            log.info("snapshot_in_thread", step=step, reason="the snapshot writer is starting (a new primary "
+                     "replica, or a lost writer): this one is copied and sent by a thread")
         self.wait()
         frozen = encode(state, copy=True)
         self._thread = threading.Thread(target=self._upload, args=(frozen, step), name="unicron-snapshot",

@@ -16,8 +16,10 @@ The two talk over a ``SOCK_SEQPACKET`` socket pair. The writer first says it
 is ready (its imports done, 1-3 s). A rank that saves from the start waits for
 that once, before its first step (:meth:`SnapshotWriter.start`); a rank that
 becomes a saver later (the new primary replica after a regroup) or whose
-writer was lost starts one without waiting: the snapshots due until it is ready
-are skipped (``snapshot_skipped``), never waited for by the step. A job names the
+writer was lost starts one without waiting (:meth:`SnapshotWriter.ready`), and
+:class:`~unicron_elastic.strategy.snapshots.tiers.MemorySnapshot` sends the
+snapshots due meanwhile from a thread: the step never waits for a writer's
+start, and a snapshot lands at once after a failover. A job names the
 document's size and where it goes (and passes the buffer's file descriptor
 when the buffer is new); the writer answers ``{"done": id}`` once every
 target has it or failed with a warning. One job is in flight at a time: the
@@ -293,6 +295,10 @@ class SnapshotWriter:
             finally:
                 if self._socket is not None:
                     self._socket.settimeout(None)
+
+    def ready(self) -> bool:
+        """Whether the writer is ready for a job, without waiting: a lost one is replaced, a new one started."""
+        return self._running()
 
     def _running(self) -> bool:
         """Whether the writer is ready for a job, without waiting: a lost one is replaced, a new one started.
