@@ -168,6 +168,7 @@ def stall(out: Path, rank: int) -> float:
 
 
 @pytest.mark.compat
+@pytest.mark.e2e  # (in CI by the compat selection too)
 @pytest.mark.timeout(300)
 def test_a_hung_worker_alone_is_restarted_and_rejoins_from_a_replica(tmp_path: Path, baseline) -> None:
     """One node, 3 ranks; rank 2 SIGSTOPped in its micro-batch: its agent restarts it, the others wait, saying so."""
