@@ -67,7 +67,7 @@ def _cmd_requeue(args: argparse.Namespace) -> int:
     from unicron_elastic.slurm.job import current_job, requeue_unless_cancelled
 
     job = current_job()
-    if requeue_unless_cancelled(job):
+    if requeue_unless_cancelled(job, only_if_preempted=args.only_if_preempted):
         print(f"requeued job {job.requeue_id}", flush=True)
         return 0
     return 1
@@ -98,4 +98,6 @@ def add_slurm_commands(sub) -> None:
     endpoint.set_defaults(func=_cmd_endpoint)
     requeue = verbs.add_parser("requeue", help="requeue this job (an array task by its own id) unless it was "
                                                "cancelled; exit 1 if it was")
+    requeue.add_argument("--only-if-preempted", action="store_true",
+                         help="requeue only if SLURM preempted the job (its steps got SIGTERM, not the batch shell)")
     requeue.set_defaults(func=_cmd_requeue)

@@ -124,13 +124,19 @@ def node_addresses(names: Sequence[str]) -> dict[str, str]:
     return addresses
 
 
-def requeue_unless_cancelled(job: SlurmJob) -> bool:
+def requeue_unless_cancelled(job: SlurmJob, only_if_preempted: bool = False) -> bool:
     """Requeue the job unless it was cancelled (``scancel`` set its state to ``CANCELLED`` before signalling).
 
     A preempted job (``PreemptMode=REQUEUE``: SLURM sent its steps SIGTERM
     and keeps it ``RUNNING`` with a ``PreemptTime`` for its ``GraceTime``) is
     requeued at once: a job that ends by itself within its grace time is a
     finished job to SLURM, never requeued.
+
+    Args:
+        job: This job.
+        only_if_preempted: Requeue only a preempted job (the batch shell saw
+            no signal: a launcher that exited on SIGTERM is a preemption only
+            if SLURM says so).
 
     Returns:
         Whether the job was requeued.
@@ -144,6 +150,9 @@ def requeue_unless_cancelled(job: SlurmJob) -> bool:
         log.warning("slurm_requeue_skipped", job=job.requeue_id, state=state, reason="the job was cancelled")
         return False
     preempted = record.get("PreemptTime", "None") not in ("None", "Unknown", "")
+    if only_if_preempted and not preempted:
+        log.warning("slurm_requeue_skipped", job=job.requeue_id, state=state, reason="the job was not preempted")
+        return False
     log.warning("slurm_requeue", job=job.requeue_id, state=state,
                 reason="preempted" if preempted else "stopped (the warning signal or a SIGTERM)")
     requeue(job)
