@@ -257,6 +257,11 @@ def event_retention(default: int) -> int:
     return value
 
 
+def etcd_layout() -> str | None:
+    """The etcd members the batch script decided for the job (``unicron slurm layout``), or None."""
+    return _text(ETCD_LAYOUT)
+
+
 def etcd_binary() -> str | None:
     """The etcd binary the user named, or None."""
     return _text(ETCD_BINARY)

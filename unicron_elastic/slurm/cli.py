@@ -7,7 +7,6 @@ Bad input, a process outside a SLURM job and a failing ``scontrol`` are one
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from unicron_elastic.cli_options import bounded
@@ -26,11 +25,11 @@ def _members_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _layout_option(parser: argparse.ArgumentParser) -> None:
-    from unicron_elastic.slurm.etcd import LAYOUT_ENV
+    from unicron_elastic import env
 
-    parser.add_argument("--layout", default=os.environ.get(LAYOUT_ENV),
-                        help=f"the members as `unicron slurm layout` printed them (default: ${LAYOUT_ENV}, which "
-                             "the batch script exports once for every step)")
+    parser.add_argument("--layout", default=env.etcd_layout(),
+                        help=f"the members as `unicron slurm layout` printed them (default: "
+                             f"${env.ETCD_LAYOUT.name}, which the batch script exports once for every step)")
 
 
 def _cmd_layout(args: argparse.Namespace) -> int:
@@ -75,13 +74,13 @@ def _cmd_requeue(args: argparse.Namespace) -> int:
 
 def add_slurm_commands(sub) -> None:
     """Add ``slurm`` (``layout``, ``etcd``, ``endpoint``, ``requeue``) to ``unicron``'s sub-commands."""
-    from unicron_elastic.slurm.etcd import LAYOUT_ENV
+    from unicron_elastic.env import ETCD_LAYOUT
 
     slurm = sub.add_parser("slurm", help="run inside a SLURM allocation (docs/slurm.md)")
     verbs = slurm.add_subparsers(dest="verb", required=True)
     layout = verbs.add_parser(
         "layout", help="decide the etcd members once for the job (names, addresses from SLURM's NodeAddr, ports) "
-                       f"and print them: export {LAYOUT_ENV}=$(unicron slurm layout)")
+                       f"and print them: export {ETCD_LAYOUT.name}=$(unicron slurm layout)")
     _members_option(layout)
     layout.set_defaults(func=_cmd_layout)
     etcd = verbs.add_parser(

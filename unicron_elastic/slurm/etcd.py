@@ -9,7 +9,7 @@ once. Every member's name is its node's name, its address the node's
 collide; the default base is derived from the job id. The layout is decided
 once, by one process (``unicron slurm layout`` in the batch script, from
 SLURM's ``NodeAddr`` of each node resolved there), and handed to every member
-and to ``unicron slurm endpoint`` in ``$UNICRON_ETCD_LAYOUT`` (:data:`LAYOUT_ENV`): nodes whose
+and to ``unicron slurm endpoint`` in ``$UNICRON_ETCD_LAYOUT`` (:data:`~unicron_elastic.env.ETCD_LAYOUT`): nodes whose
 resolvers disagree (a name that resolves to ``127.0.1.1`` on its own node) still
 give every member the same ``--initial-cluster``. Losing one of three members'
 nodes leaves a quorum: the store fails over (docs/rendezvous.md, "On an etcd cluster").
@@ -104,19 +104,15 @@ def layout_of(job: SlurmJob, members: int, port_base: int | None) -> list[EtcdMe
     return etcd_layout(job.nodes, node_addresses(job.nodes[:members]), members, base)
 
 
-#: The environment variable that carries the layout from ``unicron slurm layout`` to every member (srun passes it on).
-LAYOUT_ENV = ETCD_LAYOUT.name
-
-
 def given_layout(text: str | None) -> list[EtcdMember]:
-    """The layout decided once for the job (:data:`LAYOUT_ENV`, or ``--layout``).
+    """The layout decided once for the job (:data:`~unicron_elastic.env.ETCD_LAYOUT`, or ``--layout``).
 
     Raises:
         ConfigError: None given (each member would decide its own), or malformed.
     """
     if not text:
         raise ConfigError(f"no etcd layout: decide it once in the batch script, before the step: "
-                          f"export {LAYOUT_ENV}=$(unicron slurm layout)")
+                          f"export {ETCD_LAYOUT.name}=$(unicron slurm layout)")
     return layout_from_json(text)
 
 
