@@ -161,6 +161,87 @@ def test_the_default_port_base_differs_between_jobs_and_stays_below_the_ephemera
         default_port_base("abc")
 
 
+#: A member as `unicron slurm etcd` runs it on node n1 of job 7 (a one-member layout on loopback).
+_MEMBER = """
+import sys
+from unicron_elastic.logging import configure_logging
+from unicron_elastic.slurm.api import SlurmJob, etcd_layout
+from unicron_elastic.slurm.etcd import serve
+configure_logging("json")
+layout = etcd_layout(("n1",), {"n1": "127.0.0.1"}, 1, int(sys.argv[1]))
+sys.exit(serve(SlurmJob(job_id="7", node="n1", nodes=("n1",)), layout, grace=60))
+"""
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+@pytest.mark.e2e  # (5 s of real processes)
+@pytest.mark.timeout(90)
+def test_a_member_signalled_with_its_step_comes_back_with_its_keys_and_one_that_dies_alone_is_a_failure(
+        tmp_path: Path) -> None:
+    """SLURM's SIGTERM (preemption, scancel) reaches every process of the etcd step, the etcd binary included,
+    which exits on it: the member starts it again on its data dir, the store keeps its keys and serves the
+    launchers' stop for ``--grace``; SIGUSR2 then stops it with 0. An etcd process that exits while its member
+    got no SIGTERM is a failure of the member (exit 1)."""
+    import socket
+
+    def free_base() -> int:
+        for base in range(21000 + os.getpid() % 500 * 10, 32000, 10):
+            with contextlib.ExitStack() as stack:
+                try:
+                    for port in (base, base + MAX_MEMBERS):
+                        s = stack.enter_context(socket.socket())
+                        s.bind(("127.0.0.1", port))
+                    return base
+                except OSError:
+                    continue
+        raise AssertionError("no free ports")
+
+    def start(base: int) -> tuple[subprocess.Popen, EtcdConfig]:
+        log = open(tmp_path / f"member-{base}.log", "w")  # noqa: SIM115 - closed with the process
+        member = subprocess.Popen([sys.executable, "-c", _MEMBER, str(base)], stdout=log, stderr=subprocess.STDOUT,
+                                  env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        config = EtcdConfig(host="127.0.0.1", port=base, request_timeout=1.0)
+        wait_for(lambda: "ready: --rdzv-endpoint" in (tmp_path / f"member-{base}.log").read_text(), 60,
+                 why="the member ready")
+        return member, config
+
+    from unicron_elastic.store import StatusStore
+
+    base = free_base()
+    member, config = start(base)
+    try:
+        with StatusStore(config) as store:
+            store.put("/probe", "before the SIGTERM")
+        tree = [member.pid, *_children(member.pid)]
+        assert len(tree) >= 2  # (the member, its etcd process, the guard)
+        for pid in tree:  # as SLURM signals a step: every process of it
+            os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: "slurm_etcd_member_restarted" in (tmp_path / f"member-{base}.log").read_text(), 30,
+                 why="the member started again")
+        with StatusStore(config) as store:
+            assert store.get("/probe").value == b"before the SIGTERM"
+        assert member.poll() is None  # it serves the grace
+        member.send_signal(signal.SIGUSR2)
+        assert member.wait(timeout=30) == 0
+    finally:
+        member.kill()
+    base = free_base()
+    member, _ = start(base)
+    try:
+        etcd_pid = next(p for p in _children(member.pid) if b"etcd" in Path(f"/proc/{p}/cmdline").read_bytes()
+                        and b"--initial-cluster" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(etcd_pid, signal.SIGKILL)
+        assert member.wait(timeout=30) == 1
+        assert "slurm_etcd_member_exited" in (tmp_path / f"member-{base}.log").read_text()
+    finally:
+        member.kill()
+
+
 # -- the node's state ------------------------------------------------------------------------------
 
 def test_scontrol_lines_and_states_are_read_as_slurm_writes_them() -> None:

@@ -361,15 +361,15 @@ def check_resumed_after(out: Path, resume_at: int, job: str, baseline: list[torc
 
 @pytest.mark.timeout(900)
 def test_a_preempted_job_checkpoints_is_requeued_and_resumes_after_the_checkpoint(
-        slurm, etcd: EmbeddedEtcd, tmp_path: Path, gpt_baseline) -> None:
+        slurm, tmp_path: Path, gpt_baseline) -> None:
     """SLURM's own preemption (partition_prio, PreemptMode=REQUEUE): a job of the higher partition takes a node;
     SLURM sends the training job's steps SIGTERM (not its batch shell) and keeps it RUNNING for its GraceTime.
-    On a site etcd: SLURM's SIGTERM reaches every process of every step, the members of `unicron slurm etcd`
-    included, and etcd exits on it (docs/slurm.md, "Preemption and the time limit")."""
+    The store is the recipe's own members inside the allocation: SLURM's SIGTERM reaches their etcd processes
+    too, which exit; each member starts its etcd again on its data dir, and the launchers' stop and checkpoint
+    find the store (docs/slurm.md, "Preemption and the time limit")."""
     out = tmp_path / "out"
-    job = submit(slurm, out, *TRAIN, run_flags="--rdzv-conf=cluster=slurm-preempted", UNICRON_ETCD=etcd.endpoint,
-                 sbatch_flags=("--cpus-per-task=1",), OMP_NUM_THREADS="")  # (the recipe sets each worker's threads)
-    wait_for(lambda: all(len(times(out, r)) >= 4 for r in range(3)), 300, why="four steps on every node")
+    job = submit(slurm, out, *TRAIN, sbatch_flags=("--cpus-per-task=1",), OMP_NUM_THREADS="")  # (the recipe sets
+    wait_for(lambda: all(len(times(out, r)) >= 4 for r in range(3)), 300, why="four steps on every node")  # threads)
     urgent = slurm.sbatch("--partition=high", "--nodes=1", "-o", str(tmp_path / "urgent.log"), "--wrap", "sleep 1")
     saved = wait_for(lambda: re.search(r"preemption_checkpoint_saved\s+next_step=(\d+)", text(out, "node-*.log")), 120,
                      why="the preemption checkpoint")
@@ -377,6 +377,7 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_after_the_checkpoin
     batch = (out / "batch.log").read_text()
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0" and record["Restarts"] == "1", batch
     assert f"requeued job {job}" in batch and '"reason": "preempted"' in batch
+    assert batch.count("slurm_etcd_member_restarted") == 3, batch  # the preempted run's three members
     assert slurm.job(urgent)["JobState"] == "COMPLETED"  # the preempting job ran
     threads = [e for e in entries(out) if e["event"] == "slurm_threads"]  # both runs: 3 nodes each
     assert len(threads) == 6 and {(e["omp_num_threads"], e["cpus_per_task"]) for e in threads} == {(1, "1")}
@@ -390,8 +391,8 @@ def test_each_task_of_an_array_resumes_from_its_own_checkpoint_and_refuses_anoth
         slurm, etcd: EmbeddedEtcd, tmp_path: Path, gpt_baseline) -> None:
     """``sbatch --array=0-1`` of the recipe as a user types it (no UNICRON_OUT): each task writes to
     ``unicron-gpt-<array job>_<task>``; each is preempted once, checkpoints, is requeued and resumes from its own
-    checkpoint to the failure-free parameters. A job given task 0's folder refuses its checkpoint. (A site
-    etcd: see the preemption test.)"""
+    checkpoint to the failure-free parameters. A job given task 0's folder refuses its checkpoint. On a site
+    etcd (the preemption test runs the members inside the allocation)."""
     env = dict(_env(tmp_path, "--rdzv-conf=cluster=slurm-array"), UNICRON_SCRIPT=GPT, UNICRON_ETCD=etcd.endpoint,
                UNICRON_SRUN_FLAGS=f"--output={tmp_path}/node-%A_%a-%t.log --open-mode=append")
     del env["UNICRON_OUT"]

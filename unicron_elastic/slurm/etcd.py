@@ -136,10 +136,14 @@ def serve(job: SlurmJob, layout: list[EtcdMember], grace: float = STOP_GRACE_S) 
 
     SIGINT, SIGHUP or SIGUSR2 stop it at once (``srun`` forwards SIGUSR2 to
     its tasks: the batch script ends the step with ``kill -USR2``; a SIGTERM
-    to ``srun`` would kill them); SIGTERM (what SLURM sends every step when
-    the job ends, is requeued or cancelled) after ``grace`` seconds, or at
-    once when a second one comes; SIGUSR1 (SLURM's warning before the end of
-    the allocation) is for the launchers, and ignored.
+    to ``srun`` would kill them); SIGTERM (what SLURM sends every process of
+    every step when the job is preempted, cancelled or ends) after ``grace``
+    seconds, or at once when a second one comes; SIGUSR1 (SLURM's warning
+    before the end of the allocation) is for the launchers, and ignored.
+    SLURM's SIGTERM reaches the etcd process too, and etcd exits on it: the
+    member is then started again from its data dir (every member does the
+    same, and the store is back with its keys within seconds), so that the
+    launchers' stop and checkpoint find a store.
 
     Returns:
         0 after a stop (or on a node that holds no member), 1 if the member exited by itself.
@@ -150,33 +154,77 @@ def serve(job: SlurmJob, layout: list[EtcdMember], grace: float = STOP_GRACE_S) 
         grace: Seconds a member outlives SLURM's SIGTERM.
 
     Raises:
-        EtcdStartError: The member did not start or the cluster found no quorum in time.
+        EtcdStartError: The member did not start (or start again) or the cluster found no quorum in time.
     """
     mine = next((m for m in layout if m.name == job.node), None)
     if mine is None:
         log.info("slurm_etcd_no_member_here", node=job.node, members=[m.name for m in layout])
         return 0
-    stop_now, stop_soon = threading.Event(), threading.Event()
-
-    def on_term(signum: int, frame: object) -> None:
-        (stop_now if stop_soon.is_set() else stop_soon).set()
-
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
-        signal.signal(sig, lambda *_: stop_now.set())
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    stop = _StopSignals.install()
     etcd = MemberEtcd(mine, layout, token=job.requeue_id + f"-{job.restart_count}")
     with etcd:
         log.info("slurm_etcd_member_ready", node=job.node, endpoint=etcd.endpoint, cluster=endpoint_list(layout))
         print(f"etcd member {mine.name} ready: --rdzv-endpoint={endpoint_list(layout)}", flush=True)
-        soon_since: float | None = None
-        while not stop_now.wait(0.5):
-            if etcd.proc is not None and etcd.proc.poll() is not None:
-                log.error("slurm_etcd_member_exited", node=job.node, code=etcd.proc.returncode)
+        code = _run_member(etcd, stop, grace)
+        log.info("slurm_etcd_member_stopping", node=job.node, code=code)
+    return code
+
+
+#: Seconds a member's SIGTERM may come after its etcd process exited, for the exit to count as SLURM's
+#: SIGTERM to the step (both get it at once) rather than a failure of the member.
+SAME_SIGNAL_S = 2.0
+
+
+class _StopSignals:
+    """The member's stop signals: ``now`` (SIGINT, SIGHUP, SIGUSR2, a second SIGTERM), ``soon`` (a SIGTERM)."""
+
+    def __init__(self) -> None:
+        self.now, self.soon = threading.Event(), threading.Event()
+
+    @classmethod
+    def install(cls) -> _StopSignals:
+        stop = cls()
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
+            signal.signal(sig, lambda *_: stop.now.set())
+        signal.signal(signal.SIGTERM, lambda *_: (stop.now if stop.soon.is_set() else stop.soon).set())
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        return stop
+
+
+def _run_member(etcd: MemberEtcd, stop: _StopSignals, grace: float) -> int:
+    """Keep the member up until a stop: ``grace`` seconds after a SIGTERM, at once on the others.
+
+    Returns:
+        0 after a stop, 1 if the etcd process exited with no SIGTERM to the step.
+
+    Raises:
+        EtcdStartError: The member did not start again.
+    """
+    soon_since: float | None = None
+    while not stop.now.wait(0.5):
+        if etcd.proc is not None and etcd.proc.poll() is not None:
+            if not stop.soon.wait(SAME_SIGNAL_S):
+                log.error("slurm_etcd_member_exited", node=etcd.member.name, code=etcd.proc.returncode)
                 return 1
-            if stop_soon.is_set():
-                soon_since = soon_since or time.monotonic()
-                if time.monotonic() - soon_since >= grace:
-                    break
-        log.info("slurm_etcd_member_stopping", node=job.node)
+            _start_again(etcd)
+        if stop.soon.is_set():
+            soon_since = soon_since or time.monotonic()
+            if time.monotonic() - soon_since >= grace:
+                break
     return 0
+
+
+def _start_again(etcd: MemberEtcd) -> None:
+    """Start the member's etcd process again on its data dir (it keeps its place in the cluster and its keys).
+
+    Raises:
+        EtcdStartError: It did not answer within its start-up timeout (no quorum came back).
+    """
+    code = etcd.proc.returncode if etcd.proc is not None else None
+    etcd.kill()  # (its log file and guard; the data dir stays)
+    started = time.monotonic()
+    etcd.launch()
+    etcd.wait_healthy()
+    log.warning("slurm_etcd_member_restarted", node=etcd.member.name, exit_code=code,
+                seconds=round(time.monotonic() - started, 2),
+                why="SLURM's SIGTERM to the step reached the etcd process: kept up for the launchers' stop")
