@@ -706,6 +706,7 @@ def test_the_hang_rows_count_survivor_restarts_and_lost_steps_from_the_runs_file
 
 # -- etcd_failover.py: fails when the store cannot fail over ---------------------------------------------
 @pytest.mark.e2e
+@pytest.mark.matrix  # (134 s: a check of the benchmark's own failure report, run with -m matrix)
 @pytest.mark.timeout(400)
 def test_the_etcd_failover_benchmark_fails_saying_why_when_the_store_is_pinned_to_one_endpoint() -> None:
     done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "etcd_failover.py"), "--runs", "1",

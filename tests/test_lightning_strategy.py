@@ -79,9 +79,9 @@ def covered_once(reports: list[dict]) -> bool:
     return sorted(j for rep in reports for j in rep["micro_batches"]) == list(range(B))
 
 
-@pytest.mark.e2e
+@pytest.mark.matrix  # (the default tier's rejoin test kills rank 2 in its micro-batch 5)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("micro_batch", [pytest.param(2, marks=pytest.mark.matrix), 5])  # rank 2's first, second
+@pytest.mark.parametrize("micro_batch", [2, 5])  # rank 2's first, second
 def test_kill_at_each_micro_batch(tmp_path: Path, baseline, micro_batch: int) -> None:
     proc = launch(tmp_path, [fail_at(rank=2, step=2, micro_batch=micro_batch)])
     reports = check_survivors(tmp_path, proc, 2, baseline)
@@ -104,7 +104,7 @@ def test_kill_during_each_gradient_bucket(tmp_path: Path, baseline, bucket: int)
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("at", ["before_optimizer_step", "after_optimizer_step"])
+@pytest.mark.parametrize("at", [pytest.param("before_optimizer_step", marks=pytest.mark.matrix), "after_optimizer_step"])
 def test_kill_before_and_after_the_optimizer_step(tmp_path: Path, baseline, at: str) -> None:
     proc = launch(tmp_path, [fail_at(rank=0, step=2, at=at)])
     check_survivors(tmp_path, proc, 0, baseline)
@@ -240,7 +240,7 @@ def test_scale_in_4_3_2_keeps_the_global_batch_and_trajectory(tmp_path: Path, ba
     assert last["micro_batches"] == [0, 2, 4]  # B = 6 over 2 ranks: the global batch is unchanged
 
 
-@pytest.mark.e2e
+@pytest.mark.matrix  # (the e2e tier grows a task by a node: tests/test_node_loss.py)
 @pytest.mark.timeout(300)
 def test_scale_out_2_to_4_new_ranks_get_the_state_from_a_replica(tmp_path: Path, baseline4) -> None:
     proc = launch(tmp_path, [], "--members", "0,1", "--schedule", json.dumps({3: [0, 1, 2, 3]}), world=4)

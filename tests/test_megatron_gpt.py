@@ -176,7 +176,8 @@ def test_pp2_dp2_gptmodel_clipped_and_killed_trains_the_model_defined(tmp_path: 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix if n == "pp2-dp2" else ())
+                                  for n in sorted(LAYOUTS)])  # (pp2-dp2: the default tier's clipped and killed run)
 def test_each_layout_trains_the_model_defined_and_clips_by_its_norm(tmp_path: Path, single_rank: Path,
                                                                    failure_free_3d: Path, name: str) -> None:
     """TP=2 x DP=2, PP=2 x DP=2 and TP=2 x PP=2 x DP=2 without failures: the single rank's model and norm."""
@@ -191,7 +192,8 @@ def test_each_layout_trains_the_model_defined_and_clips_by_its_norm(tmp_path: Pa
 
 @pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
-@pytest.mark.parametrize("mutation, tp, pp", [("untied-sum", 1, 2), ("shard-norm", 2, 2)])
+@pytest.mark.parametrize("mutation, tp, pp", [pytest.param("untied-sum", 1, 2, marks=pytest.mark.matrix),
+                                               ("shard-norm", 2, 2)])
 def test_the_tolerance_catches_an_unsummed_tied_embedding_and_a_norm_per_shard(tmp_path: Path, single_rank: Path,
                                                                               mutation: str, tp: int, pp: int) -> None:
     """The strategy's two duties undone, one at a time: the replica ends far outside ``ATOL``, and untied."""
@@ -211,8 +213,8 @@ KILLS = {  # TP=2 x PP=2 x DP=2; replica 1 is ranks 4-7 and computes micro-batch
 }
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(3 * TIMEOUT)
+@pytest.mark.matrix  # (the e2e tier kills at TP2 x PP2 x DP2 with sequence parallelism and dropout:
+@pytest.mark.timeout(3 * TIMEOUT)  # tests/test_megatron_recipe.py)
 @pytest.mark.parametrize("kill", sorted(KILLS))
 def test_a_kill_at_tp2_pp2_dp2_ends_bit_identical_to_the_failure_free_run(tmp_path: Path, failure_free_3d: Path,
                                                                           kill: str) -> None:

@@ -162,7 +162,8 @@ def test_tp2_with_sequence_parallelism_and_per_token_loss_trains_the_model_defin
 
 @pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
-@pytest.mark.parametrize("pp, replicas, extra", [(2, 1, []), (2, 2, []), (1, 1, ["--no-sequence-parallel"])],
+@pytest.mark.parametrize("pp, replicas, extra", [pytest.param(2, 1, [], marks=pytest.mark.matrix),  # (in tp2-pp2-dp2)
+                                                 (2, 2, []), (1, 1, ["--no-sequence-parallel"])],
                          ids=["tp2-pp2", "tp2-pp2-dp2", "tp2-qk-layernorm-without-sp"])
 def test_each_layout_trains_the_model_defined(tmp_path: Path, single_rank_recipe: Path, pp: int, replicas: int,
                                               extra: list[str]) -> None:
@@ -200,7 +201,8 @@ def test_the_tokens_of_recomputed_micro_batches_count_once(tmp_path: Path, singl
 @pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
 @pytest.mark.parametrize("mutation, replicas, faults", [("tensor-unsummed", 1, []),
-                                                         ("tokens-twice", 2, [KILL_TP2_DP2])])
+                                                         pytest.param("tokens-twice", 2, [KILL_TP2_DP2],
+                                                                      marks=pytest.mark.matrix)])
 def test_the_tolerance_catches_unsummed_tensor_gradients_and_tokens_counted_twice(
         tmp_path: Path, single_rank_unclipped: Path, mutation: str, replicas: int, faults: list[Fault]) -> None:
     """Each mistake, undone in the strategy alone, ends far outside ``ATOL`` (without clipping, which would
@@ -216,7 +218,8 @@ def test_the_tolerance_catches_unsummed_tensor_gradients_and_tokens_counted_twic
 
 @pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT)
-@pytest.mark.parametrize("kill", sorted(KILLS))
+@pytest.mark.parametrize("kill", [pytest.param(k, marks=() if k == "last-stage-micro-batch" else pytest.mark.matrix)
+                                  for k in sorted(KILLS)])  # (one place in the e2e tier, the three with -m matrix)
 def test_with_dropout_a_kill_at_tp2_sp_pp2_dp2_ends_bit_identical_to_the_failure_free_run(
         tmp_path: Path, dropout_3d: Path, kill: str) -> None:
     """Survivors and rejoiners end with the failure-free run's shards, bit for bit (dropout 0.1, per-token loss)."""

@@ -197,7 +197,7 @@ def assemble(out: Path, layout: ModelParallel, layers: int = 2) -> dict[str, tor
     return whole
 
 
-@pytest.mark.e2e  # (the default tier's PP case with megatron-core: tests/test_megatron_gpt.py)
+@pytest.mark.matrix  # (tests/test_megatron_gpt.py's layouts train megatron-core's GPTModel at TP x PP)
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_tp2_pp2_equals_the_same_model_trained_without_parallelism(tmp_path: Path) -> None:
     parallel, alone = tmp_path / "tp2-pp2", tmp_path / "alone"
