@@ -91,6 +91,52 @@ def test_nvml_detector_is_silent_and_cheap_without_nvml(capsys) -> None:
     detector.stop()
 
 
+class _NotSupported(Exception):
+    """What pynvml raises for a counter a GPU does not have (NVMLError_NotSupported)."""
+
+
+class _FakeNvml:
+    """NVML as an H200 answered it (tests/gpu/nvml_check.py, benchmarks/RESULTS.md): ECC and remapped rows, no
+    page retirement, no NVLink; ``links`` makes some links answer."""
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_NVLINK_MAX_LINKS = 1, 0, 18
+
+    def __init__(self, links: dict[int, int] | None = None) -> None:
+        self.ecc, self.rows, self.links = 0, (0, 0, 0, 0), links or {}
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: object, kind: int, counter: int) -> int:  # noqa: N802
+        return self.ecc
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: object) -> int:  # noqa: N802
+        raise _NotSupported("Not Supported")
+
+    def nvmlDeviceGetRemappedRows(self, handle: object) -> tuple[int, int, int, int]:  # noqa: N802
+        return self.rows
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, handle: object, link: int, counter: int) -> int:  # noqa: N802
+        if link not in self.links:
+            raise _NotSupported("Not Supported")
+        return self.links[link]
+
+
+def test_nvml_counters_are_those_the_gpu_answers_and_a_rise_is_a_sev1_event() -> None:
+    """An unsupported counter is left out, not a reason to drop the others; NVLink sums the links that answer
+    (the first link unsupported does not hide the rest); a remapped row (Hopper remaps rows, it retires no
+    pages) or an ECC error rising is one SEV1 event each."""
+    from unicron_elastic.agent.detectors import NvmlDetector, nvml_counters
+
+    assert nvml_counters(_FakeNvml(), "gpu0") == {"ecc": 0, "remapped_rows": 0}
+    assert nvml_counters(_FakeNvml(links={3: 2, 7: 1}), "gpu0")["nvlink"] == 3
+    nv, events = _FakeNvml(), []
+    detector = NvmlDetector()
+    detector.ctx = type("Ctx", (), {"node": "n1", "report": staticmethod(events.append)})()
+    detector._nvml, detector._handles = nv, ["gpu0"]
+    assert detector._counters() == []  # the baseline
+    nv.ecc, nv.rows = 2, (5, 1, 1, 0)  # 5 corrected rows remapped are no error; 1 uncorrectable, its remap pending
+    assert sorted(detector._counters()) == [(0, "ecc", 2), (0, "remapped_rows", 2)]
+    assert detector._counters() == []  # each rise once
+
+
 # -- left out (alive, asked to rejoin): restarts as a joiner, counted apart ---------------------------
 def left_out(severity: Severity = Severity.SEV3) -> ErrorEvent:
     return ev(severity, LEFT_OUT)

@@ -353,11 +353,54 @@ class NodeHealthDetector(Detector):
             self.lease.close(revoke=True)
 
 
+def nvml_counters(nv: Any, handle: Any) -> dict[str, int]:
+    """The error counters one GPU answers, by name (a counter NVML does not support on it is left out).
+
+    ``ecc``: uncorrected volatile ECC errors; ``retired_pages``: pages
+    pending retirement (before Hopper); ``remapped_rows``: uncorrectable
+    remapped rows plus a pending remap and a remap failure (Ampere and later,
+    where rows are remapped instead of pages retired); ``nvlink``: the
+    replay errors of the links that answer.
+
+    Args:
+        nv: The ``pynvml`` module (or a stand-in with its functions).
+        handle: The device's NVML handle.
+    """
+    readers = {
+        "ecc": lambda: nv.nvmlDeviceGetTotalEccErrors(handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                      nv.NVML_VOLATILE_ECC),
+        "retired_pages": lambda: nv.nvmlDeviceGetRetiredPagesPendingStatus(handle),
+        "remapped_rows": lambda: sum(int(v) for v in nv.nvmlDeviceGetRemappedRows(handle)[1:4]),
+        "nvlink": lambda: _nvlink_errors(nv, handle),
+    }
+    found = {}
+    for name, read in readers.items():
+        try:
+            value = read()
+        except Exception:  # noqa: BLE001 - not supported on this GPU (NVMLError_NotSupported, ...)
+            continue
+        if value is not None:
+            found[name] = int(value)
+    return found
+
+
+def _nvlink_errors(nv: Any, handle: Any) -> int | None:
+    """The replay errors summed over the links that answer; None when none does (no NVLink here)."""
+    counts = []
+    for link in range(nv.NVML_NVLINK_MAX_LINKS):
+        try:
+            counts.append(int(nv.nvmlDeviceGetNvLinkErrorCounter(handle, link, 0)))
+        except Exception:  # noqa: BLE001 - a link that is not there or not active
+            continue
+    return sum(counts) if counts else None
+
+
 class NvmlDetector(Detector):
-    """Hardware: NVML ECC, retired pages, NVLink and Xid errors; silent without NVML.
+    """Hardware: the GPUs' NVML error counters (:func:`nvml_counters`); silent without NVML.
 
     Needs an NVIDIA driver. On machines without one (CI, CPU-only) it logs
-    ``detector_disabled`` once and costs nothing.
+    ``detector_disabled`` once and costs nothing. A counter that rises above
+    what it read at start is a SEV1 event named after the counter.
     """
 
     name = "nvml"
@@ -381,21 +424,15 @@ class NvmlDetector(Detector):
             return
         self.available = True
         self._counters()  # baseline
+        log.info("nvml_counters", detector=self.name, counters=sorted({kind for _, kind in self._baseline}),
+                 gpus=len(self._handles))
         threading.Thread(target=self._run, daemon=True, name="unicron-nvml").start()
 
     def _counters(self) -> list[tuple[int, str, int]]:
-        nv, found = self._nvml, []
+        """The counters that rose since the last look: ``(gpu, name, value)``."""
+        found = []
         for index, handle in enumerate(self._handles):
-            readers = {
-                "ecc": lambda h: nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
-                "retired_pages": lambda h: int(nv.nvmlDeviceGetRetiredPagesPendingStatus(h)),
-                "nvlink": lambda h: sum(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, 0) for link in range(nv.NVML_NVLINK_MAX_LINKS)),
-            }
-            for kind, read in readers.items():
-                try:
-                    value = int(read(handle))
-                except Exception:  # noqa: BLE001 - not supported on this GPU
-                    continue
+            for kind, value in nvml_counters(self._nvml, handle).items():
                 key = (index, kind)
                 if value > self._baseline.setdefault(key, value):
                     found.append((index, kind, value))
