@@ -79,6 +79,7 @@ def baseline(failure_free) -> list[torch.Tensor]:
     return failure_free("test_cluster_lightning.baseline", reference_run)
 
 
+@pytest.mark.matrix  # (the e2e tier: the pool's Lightning tasks on SLURM, test_cluster.py's loss and return)
 @pytest.mark.timeout(900)
 def test_two_lightning_tasks_survive_a_lost_node_and_take_it_back(etcd: EmbeddedEtcd, tmp_path: Path,
                                                                   baseline: list[torch.Tensor]) -> None:

@@ -184,7 +184,7 @@ def test_a_hung_worker_alone_is_restarted_and_rejoins_from_a_replica(tmp_path: P
     assert joiner["pid"] != _fired(tmp_path)[0]["pid"]
 
 
-@pytest.mark.e2e
+@pytest.mark.matrix  # (the e2e tier's hangs: tests/test_progress_hangs.py)
 @pytest.mark.timeout(300)
 def test_a_hung_worker_of_a_two_node_job_alone_is_restarted(etcd: EmbeddedEtcd, tmp_path: Path, baseline) -> None:
     launchers = _start(tmp_path, [fail_at(rank=3, step=FAULT_STEP, bucket=0, kind="stop")], 2, 2, etcd, "h2",

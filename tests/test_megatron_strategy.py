@@ -220,7 +220,7 @@ def reference_tp2_3(failure_free) -> Path:
     return failure_free("test_megatron_strategy.reference-tp2-dp3", reference_run)
 
 
-@pytest.mark.e2e
+@pytest.mark.matrix  # (the e2e tier scales in at DP: tests/test_lightning_strategy.py, test_elastic_dp.py)
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_dp_scale_in_3_to_2_with_tp2_keeps_the_trajectory(tmp_path: Path, reference_tp2_3: Path) -> None:
     proc = launch(tmp_path, 2, 1, [], "--schedule", json.dumps({3: [0, 1]}), replicas=3)

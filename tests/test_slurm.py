@@ -470,6 +470,24 @@ def test_a_preemption_checkpoint_is_resumed_only_by_the_job_or_array_task_that_w
         _trainer(tmp_path, 8, [plain]).fit(_Regression(), _loader(), ckpt_path=plain.resume_path)
 
 
+@pytest.mark.parametrize("record, only_if_preempted, requeued, reason", [
+    ({"JobState": "RUNNING", "PreemptTime": "2026-11-28T16:19:52"}, True, True, "preempted"),
+    ({"JobState": "RUNNING", "PreemptTime": "None"}, False, True, "stopped"),  # the warning signal
+    ({"JobState": "RUNNING", "PreemptTime": "None"}, True, False, "not preempted"),  # a node stopped otherwise
+    ({"JobState": "COMPLETING", "PreemptTime": "None"}, False, False, "SLURM is ending the job (COMPLETING"),
+    ({"JobState": "CANCELLED", "PreemptTime": "None"}, False, False, "cancelled"),
+    ({"JobState": "TIMEOUT", "PreemptTime": "None"}, False, False, "SLURM is ending the job (TIMEOUT"),
+])
+def test_only_a_job_slurm_still_runs_is_requeued(record: dict, only_if_preempted: bool, requeued: bool,
+                                                 reason: str) -> None:
+    """After ``scancel`` SLURM shows the job ``COMPLETING`` (not ``CANCELLED``) while its batch shell still
+    runs: a stop fast enough to reach the requeue then must not requeue it (seen on the loopback SLURM)."""
+    from unicron_elastic.slurm.job import requeue_decision
+
+    decided, why = requeue_decision(record, only_if_preempted)
+    assert decided is requeued and reason in why
+
+
 def test_the_job_of_a_process_is_its_array_task_or_its_job() -> None:
     from unicron_elastic.slurm.api import job_of_environment
 

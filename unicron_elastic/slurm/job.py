@@ -124,19 +124,40 @@ def node_addresses(names: Sequence[str]) -> dict[str, str]:
     return addresses
 
 
-def requeue_unless_cancelled(job: SlurmJob, only_if_preempted: bool = False) -> bool:
-    """Requeue the job unless it was cancelled (``scancel`` set its state to ``CANCELLED`` before signalling).
+def requeue_decision(record: Mapping[str, str], only_if_preempted: bool = False) -> tuple[bool, str]:
+    """Whether a stopped job is requeued, from SLURM's record of it (``scontrol show job``), and why.
 
-    A preempted job (``PreemptMode=REQUEUE``: SLURM sent its steps SIGTERM
-    and keeps it ``RUNNING`` with a ``PreemptTime`` for its ``GraceTime``) is
-    requeued at once: a job that ends by itself within its grace time is a
-    finished job to SLURM, never requeued.
+    Only a job SLURM still runs is: one preempted (``PreemptMode=REQUEUE``:
+    SLURM sent its steps SIGTERM and keeps it ``RUNNING`` with a
+    ``PreemptTime`` for its ``GraceTime``; a job that ends by itself within
+    it is a finished job to SLURM, never requeued), or one stopped by the
+    warning signal. A cancelled job is not, nor one SLURM is already ending:
+    after ``scancel`` or at the time limit the job is ``COMPLETING`` until its
+    processes are gone (scontrol then shows that flag, not ``CANCELLED``).
 
     Args:
-        job: This job.
+        record: The job's fields.
         only_if_preempted: Requeue only a preempted job (the batch shell saw
             no signal: a launcher that exited on SIGTERM is a preemption only
             if SLURM says so).
+    """
+    state = record.get("JobState", "UNKNOWN")
+    preempted = record.get("PreemptTime", "None") not in ("None", "Unknown", "")
+    if state.startswith("CANCELLED"):
+        return False, "the job was cancelled"
+    if state != "RUNNING":
+        return False, f"SLURM is ending the job ({state}: cancelled, or at its time limit)"
+    if only_if_preempted and not preempted:
+        return False, "the job was not preempted"
+    return True, "preempted" if preempted else "stopped (the warning signal or a SIGTERM)"
+
+
+def requeue_unless_cancelled(job: SlurmJob, only_if_preempted: bool = False) -> bool:
+    """Requeue the job if SLURM still runs it (:func:`requeue_decision`).
+
+    Args:
+        job: This job.
+        only_if_preempted: See :func:`requeue_decision`.
 
     Returns:
         Whether the job was requeued.
@@ -146,15 +167,11 @@ def requeue_unless_cancelled(job: SlurmJob, only_if_preempted: bool = False) -> 
     """
     record = parse_node_line(scontrol("show", "job", "-o", job.requeue_id))
     state = record.get("JobState", "UNKNOWN")
-    if state.startswith("CANCELLED"):
-        log.warning("slurm_requeue_skipped", job=job.requeue_id, state=state, reason="the job was cancelled")
+    requeued, reason = requeue_decision(record, only_if_preempted)
+    if not requeued:
+        log.warning("slurm_requeue_skipped", job=job.requeue_id, state=state, reason=reason)
         return False
-    preempted = record.get("PreemptTime", "None") not in ("None", "Unknown", "")
-    if only_if_preempted and not preempted:
-        log.warning("slurm_requeue_skipped", job=job.requeue_id, state=state, reason="the job was not preempted")
-        return False
-    log.warning("slurm_requeue", job=job.requeue_id, state=state,
-                reason="preempted" if preempted else "stopped (the warning signal or a SIGTERM)")
+    log.warning("slurm_requeue", job=job.requeue_id, state=state, reason=reason)
     requeue(job)
     return True
 
