@@ -446,8 +446,11 @@ def pool_baseline(failure_free) -> list[torch.Tensor]:
     def reference_run(out: Path) -> list[torch.Tensor]:
         run = subprocess.run([os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", GPT,
                               "--steps", str(POOL_STEPS), "--out", str(out)], capture_output=True, text=True,
-                             timeout=400)
+                             timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))  # (as the pool's tasks)
         assert run.returncode == 0, run.stderr[-3000:]
+        for rank in range(2):  # failure-free indeed
+            summary = json.loads((out / f"rank{rank}.json").read_text())
+            assert summary["trained"] and summary["global_step"] == POOL_STEPS and summary["joined_at"] is None
         return torch.load(out / "params0.pt")
 
     return failure_free("test_slurm_e2e.pool_baseline", reference_run)
