@@ -223,8 +223,7 @@ def _start_again(etcd: MemberEtcd) -> None:
     code = etcd.proc.returncode if etcd.proc is not None else None
     etcd.kill()  # (its log file and guard; the data dir stays)
     started = time.monotonic()
-    etcd.launch()
-    etcd.wait_healthy()
+    etcd.start()  # (on the data dir it keeps)
     log.warning("slurm_etcd_member_restarted", node=etcd.member.name, exit_code=code,
                 seconds=round(time.monotonic() - started, 2),
                 why="SLURM's SIGTERM to the step reached the etcd process: kept up for the launchers' stop")
