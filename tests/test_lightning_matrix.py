@@ -80,11 +80,10 @@ def all_cases() -> list[Case]:
     return cases
 
 
-CI: set[str] = set()  # a kill in a bucket: test_elastic_dp.py; in a micro-batch and after the step: test_lightning_strategy.py
-
-
 def params_of(cases: list[Case]) -> list:
-    return [pytest.param(c, id=c.id, marks=() if c.id in CI else pytest.mark.matrix) for c in cases]
+    """Every case, in the matrix tier (the e2e tier kills in a bucket in test_elastic_dp.py, and in a micro-batch
+    and after the step in test_lightning_strategy.py)."""
+    return [pytest.param(c, id=c.id, marks=pytest.mark.matrix) for c in cases]
 
 
 def launch(out: Path, world: int, faults: list, timeout: float = 240) -> subprocess.CompletedProcess:
