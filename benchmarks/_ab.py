@@ -66,40 +66,41 @@ def _log() -> None:
 
 
 def _commit() -> None:
-    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.reduction import StepReduction
 
-    reduce = ElasticDataParallel._reduce
+    reduce = StepReduction.reduce
 
-    def patched(engine: Any, effect: Any) -> Any:
-        if engine.committed and effect.bucket == len(engine.bounds) and not with_part(engine.next_step):
-            return effect.local.new_zeros(0), list(engine.protocol.members)
-        return reduce(engine, effect)
+    def patched(reduction: Any, effect: Any) -> Any:
+        last = reduction.committed and effect.bucket == len(reduction.gradients.bounds)
+        if last and not with_part(reduction.protocol.next_step):
+            return effect.local.new_zeros(0), list(reduction.protocol.members)
+        return reduce(reduction, effect)
 
-    ElasticDataParallel._reduce = patched
+    StepReduction.reduce = patched
 
 
 def _fresh_buffer() -> None:
-    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.reduction import StepReduction
 
-    reduce = ElasticDataParallel._reduce
+    reduce = StepReduction.reduce
 
-    def patched(engine: Any, effect: Any) -> Any:
-        if effect.bucket == 0 and with_part(engine.next_step):
-            engine.gradients.reduced = None  # (the next reduce_buffer allocates a new one and its views)
-        return reduce(engine, effect)
+    def patched(reduction: Any, effect: Any) -> Any:
+        if effect.bucket == 0 and with_part(reduction.protocol.next_step):
+            reduction.gradients.reduced = None  # (the next reduce_buffer allocates a new one and its views)
+        return reduce(reduction, effect)
 
-    ElasticDataParallel._reduce = patched
+    StepReduction.reduce = patched
 
 
 def _nan_check() -> None:
-    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.reduction import StepReduction
 
-    check = ElasticDataParallel._finds_non_finite
+    check = StepReduction._finds_non_finite
 
-    def patched(engine: Any, step: int, local: Any) -> bool:
-        return check(engine, step, local) if with_part(step) else False
+    def patched(reduction: Any, step: int, local: Any) -> bool:
+        return check(reduction, step, local) if with_part(step) else False
 
-    ElasticDataParallel._finds_non_finite = patched
+    StepReduction._finds_non_finite = patched
 
 
 #: Part -> (what it is, the patch that makes it alternate).

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
                "restarts": int(os.environ.get("UNICRON_WORKER_RESTARTS", "0") or 0)}
     if strategy is not None:
         summary.update(joined_at=strategy.joined_at,
-                       state_from=strategy.engine.state_source if strategy.engine is not None else None)
+                       state_from=strategy.engine.handout.state_source if strategy.engine is not None else None)
     (args.out / f"summary-{os.getpid()}.json").write_text(json.dumps(summary))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # else gloo may abort at interpreter exit

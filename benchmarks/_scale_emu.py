@@ -4,10 +4,10 @@ What runs is the project's own code: :class:`~unicron_elastic.node.daemon.NodeDa
 its command watch and loop), the agent's side of etcd as ``unicron-run`` drives it (the ``unicron`` rendezvous
 handler with torch's dynamic rendezvous and its heartbeats, torch's rank assignment in the c10d store,
 :class:`~unicron_elastic.agent.meeting_point.MeetingPoint` with one liveness key per rank, the node detector,
-``num_nodes_waiting`` polled at torchrun's monitor interval), the data-parallel leader's request read each step
+``num_nodes_waiting`` polled at torchrun's monitor interval), the data-parallel primary's request read each step
 (:class:`~unicron_elastic.strategy.engine.requests.RequestReader`), and :class:`~unicron_elastic.coordinator.service.Coordinator`.
-What is replaced: process creation (a launcher is a thread), the training (a thread that steps; only the leader of a
-task touches etcd in a step, as the engine's leader does) and the snapshot server (its address is published, no
+What is replaced: process creation (a launcher is a thread), the training (a thread that steps; only the primary of a
+task touches etcd in a step, as the engine's primary does) and the snapshot server (its address is published, no
 TCPStore is opened). Many emulated nodes share one process and one gRPC client per role; each watch keeps its own
 client, as in production.
 
@@ -425,13 +425,13 @@ class EmuAgent:
         self.joined.set()
 
     def _serve(self) -> None:
-        """torch's monitor loop (``num_nodes_waiting`` each interval) and, on the leader, one request read a step."""
+        """torch's monitor loop (``num_nodes_waiting`` each interval) and, on the primary, one request read a step."""
         from unicron_elastic.store.c10d import EtcdC10dStore
         from unicron_elastic.strategy.engine.requests import RequestReader
 
         s = self.settings
-        leader = self.info.rank == 0
-        reader = RequestReader(EtcdC10dStore(self.stores["worker"], self.meeting.prefix), 0) if leader else None
+        primary = self.info.rank == 0
+        reader = RequestReader(EtcdC10dStore(self.stores["worker"], self.meeting.prefix), 0) if primary else None
         next_step = time.monotonic() + s.step_time
         while not self._stop.wait(s.monitor_interval):
             if self.handler.num_nodes_waiting() > 0:

@@ -50,13 +50,13 @@ def _timed(owner: Any, name: str, key: str | Callable[..., str]) -> None:
 def _instrument_strategy() -> None:
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.reduction import StepReduction
     from unicron_elastic.strategy.lightning.megatron_strategy import UnicronMegatronStrategy
 
     _timed(UnicronMegatronStrategy, "_micro_batch_loss", "forward")
-    _timed(ElasticDataParallel, "_reduce", lambda engine, effect: "commit" if effect.bucket == len(engine.bounds)
-           else "reduce")
-    _timed(ElasticDataParallel, "_set_gradients", "set_grads")
+    _timed(StepReduction, "reduce", lambda reduction, effect: "commit"
+           if effect.bucket == len(reduction.gradients.bounds) else "reduce")
+    _timed(StepReduction, "set_gradients", "set_grads")
     _timed(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "sigterm")
 
 

@@ -62,13 +62,6 @@ TASKS = 100
 #: one-step table for the next event after writing each plan, 0.8 s at 2,048 nodes and 100 tasks).
 EVENT_GAP_S = 2.0
 
-#: etcd's figure the totals are held against: the "large cluster" of etcd's hardware guide
-#: (https://etcd.io/docs/v3.5/op-guide/hardware/: fewer than 10,000 requests per second, three or five members
-#: on dedicated machines with SSD-class disks). Ordinary disks: the writes share a budget of about 1,000 a
-#: second (a 7,200 RPM disk's ~50 fsyncs/s, etcd batching ~20 writes per fsync).
-ETCD_REQUESTS_PER_S = 10_000
-ETCD_WRITES_PER_S_ORDINARY_DISK = 1_000
-
 #: What a run's figures depend on: two runs replace each other in the results file only when all of these are
 #: equal (a field an older entry did not record is None, so it never stands for a value).
 KEY_FIELDS = ("label", "scenario", "n", "etcd_members", "ttl", "commit", "monitor_interval", "supervise_s",

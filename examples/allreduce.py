@@ -51,7 +51,7 @@ def main() -> None:
             "world_size": world,
             "value": value,
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "generation": os.environ.get("UNICRON_GENERATION"),
+            "incarnation": os.environ.get("UNICRON_INCARNATION"),
         }
         (args.out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slow demo)")
     parser.add_argument("--progress", action="store_true", help="write OUT/progress<RANK> (last completed step) every step")
     parser.add_argument("--members", default=None, help="initial members, e.g. 0,1 (default: all)")
-    parser.add_argument("--schedule", default="{}", help='JSON {"step": [members]}: reconfigure at that step')
+    parser.add_argument("--member-schedule", default="{}", help='JSON {"step": [members]}: reconfigure at that step')
     parser.add_argument("--grad-dtype", choices=["float32", "float64"], default="float32",
                         help="dtype of the gradient sums (float64: bit-identical to a failure-free run)")
     parser.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
@@ -73,25 +73,25 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = connect_meeting_store()  # etcd under unicron-run (survives any node), else the launcher's TCPStore
     worker = get_worker()
-    schedule = bool(json.loads(args.schedule))  # a schedule alone decides the members
-    worker.hello(resumable=True, leavable=not schedule, growable=not schedule)
+    scheduled = bool(json.loads(args.member_schedule))  # a member schedule alone decides the members
+    worker.hello(resumable=True, leavable=not scheduled, growable=not scheduled)
     restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
 
     model, optimizer, xs, ys = toy_problem(args.width)
 
     members = [int(m) for m in args.members.split(",")] if args.members else list(range(world))
-    plan = GlobalBatchPlan(len(xs), args.global_batch, args.micro_batch, seed=2)
+    batch_plan = GlobalBatchPlan(len(xs), args.global_batch, args.micro_batch, seed=2)
     ddp = ElasticDataParallel(
-        model, optimizer, plan,
+        model, optimizer, batch_plan,
         batch=lambda idx: (xs[idx], ys[idx]),
         loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
         store=store, rank=rank, world_size=world, members=members, joining=restarted or rank not in members,
-        member_schedule={int(k): v for k, v in json.loads(args.schedule).items()},
+        member_schedule={int(k): v for k, v in json.loads(args.member_schedule).items()},
         options=EngineOptions(
             bucket_numel=args.bucket_numel, timeout=timedelta(seconds=20), grad_dtype=getattr(torch, args.grad_dtype),
             max_world=max_world(world),  # a node that grows the run joins past WORLD_SIZE
         ),
-        hooks=EngineHooks(hook=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
+        hooks=EngineHooks(fault_point=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
     )
     start = ddp.join() if restarted or rank not in members else 0
     trained = start is not None  # admitted before training ended (else it trained nothing)
@@ -125,7 +125,7 @@ def main() -> None:
     finally:
         ddp.close()
     if restarted:
-        reports.insert(0, {"joined_at": start, "state_from": ddp.state_source if start is not None else None})
+        reports.insert(0, {"joined_at": start, "state_from": ddp.handout.state_source if start is not None else None})
     args.out.mkdir(parents=True, exist_ok=True)
     if not trained:
         reports.append({"trained": False})  # no params<R>.pt: what it holds is not a result

@@ -125,7 +125,7 @@ def main() -> None:
     )
     trainer.fit(model)
     trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
-    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.handout.state_source,
                "pid": os.getpid(), "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports]}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     if trained:

@@ -346,7 +346,7 @@ class HoldForJoiner(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         engine = getattr(trainer.strategy, "engine", None)
-        if trainer.global_step != self.step or engine is None or engine.pg is None:
+        if trainer.global_step != self.step or engine is None or not engine.groups.held:
             return
         world = (self.ranks or int(os.environ.get("WORLD_SIZE", "1"))) // engine.layout.size  # replicas
         worker = get_worker()
@@ -403,7 +403,7 @@ def add_kill_arguments(parser: argparse.ArgumentParser) -> None:
 def plan_kill(parser: argparse.ArgumentParser, args: argparse.Namespace, **shape: Any) -> None:
     """Put the fault the ``--kill-*`` flags place in the environment the strategy reads (once per job: a
     restarted rank inherits it), refused where it could never fire (:func:`kill_fault`, with ``shape``'s
-    members and schedule)."""
+    members and member schedule)."""
     if args.kill_rank is None or FAULTS_ENV in os.environ:
         return
     fault = kill_fault(parser, args.kill_rank, args.kill_step, args.kill_micro_batch, steps=args.steps,
@@ -415,12 +415,12 @@ def plan_kill(parser: argparse.ArgumentParser, args: argparse.Namespace, **shape
 
 def kill_fault(parser: argparse.ArgumentParser, rank: int, step: int, micro_batch: int, *, steps: int, world: int,
                micro_batches: int, replica_size: int = 1, members: list[int] | None = None,
-               schedule: dict[int, list[int]] | None = None) -> Fault:
+               member_schedule: dict[int, list[int]] | None = None) -> Fault:
     """The fault the ``--kill-*`` flags place, refused (a usage error) where it could never fire.
 
     At ``step`` the micro-batches ``0..micro_batches-1`` are dealt round-robin
     over the data-parallel members of that step (``members``, then
-    ``schedule``; replicas of ``replica_size`` ranks); a rank computes its
+    ``member_schedule``; replicas of ``replica_size`` ranks); a rank computes its
     replica's share. A kill placed on a micro-batch the rank does not compute,
     at a step the run does not reach, or on a rank that does not exist would
     let the run end as if the fault had been tried.
@@ -433,7 +433,7 @@ def kill_fault(parser: argparse.ArgumentParser, rank: int, step: int, micro_batc
     if not 0 <= step < steps:
         parser.error(f"--kill-step {step}: the run trains steps 0..{steps - 1}")
     current = list(range(world // replica_size)) if members is None else list(members)
-    for starts, planned in sorted((schedule or {}).items()):
+    for starts, planned in sorted((member_schedule or {}).items()):
         if starts <= step:
             current = list(planned)
     own = deal(micro_batches, current).get(rank // replica_size, [])
@@ -469,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="before step --hold-step, wait (at most 300 s) until FILE exists")
     parser.add_argument("--hold-step", type=int, default=0)
     parser.add_argument("--members", default=None, help="initial data-parallel ranks, e.g. 0,1 (default: all)")
-    parser.add_argument("--schedule", default="{}", help='JSON {"step": [ranks]}: scale in/out at that step')
+    parser.add_argument("--member-schedule", default="{}", help='JSON {"step": [ranks]}: scale in/out at that step')
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--load-delay", type=float, default=0.0, help="seconds each sample takes to load")
     parser.add_argument("--deadlock-load", type=int, nargs=2, default=None, metavar=("RANK", "N"),
@@ -500,7 +500,7 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     plan_kill(parser, args, members=[int(r) for r in args.members.split(",")] if args.members else None,
-              schedule={int(k): v for k, v in json.loads(args.schedule).items()})
+              member_schedule={int(k): v for k, v in json.loads(args.member_schedule).items()})
 
     pl.seed_everything(0, verbose=False)
     megatron = args.megatron or args.tensor_parallel * args.pipeline_parallel > 1
@@ -540,7 +540,7 @@ def main() -> None:
         grad_dtype=getattr(torch, args.grad_dtype), tensor_model_parallel_size=args.tensor_parallel,
         pipeline_model_parallel_size=args.pipeline_parallel, pipeline_schedule=args.pipeline_schedule,
         members=[int(r) for r in args.members.split(",")] if args.members else None,
-        member_schedule={int(k): v for k, v in json.loads(args.schedule).items()},
+        member_schedule={int(k): v for k, v in json.loads(args.member_schedule).items()},
         timeout=timedelta(seconds=args.collective_timeout))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
@@ -555,12 +555,12 @@ def main() -> None:
                 ckpt_path=preempted.resume_path if preempted is not None else None)
     trainer.save_checkpoint(args.out / "final.ckpt")  # (the strategy writes none for a rank that trained nothing)
     trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
-    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.handout.state_source,
                "pid": os.getpid(),
                "retired_at": strategy.retired_at, "fed": strategy.feed.fed if strategy.feed else 0,
                "on_demand": strategy.feed.on_demand if strategy.feed else 0,
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
-               "forward_only": strategy.engine.forward_only if strategy.engine else [],
+               "forward_only": strategy.engine.computation.forward_only if strategy.engine else [],
                "scales": scales.scales, "precision_state": trainer.precision_plugin.state_dict(),
                "losses": losses.losses, "environment": type(trainer.strategy.cluster_environment).__name__}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))

@@ -487,7 +487,7 @@ def main() -> None:
     except NonFiniteError as exc:  # the parameters held are those of the steps before: written below, then raised
         error = exc
     trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
-    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.state_source,
+    summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.handout.state_source,
                "pid": os.getpid(), "error": None if error is None else str(error),
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "losses": losses.losses, "grad_norms": norms.norms, "logged": logged.logged, "device": logged.device,

@@ -28,6 +28,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded
+from unicron_elastic.strategy.engine.engine_options import GroupListener
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.lightning.parallel import destroy_world, drop_world, rebuild_world
 from unicron_elastic.strategy.engine.replicas import ModelParallel
@@ -77,35 +78,42 @@ def main() -> None:
                           timeout=timedelta(seconds=60))
     members = list(range(layout.replicas(world)))
 
-    model: torch.nn.Module | None = None  # (built once the first world exists)
+    model: torch.nn.Module | None = None  # Built once the first world exists.
 
-    def on_group(members: list[int], generation: int) -> None:  # the world of the model's own collectives
-        rebuild_world(store, generation, layout, members, rank, timedelta(seconds=30), module=model)
+    class World(GroupListener):
+        """The world of the model's own collectives, built with the engine's groups of each generation."""
 
-    on_group(members, 0)
-    config = ModelParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                 use_cpu_initialization=True, gradient_accumulation_fusion=False,
-                                 params_dtype=torch.float32, pipeline_dtype=torch.float32)
+        def on_configure(self, bootstrap: dist.Store, generation: int, members: list[int]) -> None:
+            rebuild_world(bootstrap, generation, layout, members, rank, timedelta(seconds=30), module=model)
+
+        def on_abort(self) -> None:
+            drop_world(model)
+
     stage, stages = layout.stage(rank), args.pp
-    model = stage_model(config, stage, stages)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     xs, ys = toy_data()
 
     def stage_fn(model: torch.nn.Module, batch, received: torch.Tensor | None) -> torch.Tensor:
         out = model(batch[0] if received is None else received)
         return torch.nn.functional.mse_loss(out, batch[1]) if stage == stages - 1 else out
 
+    # The engine builds the first world (its listener's) before the model, whose layers need it.
     engine = ElasticDataParallel(
-        model, optimizer, GlobalBatchPlan(len(xs), 24, 4, seed=2),
+        None, None, GlobalBatchPlan(len(xs), 24, 4, seed=2),
         batch=lambda idx: (xs[idx], ys[idx]),
         loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
         store=store, rank=rank, world_size=world,
         options=EngineOptions(bucket_numel=args.bucket_numel, timeout=timedelta(seconds=30), model_parallel=layout,
                               grad_dtype=torch.float64),
-        hooks=EngineHooks(hook=lambda _, step, **where: maybe_fail(rank, step, **where),
-                          stage_fn=stage_fn if stages > 1 else None, on_group=on_group,
-                          on_drop=lambda: drop_world(model)),
+        hooks=EngineHooks(fault_point=lambda _, step, **where: maybe_fail(rank, step, **where),
+                          stage_fn=stage_fn if stages > 1 else None, group_listener=World()),
     )
+    config = ModelParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                 use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                                 params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    model = stage_model(config, stage, stages)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine.bind(model, optimizer)
+    engine.tie()
     code = 0
     try:
         reports = []
@@ -119,7 +127,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{rank}.json").write_text(json.dumps({
             "replica": layout.replica(rank), "shard": layout.shard(rank), "stage": stage,
-            "members": engine.members, "reports": reports, "forward_only": engine.forward_only,
+            "members": engine.members, "reports": reports, "forward_only": engine.computation.forward_only,
             "trained": code == 0}))
         if code == 0:  # a rank left out holds a stale state: not a result
             torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")

@@ -33,16 +33,16 @@ the others join it; without liveness keys nobody can know, and the run ends
 with ``Sim.outcome == "no_replica"``; ``"all_dead"`` when every rank died.
 
 Tensor x pipeline parallel replicas (``Scenario.model_parallel``, C = TP x PP > 1):
-every simulated process is a launch rank (``replica * C + coordinate``) that runs
+every simulated process is a launch rank (``replica * C + shard``) that runs
 the protocol in *replica space* (its protocol rank is its replica) over a
 :class:`~unicron_elastic.strategy.engine.replicas.ReplicaMembership` on the fake store,
 as :class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` does:
 
-* each generation has one group per coordinate (that shard's K buckets, one
+* each generation has one group per shard (that shard's K buckets, one
   rank per member replica) and one *commit* group of every rank of the members:
   the protocol's last pseudo-bucket (index K) is the commit all-reduce, which
-  carries the offer of coordinate 0 of the leading replica (the other
-  coordinates offer nothing; they also read no join or leave requests);
+  carries the offer of shard 0 of the leading replica (the other
+  shards offer nothing; they also read no join or leave requests);
 * the model's own collectives are lockstep within a replica: a micro-batch is
   computed when every rank of the replica reached it, and a rank waiting there
   fails with :class:`~unicron_elastic.strategy.engine.protocol.ReplicaBroken` when a
@@ -57,7 +57,7 @@ as :class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` does
   its replica can be admitted again once every rank of it waits (a restarted
   incarnation does not die again); without it, dead ranks stay dead and the
   other ranks of their replica wait to join until training finishes;
-* every coordinate's gradient is :func:`gradient` (K buckets each).
+* every shard's gradient is :func:`gradient` (K buckets each).
 """
 
 from __future__ import annotations
@@ -67,15 +67,16 @@ import math
 import random
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from types import GeneratorType
 from typing import Any
 
 from unicron_elastic.store.keys import MeetingKeys as K
 from unicron_elastic.strategy.engine import effects as E
-from unicron_elastic.strategy.engine.membership import CheckIn, MembershipRecord
+from unicron_elastic.strategy.engine.effect_loop import execute
 from unicron_elastic.strategy.engine.effects import Excluded, ReplicaBroken
+from unicron_elastic.strategy.engine.membership import CheckIn, MembershipRecord
 from unicron_elastic.strategy.engine.protocol import Protocol
-from unicron_elastic.strategy.engine.replicas import ModelParallel, ReplicaMembership, live_replicas, stages_to_backpropagate
+from unicron_elastic.strategy.engine.replicas import ModelParallel, stages_to_backpropagate
+from unicron_elastic.strategy.engine.store_effects import EngineStore
 
 BASE = 1 << 8  # micro-batch j weighs BASE**j: counts below BASE decode exactly
 
@@ -111,8 +112,8 @@ class ProtocolViolation(AssertionError):
     """Members of a group disagreed on a collective (different steps/buckets, two leaders)."""
 
 
-class _Died(Exception):
-    pass
+class _Died(BaseException):
+    """The rank dies here (not an ``Exception``: the effect loop does not throw it into the protocol)."""
 
 
 class _Failed(RuntimeError):
@@ -346,25 +347,17 @@ class _Rank:
         self.in_recovery = False
         self.last_label: Label | None = None
         self.clock = 0
+        #: The engine's own store effects (over the fake store): only collectives and the clock are fakes.
+        self.store_effects = EngineStore(sim.store, sim.layout, rank, sim.max_replicas)
         self.handlers: dict[type, Callable[[Any], Any]] = {
+            **self.store_effects.handlers(),
             E.Point: lambda e: self.point(e.kind, e.step, e.index), E.Compute: self.compute,
             E.Add: lambda e: [a + b for a, b in zip(e.total, e.extra)], E.Reduce: self.reduce,
             E.AgreeMembers: self.agree, E.Pause: self.pause, E.DropGroup: self.drop,
-            E.CheckInFor: lambda e: sim.store.set(K.checkin(e.generation, rank), e.checkin.to_json()),
-            E.ReadRecord: lambda e: self.stored_record(e.generation),
-            E.ReadCheckIns: lambda e: self.checkins(e.generation, e.ranks), E.ReadAlive: self.alive,
-            E.AnyCheckedIn: lambda e: bool(self.checkins(e.generation, e.ranks)),
-            E.MarkReady: lambda e: sim.store.set(K.ready(e.generation, rank), "1"),
-            E.ReadReady: lambda e: all(sim.store.check([K.ready(e.generation, r)]) for r in e.ranks),
             E.Now: lambda e: self.clock, E.Sleep: self.sleep, E.WriteRecord: self.write_record,
             E.Abandon: self.abandon, E.BuildGroup: self.build, E.Formed: self.formed,
-            E.ReadRequests: lambda e: (sim.waiting(), [r for r in e.members if sim.store.check([K.leave(r)])]),
-            E.ReadWaiting: lambda e: sim.waiting(),
-            E.Announce: self.announce, E.TransferState: self.transfer, E.SetGradients: self.set_gradients,
-            E.ReadMembers: self.read_members, E.RequestJoin: self.request_join,
-            E.ReadFinished: lambda e: int(sim.store.get(K.FINISHED)) if sim.store.check([K.FINISHED]) else None,
-            E.ReadLatest: lambda e: json.loads(sim.store.get(K.LATEST)) if sim.store.check([K.LATEST]) else None,
-            E.Admitted: self.admitted, E.Fallback: self.fallback, E.FreeGeneration: self.free_generation,
+            E.TransferState: self.transfer, E.SetGradients: self.set_gradients,
+            E.RequestJoin: self.request_join, E.Admitted: self.admitted, E.Fallback: self.fallback,
             E.Decided: self.decided, E.Followed: self.followed, E.Reassigned: self.reassigned,
         }
 
@@ -410,8 +403,8 @@ class _Rank:
                 yield from self.run(self.protocol.begin_step(s))
                 yield from self.run(self.protocol.finish_gradients())
                 self.protocol.next_step = s + 1
-            except E.Retired:  # asked to leave: out at a step boundary, exits 0 (the engine withdraws the request)
-                self.sim.store.delete_key(K.leave(self.rank))
+            except E.Retired:  # asked to leave: out at a step boundary, exits 0
+                self.store_effects.withdraw_leave_request()  # (as ElasticDataParallel.begin_step)
                 self.sim.retired.append((s, self.rank))
                 return
             except Excluded as exc:
@@ -422,7 +415,7 @@ class _Rank:
                 self.in_recovery = False
                 if not (yield from self.join()):
                     return
-        self.sim.store.set(K.FINISHED, str(self.protocol.next_step))  # any member (ElasticDataParallel.finish)
+        self.store_effects.record_finished(self.protocol.next_step)  # any member (ElasticDataParallel.finish)
 
     def join(self) -> Generator[None, None, bool]:
         """Ask to join; wait for an admission (the protocol's join). False: training finished first."""
@@ -432,21 +425,8 @@ class _Rank:
         return step is not None
 
     def run(self, effects: Generator[Any, Any, Any]) -> Generator[None, None, Any]:
-        """Execute the effects of one protocol generator (``ElasticDataParallel._run``), yielding to the scheduler."""
-        result: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                effect = effects.send(result) if error is None else effects.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            result, error = None, None
-            try:
-                result = self.handlers[type(effect)](effect)
-                if isinstance(result, GeneratorType):
-                    result = yield from result
-            except (_Failed, ReplicaBroken, _ModelError) as exc:  # a collective failed: the protocol handles it
-                error = exc
+        """Execute the effects of one protocol generator with the engine's own loop, yielding to the scheduler."""
+        return (yield from execute(effects, self.handlers))
 
     # -- effects -------------------------------------------------------------------------
     def compute(self, e: E.Compute) -> Generator[None, None, list[int]]:
@@ -490,30 +470,10 @@ class _Rank:
         self.clock += 1
         yield
 
-    def stored_record(self, g: int) -> MembershipRecord | None:
-        store = self.sim.store
-        return MembershipRecord.from_json(store.get(K.record(g))) if store.check([K.record(g)]) else None
-
-    def checkins(self, g: int, ranks: tuple[int, ...]) -> dict[int, CheckIn]:
-        store = self.sim.store
-        return {r: CheckIn.from_json(store.get(K.checkin(g, r))) for r in ranks if store.check([K.checkin(g, r)])}
-
-    def alive(self, e: E.ReadAlive) -> set[int] | None:
-        alive = self.sim.alive_among(list(e.ranks))
-        if alive is not None and e.exclude_waiting:
-            alive -= set(self.sim.waiting())
-        return alive
-
     def write_record(self, e: E.WriteRecord) -> MembershipRecord:
-        stored = self.sim.store.compare_set(K.record(e.record.generation), "", e.record.to_json())
+        stored = self.store_effects.membership.write_record(e.record)
         self.sim.written.setdefault(e.record.generation, self.sim.round)
-        return MembershipRecord.from_json(stored)
-
-    def free_generation(self, e: E.FreeGeneration) -> int:
-        g = e.generation
-        while self.sim.store.check([K.record(g)]):
-            g += 1
-        return g
+        return stored
 
     def abandon(self, e: E.Abandon) -> None:
         """It never connects: members already building fail (gloo: after its timeout)."""
@@ -532,12 +492,7 @@ class _Rank:
         return True
 
     def formed(self, e: E.Formed) -> None:
-        if self.rank == e.members[0]:
-            self.sim.store.set(K.MEMBERS, json.dumps({"generation": e.generation, "members": list(e.members)}))
-
-    def announce(self, e: E.Announce) -> None:
-        self.sim.store.set(K.LATEST, json.dumps({"generation": e.record.generation, "members": list(e.record.members),
-                                                 "step": e.record.step, "leader": e.root, "source": e.source}))
+        self.store_effects.formed(e.generation, list(e.members))
 
     def transfer(self, e: E.TransferState) -> Generator[None, None, int | None]:
         """The replica at ``root`` sends its state (here: its step) to the others."""
@@ -556,20 +511,13 @@ class _Rank:
     def set_gradients(self, e: E.SetGradients) -> None:
         self.sim.reduced.setdefault(e.step, {})[self.rank] = tuple(e.reduced)
 
-    def read_members(self, e: E.ReadMembers) -> tuple[int, list[int]] | None:
-        store = self.sim.store
-        if not store.check([K.MEMBERS]):
-            return None
-        last = json.loads(store.get(K.MEMBERS))
-        return last["generation"], list(last["members"])
-
     def request_join(self, e: E.RequestJoin) -> None:
-        self.sim.store.set(K.join(self.rank), "1")
+        self.store_effects.request_join(e)
         self.sim.join_requests.append((self.sim.round, self.rank))
 
     def admitted(self, e: E.Admitted) -> None:
+        self.store_effects.admitted(e)
         self.sim.admitted.append((e.generation, self.rank))
-        self.sim.store.delete_key(K.join(self.rank))
 
     def fallback(self, e: E.Fallback) -> tuple[int, str]:
         """No replica is left: resume from step 0 (the engine: snapshot, checkpoint, else step 0)."""
@@ -605,34 +553,19 @@ class _ReplicaRank(_Rank):
 
     def __init__(self, sim: Sim, rank: int, members: list[int], joining: bool, incarnation: int = 0) -> None:
         self.layout = sim.layout
-        self.replica, self.coordinate = self.layout.replica(rank), self.layout.coordinate(rank)
-        self.membership = ReplicaMembership(sim.store, self.layout, rank, sim.max_replicas)
-        self.shard: FakeGroup | None = None  # this coordinate's group of the generation held
+        self.replica, self.shard = self.layout.replica(rank), self.layout.shard(rank)
+        self.shard_group: FakeGroup | None = None  # this shard's data-parallel group of the generation held
         self.commit: FakeGroup | None = None  # every rank of the members (the commit, the membership sync)
         self.held: int | None = None  # the generation whose groups this rank holds
-        self.noted: dict[int, str] = {}  # the incarnations of the members' ranks its group formed with
         self.commits: set[tuple[int, int]] = set()  # (epoch, step) whose commit it entered
         super().__init__(sim, rank, members, joining, incarnation)
-        membership = self.membership
-        self.handlers.update({
-            E.CheckInFor: lambda e: membership.check_in(e.generation, e.checkin),
-            E.ReadRecord: lambda e: membership.read_record(e.generation),
-            E.ReadCheckIns: lambda e: membership.checkins(e.generation, e.ranks),
-            E.AnyCheckedIn: lambda e: membership.any_checked_in(e.generation, e.ranks),
-            E.MarkReady: lambda e: membership.mark_ready(e.generation),
-            E.ReadReady: lambda e: membership.ready(e.generation, e.ranks),
-            E.FreeGeneration: lambda e: membership.free_generation(e.generation),
-            E.ReadRequests: lambda e: ((membership.waiting(), membership.leaving(e.members))
-                                       if self.coordinate == 0 or not e.proposal
-                                       else ([], [])),  # (the real transport: only coordinate 0's offer counts)
-            E.ReadWaiting: lambda e: membership.waiting(),
-        })
+        self.membership = self.store_effects.membership
 
     def _protocol_rank(self) -> int:
         return self.replica
 
     def _protocol_options(self) -> dict[str, bool]:  # (ElasticDataParallel with TP x PP > 1)
-        return {"authority": self.coordinate == 0, "compute_needs_group": True}
+        return {"authority": self.shard == 0, "compute_needs_group": True}
 
     def _protocol_buckets(self) -> int:
         return self.sim.scenario.buckets + 1  # the commit is the last pseudo-bucket
@@ -642,19 +575,21 @@ class _ReplicaRank(_Rank):
 
     def _hold(self, generation: int, members: list[int]) -> tuple[FakeGroup, FakeGroup]:
         layout, sim = self.layout, self.sim
-        shard = sim.group(generation, [layout.rank(r, self.coordinate) for r in members], ("shard", self.coordinate))
+        shard = sim.group(generation, [layout.rank(r, self.shard) for r in members], ("shard", self.shard))
         commit = sim.group(generation, [rank for r in members for rank in layout.ranks(r)], "commit")
-        self.shard, self.commit, self.held = shard, commit, generation
+        self.shard_group, self.commit, self.held = shard, commit, generation
         return shard, commit
 
     def _release(self) -> None:
-        for group in (self.shard, self.commit):
+        for group in (self.shard_group, self.commit):
             if group is not None:
                 group.drop(self.rank)
-        self.shard = self.commit = self.held = None
+        self.shard_group = self.commit = self.held = None
 
-    def note_incarnations(self) -> None:
-        self.noted = self.membership.incarnations([rank for r in self.members for rank in self.layout.ranks(r)])
+    @property
+    def noted(self) -> dict[int, str]:
+        """The incarnations of the members' ranks its group formed with (the engine's store effects noted them)."""
+        return self.store_effects.incarnations
 
     # -- the model's computation: lockstep within the replica -----------------------------------
     def _peers_down(self) -> list[int]:
@@ -716,12 +651,12 @@ class _ReplicaRank(_Rank):
         commit = e.bucket == sc.buckets
         if e.last != commit:
             raise ProtocolViolation(f"step {e.step}: bucket {e.bucket} of {sc.buckets} + the commit is last={e.last}")
-        group = self.commit if commit else self.shard
+        group = self.commit if commit else self.shard_group
         if group is None:
             raise _Failed
         partial = sc.partial if (not commit or sc.partial_last) else 0.0
         if commit:
-            seq = group.enter(self.rank, ("commit", e.step), 0, e.offer if self.coordinate == 0 else None)
+            seq = group.enter(self.rank, ("commit", e.step), 0, e.offer if self.shard == 0 else None)
             self.commits.add((self.sim.epoch, e.step))
         else:
             seq = group.enter(self.rank, (e.step, e.bucket), e.local[e.bucket])
@@ -736,7 +671,7 @@ class _ReplicaRank(_Rank):
     def agree(self, e: E.AgreeMembers) -> Generator[None, None, list[int]]:
         if self.commit is None:
             raise _Failed
-        seq = self.commit.enter(self.rank, ("sync", e.step), 0, e.offer if self.coordinate == 0 else None)
+        seq = self.commit.enter(self.rank, ("sync", e.step), 0, e.offer if self.shard == 0 else None)
         _, agreed = yield from self.commit.wait(self.rank, seq)
         if agreed is None:
             raise ProtocolViolation(f"step {e.step}: the membership sync carried no leader's proposal")
@@ -750,8 +685,8 @@ class _ReplicaRank(_Rank):
     def abandon(self, e: E.Abandon) -> None:
         self.sim.abandoned.append((e.record.generation, self.rank))
         layout, members = self.layout, e.record.members
-        self.sim.group(e.record.generation, [layout.rank(r, self.coordinate) for r in members],
-                       ("shard", self.coordinate)).drop(self.rank)
+        self.sim.group(e.record.generation, [layout.rank(r, self.shard) for r in members],
+                       ("shard", self.shard)).drop(self.rank)
         self.sim.group(e.record.generation, [rank for r in members for rank in layout.ranks(r)],
                        "commit").drop(self.rank)
 
@@ -768,40 +703,23 @@ class _ReplicaRank(_Rank):
         return True
 
     def formed(self, e: E.Formed) -> None:
-        self.note_incarnations()
         self.sim.formed.setdefault(e.generation, {})[self.rank] = self.sim.round
         self.sim.formed_at.setdefault(e.generation, self.sim.tick())
-        if self.replica == e.members[0] and self.coordinate == 0:
-            self.sim.store.set(K.MEMBERS, json.dumps({"generation": e.generation, "members": list(e.members)}))
+        super().formed(e)
 
     def transfer(self, e: E.TransferState) -> Generator[None, None, int | None]:
         """The same shard of the replica at ``root`` sends its state (here: its step) in the shard's group."""
-        if self.shard is None:
+        if self.shard_group is None:
             raise _Failed
         root = self.members[e.root]
         try:
-            seq = self.shard.enter(self.rank, ("state",), 0, self.protocol.next_step if self.replica == root else None)
-            _, sent = yield from self.shard.wait(self.rank, seq)
+            seq = self.shard_group.enter(self.rank, ("state",), 0, self.protocol.next_step if self.replica == root else None)
+            _, sent = yield from self.shard_group.wait(self.rank, seq)
         except _Failed:
             if not e.apply:
                 self.sim.resize_failures.append((self.protocol.synced_step, self.rank))
             raise
         return sent if e.apply else None
-
-    # -- the store -----------------------------------------------------------------------------------
-    def alive(self, e: E.ReadAlive) -> set[int] | None:
-        """ElasticDataParallel._read_alive: replicas every rank of which is alive in the incarnation noted."""
-        if not self.membership.liveness_kept():
-            return None
-        live = self.membership.incarnations([rank for r in e.ranks for rank in self.layout.ranks(r)])
-        noted = self.noted if e.trained else {}  # (a joiner judges by the keys alone)
-        alive = live_replicas(self.layout, {r for r, seen in live.items() if noted.get(r, seen) == seen}, e.ranks)
-        return alive - set(self.membership.partly_waiting()) if e.exclude_waiting else alive
-
-    def write_record(self, e: E.WriteRecord) -> MembershipRecord:
-        stored = self.membership.write_record(e.record)
-        self.sim.written.setdefault(e.record.generation, self.sim.round)
-        return stored
 
     def set_gradients(self, e: E.SetGradients) -> None:
         sim = self.sim
@@ -895,14 +813,14 @@ class Sim:
         for r in self.ranks:
             self._set_live(r)
         for rank in self.ranks.values():
-            if isinstance(rank, _ReplicaRank) and not rank.joining:
-                rank.note_incarnations()  # (ElasticDataParallel.__init__)
+            if not rank.joining:  # (ElasticDataParallel.__init__: the first group formed)
+                rank.store_effects.note_incarnations(rank.members)
         if not scenario.unformed:
             self.store.set(K.MEMBERS, json.dumps({"generation": 0, "members": members}))
 
     # -- what ranks read ---------------------------------------------------------------
     def group(self, generation: int, members: list[int], kind: Any = None) -> FakeGroup:
-        """The group of ``generation`` (C > 1: of ``kind``, ``("shard", coordinate)`` or ``"commit"``)."""
+        """The group of ``generation`` (C > 1: of ``kind``, ``("shard", shard)`` or ``"commit"``)."""
         key = generation if kind is None else (generation, kind)
         if key not in self.groups:
             self.groups[key] = FakeGroup(self, generation, members, kind)
@@ -910,15 +828,6 @@ class Sim:
         if g.members != list(members):
             raise ProtocolViolation(f"generation {generation} {kind or ''} built with {g.members} and {members}")
         return g
-
-    def alive_among(self, ranks: list[int]) -> set[int] | None:
-        if not self.store.check([K.LIVENESS]):
-            return None
-        return {r for r in ranks if self.store.check([K.live(r)])}
-
-    def waiting(self) -> list[int]:  # (ReplicaMembership.waiting_ranks: alive ones, when liveness is kept)
-        asked = [r for r in self.ranks if self.store.check([K.join(r)])]
-        return [r for r in asked if self.store.check([K.live(r)])] if self.store.check([K.LIVENESS]) else asked
 
     def _set_live(self, rank: int) -> None:
         if self.scenario.liveness:
@@ -980,7 +889,9 @@ class Sim:
                     del self.vanish[rank]
             for rank, when in sc.leaving.items():
                 if when == self.round and rank in self.running:
-                    self.store.set(K.leave(rank), "1")  # its node's agent asks it to leave
+                    # Its node's agent asks it to leave: the counter first, as the agent's meeting point does.
+                    self.store.add(K.JOIN_REQUESTS, 1)
+                    self.store.set(K.leave(rank), "1")
             for rank, when in sorted(self.restarts.items()):
                 if when <= self.round:
                     del self.restarts[rank]
@@ -1013,12 +924,12 @@ class Sim:
 
     def snapshot_step(self) -> int:
         """(C > 1) The step the newest snapshot common to every shard resumes from: after the last step that
-        every coordinate completed in this epoch (0: none)."""
+        every shard completed in this epoch (0: none)."""
         done: dict[int, set[int]] = {}
         for _, epoch, step, rank in self.completed:
             if epoch == self.epoch:
-                done.setdefault(step, set()).add(self.layout.coordinate(rank))
-        common = [step for step, coordinates in done.items() if len(coordinates) == self.layout.size]
+                done.setdefault(step, set()).add(self.layout.shard(rank))
+        common = [step for step, shards in done.items() if len(shards) == self.layout.size]
         return max(common) + 1 if common else 0
 
     def _no_whole_replica(self) -> bool:

@@ -103,7 +103,7 @@ rank, restarts = int(os.environ["RANK"]), int(os.environ.get("UNICRON_WORKER_RES
 out.mkdir(parents=True, exist_ok=True)
 with (out / f"rank{rank}.jsonl").open("a") as f:
     f.write(json.dumps({"event": "start", "pid": os.getpid(), "restarts": restarts,
-                        "generation": os.environ["UNICRON_GENERATION"]}) + "\\n")
+                        "incarnation": os.environ["UNICRON_INCARNATION"]}) + "\\n")
 get_worker().hello(resumable=True)
 if rank == 1 and restarts == 0:
     time.sleep(0.5)
@@ -129,7 +129,7 @@ def test_a_left_out_worker_rejoins_without_an_event_or_a_restart_counted(tmp_pat
     assert rejoining[0]["reason"] == "LeftOut: replica 1 lost a peer"
     first, second = r.starts(1)
     assert (first["restarts"], second["restarts"]) == (0, 1) and first["pid"] != second["pid"]
-    assert second["generation"].endswith(".1")  # a new incarnation: it joins as a joiner
+    assert second["incarnation"].endswith(".1")  # a new incarnation: it joins as a joiner
     assert len(r.starts(0)) == 1
     assert not r.of("malformed_worker_message") and not r.of("rejoin_request_dropped")
 
@@ -297,24 +297,31 @@ class _Proc:
         return self.code
 
 
+def _local_workers():
+    """The agent's view of its worker processes, torch's process context and workers stubbed."""
+    from types import SimpleNamespace
+
+    from unicron_elastic.agent.local_workers import LocalWorkers
+
+    return LocalWorkers(SimpleNamespace(workers=[]), lambda: object())
+
+
 def test_a_worker_that_dies_after_the_monitor_polled_it_is_not_handed_to_torch(monkeypatch) -> None:
     """Seen under load with every rank killed in one step: rank 0 died between the monitor's loop
     over the workers and its final check, torch's monitor saw the unhandled exit and stopped the
     healthy, just-restarted ranks (exit 1). Until the agent handled that exit, torch must not look."""
     from unicron_elastic.agent import _torch_compat
-    from unicron_elastic.agent.agent import UnicronAgent
 
-    agent = UnicronAgent.__new__(UnicronAgent)  # only the monitor's bookkeeping is used
-    agent._pcontext, agent._handled_pids = object(), set()
     procs = {0: _Proc(10, -9), 1: _Proc(11, None)}
     monkeypatch.setattr(_torch_compat, "worker_processes", lambda pcontext: procs)
-    assert agent._healthy_for_now()  # rank 0's exit is not handled yet
-    agent._handled_pids.add(10)  # handled and not respawned (restart-all, or stopping)
-    assert not agent._healthy_for_now()  # now torch's monitor reports the failure
+    workers, handled = _local_workers(), set()
+    assert workers.healthy_for_now(handled)  # rank 0's exit is not handled yet
+    handled.add(10)  # handled and not respawned (restart-all, or stopping)
+    assert not workers.healthy_for_now(handled)  # now torch's monitor reports the failure
     procs[0] = _Proc(12, 0)
-    assert agent._healthy_for_now()  # one finished with 0, one running
+    assert workers.healthy_for_now(handled)  # one finished with 0, one running
     procs[1] = _Proc(13, 0)
-    assert not agent._healthy_for_now()  # all finished: torch reports success
+    assert not workers.healthy_for_now(handled)  # all finished: torch reports success
 
 
 def test_own_lease_lost_after_a_worker_finished_is_not_a_give_up(monkeypatch) -> None:
@@ -324,13 +331,15 @@ def test_own_lease_lost_after_a_worker_finished_is_not_a_give_up(monkeypatch) ->
 
     from unicron_elastic.agent import _torch_compat
     from unicron_elastic.agent.agent import UnicronAgent
+    from unicron_elastic.agent.lifecycle import AgentState, Lifecycle
 
+    procs = {0: _Proc(10, 0), 1: _Proc(11, None)}
     agent = UnicronAgent.__new__(UnicronAgent)  # only the lease-loss bookkeeping is used
-    agent._pcontext, agent._lock, agent._stopping, agent._closed = object(), threading.RLock(), False, False
+    agent._lock, agent._lifecycle, agent._local_workers = threading.RLock(), Lifecycle(), _local_workers()
+    agent._lifecycle.state = AgentState.RUNNING
     agent.node = "n0"
     reported = []
     monkeypatch.setattr(agent, "report", reported.append, raising=False)
-    procs = {0: _Proc(10, 0), 1: _Proc(11, None)}
     monkeypatch.setattr(_torch_compat, "worker_processes", lambda pcontext: procs)
     agent.lost_own_lease()
     assert reported == []  # rank 0 finished training: nothing to give up
@@ -338,30 +347,57 @@ def test_own_lease_lost_after_a_worker_finished_is_not_a_give_up(monkeypatch) ->
     agent.lost_own_lease()
     assert [(e.severity.name, e.kind, e.node) for e in reported] == [("SEV1", "lost_connection", "n0")]
     reported.clear()
-    agent._stopping = True
+    agent._lifecycle.state = AgentState.STOPPING
     agent.lost_own_lease()
     assert reported == []
 
 
 def test_a_rejoin_request_past_max_rejoins_or_followed_by_exit_0_is_not_a_rejoin(capsys) -> None:
     """Past ``max_rejoins`` the exit is left to the ordinary SEV2 path (its event published); exit 0 is finished."""
-    import threading
     from types import SimpleNamespace
 
-    from unicron_elastic.agent.agent import AgentConfig, UnicronAgent
     from unicron_elastic.agent.ladder import LadderPolicy, RankHistory
-    from unicron_elastic.agent.rank_state import RankState
+    from unicron_elastic.agent.lifecycle import Lifecycle
+    from unicron_elastic.agent.publisher import EventPublisher
+    from unicron_elastic.agent.rank_state import RankState, RankTable
+    from unicron_elastic.agent.remedies import Remedies
+    from unicron_elastic.plugins.manager import plugin_manager
 
-    agent = UnicronAgent.__new__(UnicronAgent)  # only the rejoin bookkeeping is used
-    agent._lock, agent.node = threading.RLock(), "n0"
-    agent.config = AgentConfig(ladder=LadderPolicy(max_rejoins=1), node="n0")
-    agent._worker_group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "t")))
-    agent._ranks = {1: RankState(RankHistory(resumable=True, rejoins=1), rejoining="left out"),
-                    2: RankState(rejoining="left out")}
-    with agent._lock:
-        assert agent._rejoin(1, pid=10, exitcode=1, detected_at=0.0) is False  # the caller publishes a SEV2
-        assert agent._rejoin(2, pid=11, exitcode=0, detected_at=0.0) is True  # finished: nothing to do
-    assert all(state.rejoining is None for state in agent._ranks.values())
-    assert agent._ranks[1].history.rejoins == 1 and agent._ranks[2].history == RankHistory()
+    ranks = RankTable({1: RankState(RankHistory(resumable=True, rejoins=1), rejoining="left out"),
+                       2: RankState(rejoining="left out")})
+    pm = plugin_manager(load_entry_points=False)
+    remedies = Remedies(policy=LadderPolicy(max_rejoins=1), ranks=ranks, workers=_local_workers(),
+                        channel=None, lifecycle=Lifecycle(), pm=pm, respawn=lambda local_rank: None,
+                        publisher=EventPublisher("n0", pm, SimpleNamespace(get_run_id=lambda: "t")))
+    assert remedies.rejoin(1, pid=10, exitcode=1, detected_at=0.0) is False  # the caller publishes a SEV2
+    assert remedies.rejoin(2, pid=11, exitcode=0, detected_at=0.0) is True  # finished: nothing to do
+    assert all(ranks.peek(rank).rejoining is None for rank in (1, 2))
+    assert ranks.peek(1).history.rejoins == 1 and ranks.peek(2).history == RankHistory()
     out = capsys.readouterr().out
     assert "rejoin_refused" in out and "max_rejoins=1" in out and "worker_finished_after_rejoin_request" in out
+
+
+def test_the_lifecycle_is_one_state_a_restart_stops_for_a_while_and_closing_is_final() -> None:
+    """The agent's checks read one value: a restart's stop is not final, a close is, a leave outlives restarts."""
+    from unicron_elastic.agent.lifecycle import AgentState, Departure, Lifecycle
+
+    life = Lifecycle()
+    assert life.state is AgentState.STARTING and not life.state.stopping
+    assert life.first_rendezvous() and not life.first_rendezvous()  # the detectors start once
+    life.workers_started()
+    life.leave()
+    life.restart_begins()
+    assert life.state is AgentState.RESTARTING and life.state.stopping
+    life.restart_stopped()
+    assert life.state is AgentState.STOPPING
+    life.workers_started()
+    assert life.state is AgentState.RUNNING and life.departure is Departure.LEAVING
+    life.exit_barrier_reached()
+    assert life.departure is Departure.LEAVING  # a node that left does not count as finished
+    assert life.close() and not life.close()
+    for transition in (life.workers_started, life.restart_begins, life.restart_stopped, life.group_stopping):
+        transition()
+        assert life.state is AgentState.CLOSED
+    stayed = Lifecycle()
+    stayed.exit_barrier_reached()
+    assert stayed.departure is Departure.FINISHED

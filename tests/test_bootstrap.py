@@ -113,7 +113,7 @@ def test_the_engine_started_without_a_lost_member_fails_fast_so_the_agent_restar
     _lose(store, 1, after=0.3)
     started = time.monotonic()
     with pytest.raises(MemberGoneError):
-        ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=None, batch=lambda idx: idx,
+        ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), batch_plan=None, batch=lambda idx: idx,
                             loss_fn=lambda m, b: m(b).sum(), store=store, rank=0, world_size=2,
                             options=EngineOptions(timeout=TIMEOUT))
     assert time.monotonic() - started < 5

@@ -104,9 +104,9 @@ def test_failure_during_each_gradient_bucket_scenario_2(tmp_path: Path, baseline
 # -- reconfiguration with a constant global batch ------------------------------
 
 
-def train_schedule(out: Path, world: int, steps: int, members: list[int], schedule: dict[int, list[int]]):
+def train_schedule(out: Path, world: int, steps: int, members: list[int], member_schedule: dict[int, list[int]]):
     args = ["--steps", str(steps), "--out", str(out), "--members", ",".join(map(str, members)),
-            "--schedule", json.dumps({str(k): v for k, v in schedule.items()})]
+            "--member-schedule", json.dumps({str(k): v for k, v in member_schedule.items()})]
     return [(r.returncode, r.stderr[-2000:]) for r in run_workers(WORKER, world, args, timeout=90)]
 
 

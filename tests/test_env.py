@@ -81,8 +81,7 @@ def test_what_the_agent_and_the_daemon_write_is_what_the_readers_read(monkeypatc
     assert (env.round_(), env.meeting_text(), env.etcd_password()) == (3, '{"prefix": "p/"}', "secret")
     env.clear_meeting()
     assert env.meeting_text() is None
-    assert env.respawn_env("n1", 2, 1) == {"UNICRON_INCARNATION": "n1.2.1", "UNICRON_GENERATION": "2.1",
-                                           "UNICRON_WORKER_RESTARTS": "1"}
+    assert env.respawn_env("n1", 2, 1) == {"UNICRON_INCARNATION": "n1.2.1", "UNICRON_WORKER_RESTARTS": "1"}
     launched = env.launcher_environment("n1", 42, None, base={})
     assert launched == {"UNICRON_NODE_DAEMON": "n1", "UNICRON_NODE_DAEMON_PID": "42"}
     monkeypatch.setattr("os.environ", {**launched})

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from unicron_elastic.strategy.engine import effects as E
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineOptions
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 
@@ -38,7 +39,7 @@ class Tied(torch.nn.Module):
 def engine(grad_dtype: torch.dtype, loss_fn=None, bucket_numel: int | None = None) -> ElasticDataParallel:
     model = Tied()
     return ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               plan=GlobalBatchPlan(len(DATA), 2 * MICRO, 2, seed=0), batch=lambda idx: DATA[idx],
+                               batch_plan=GlobalBatchPlan(len(DATA), 2 * MICRO, 2, seed=0), batch=lambda idx: DATA[idx],
                                loss_fn=loss_fn or (lambda m, b: m(b)), store=dist.HashStore(), rank=0, world_size=1,
                                options=EngineOptions(timeout=timedelta(seconds=30), grad_dtype=grad_dtype,
                                                      bucket_numel=bucket_numel))
@@ -50,7 +51,7 @@ def reference_sum(e: ElasticDataParallel, step: int, dtype: torch.dtype) -> torc
     for j in range(MICRO):
         for p in e.params:
             p.grad = None
-        e.loss_fn(e.model, e.batch(e.plan.indices(step, j))).backward()
+        e.computation.loss_fn(e.model, e.computation.batch(e.batch_plan.indices(step, j))).backward()
         for part, p in zip(parts, e.params):
             if p.grad is not None:
                 part.add_(p.grad.reshape(-1))
@@ -67,7 +68,7 @@ def test_the_sum_of_a_step_is_the_one_added_micro_batch_by_micro_batch_and_grads
         for p in e.params:
             p.grad = None
         for step in (0, 1):  # the second step reuses (and zeroes) the engine's buffer
-            total = e._compute(step, list(range(MICRO))).clone()
+            total = e._compute(E.Compute(step, tuple(range(MICRO)))).clone()
             assert all(p.grad is None for p in e.params)  # nothing points into the sum after the computation
             assert torch.equal(total, reference_sum(e, step, dtype))
             offset = 0
@@ -91,9 +92,9 @@ def test_a_training_step_that_clears_grads_loses_nothing() -> None:
 
     e = engine(torch.float32, clearing)
     try:
-        total = e._compute(0, list(range(MICRO))).clone()
+        total = e._compute(E.Compute(0, tuple(range(MICRO)))).clone()
         assert len(calls) == MICRO and all(p.grad is None for p in e.params)
-        e.loss_fn = lambda m, b: m(b)
+        e.computation.loss_fn = lambda m, b: m(b)
         torch.testing.assert_close(total, reference_sum(e, 0, torch.float32))  # g0 + (g1 + g2): not bit for bit
     finally:
         e.close()
@@ -108,7 +109,7 @@ def test_a_failed_computation_leaves_no_grad_pointing_into_the_sum() -> None:
     e = engine(torch.float32, loss_fn)
     try:
         with pytest.raises(RuntimeError, match="a peer was lost"):
-            e._compute(0, list(range(MICRO)))
+            e._compute(E.Compute(0, tuple(range(MICRO))))
         assert all(p.grad is None for p in e.params)
     finally:
         e.close()
@@ -121,7 +122,7 @@ def test_the_buckets_are_reduced_in_one_buffer_kept_between_steps_and_grads_are_
     try:
         buffers = set()
         for step in range(3):
-            expected = reference_sum(e, step, dtype) / e.plan.num_micro_batches  # (one rank: the reduction is the sum)
+            expected = reference_sum(e, step, dtype) / e.batch_plan.num_micro_batches  # (one rank: the reduction is the sum)
             e.train_step(step)
             assert torch.equal(torch.cat([p.grad.reshape(-1) for p in e.params]), expected.to(torch.float32))
             buffers.add(e.gradients.reduced.data_ptr())

@@ -281,10 +281,11 @@ def assert_fenced(out: Path, freeze: Freeze, code: int | None) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [0, pytest.param(2, marks=pytest.mark.matrix)])  # node A's with the leader; node B's
+# The victim: node A's rank 0, the primary, or node B's rank 2.
+@pytest.mark.parametrize("victim", [0, pytest.param(2, marks=pytest.mark.matrix)])
 def test_a_frozen_node_costs_the_survivors_one_ttl_and_is_fenced_when_resumed(
         etcd: EmbeddedEtcd, tmp_path: Path, baseline, victim: int) -> None:
-    """A snapshot and a checkpoint every step: the frozen leader (victim 0) has uploads and writes in flight."""
+    """A snapshot and a checkpoint every step: the frozen primary (victim 0) has uploads and writes in flight."""
     launchers = _start(tmp_path, [fail_at(rank=victim, step=FAULT_STEP, bucket=0, kind="stop_node")], 2, 2, etcd,
                        f"fz{victim}", "--snapshot-every", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
                        "--checkpoint-every", "1")
@@ -321,7 +322,7 @@ def test_one_frozen_node_of_three(etcd: EmbeddedEtcd, tmp_path: Path, baseline) 
 @pytest.mark.timeout(300)
 def test_a_frozen_snapshot_holder_and_a_dead_node_leave_the_group_on_its_live_state(
         etcd: EmbeddedEtcd, tmp_path: Path, baseline) -> None:
-    """Three nodes, a snapshot every step: node 0's leader writes to nodes 1 and 2. Node 1 freezes, node 2 is
+    """Three nodes, a snapshot every step: node 0's primary writes to nodes 1 and 2. Node 1 freezes, node 2 is
     killed in the same step: node 0 goes on from its own state (no snapshot, no step 0), alone."""
     launchers = _start(tmp_path, [fail_at(rank=1, step=FAULT_STEP, bucket=0, kind="stop_node")], 3, 1, etcd, "fz3k",
                        "--snapshot-every", "1")

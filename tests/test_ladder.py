@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicron_elastic.agent.ladder import LEFT_OUT, Action, LadderPolicy, RankHistory, climb
+from unicron_elastic.agent.ladder import LEFT_OUT, LadderPolicy, RankHistory, Remedy, climb
 from unicron_elastic.api import ConfigError
 from unicron_elastic.events import ErrorEvent, Severity
 
@@ -22,7 +22,7 @@ def test_sev3_reattempts_then_escalates_to_sev2_restart() -> None:
     d1 = climb(POLICY, h, ev(Severity.SEV3), step=7)
     d2 = climb(POLICY, d1.history, ev(Severity.SEV3), step=7)
     d3 = climb(POLICY, d2.history, ev(Severity.SEV3), step=7)
-    assert [d1.action, d2.action, d3.action] == [Action.REATTEMPT, Action.REATTEMPT, Action.RESTART_WORKER]
+    assert [d1.action, d2.action, d3.action] == [Remedy.REATTEMPT, Remedy.REATTEMPT, Remedy.RESTART_WORKER]
     assert d3.severity is Severity.SEV2 and d3.escalated_from == (Severity.SEV3,)
 
 
@@ -30,13 +30,13 @@ def test_sev3_reattempt_budget_is_per_step() -> None:
     h = RankHistory(resumable=True)
     for step in range(5):
         d = climb(POLICY, h, ev(Severity.SEV3), step=step)
-        assert d.action is Action.REATTEMPT
+        assert d.action is Remedy.REATTEMPT
         h = d.history
 
 
 def test_unresponsive_sev3_goes_straight_to_sev2() -> None:
     d = climb(POLICY, RankHistory(resumable=True, responsive=False), ev(Severity.SEV3, "collective_timeout"))
-    assert d.action is Action.RESTART_WORKER and d.escalated_from == (Severity.SEV3,)
+    assert d.action is Remedy.RESTART_WORKER and d.escalated_from == (Severity.SEV3,)
 
 
 def test_sev2_restarts_resumable_worker_then_escalates_to_sev1() -> None:
@@ -46,23 +46,23 @@ def test_sev2_restarts_resumable_worker_then_escalates_to_sev1() -> None:
         d = climb(POLICY, h, ev(Severity.SEV2))
         actions.append(d.action)
         h = d.history
-    assert actions == [Action.RESTART_WORKER, Action.RESTART_WORKER, Action.GIVE_UP]
+    assert actions == [Remedy.RESTART_WORKER, Remedy.RESTART_WORKER, Remedy.GIVE_UP]
     assert d.severity is Severity.SEV1 and d.escalated_from == (Severity.SEV2,)
 
 
 def test_sev2_on_plain_script_keeps_torchrun_restart_all() -> None:
     d = climb(POLICY, RankHistory(resumable=False), ev(Severity.SEV2))
-    assert d.action is Action.RESTART_ALL
+    assert d.action is Remedy.RESTART_ALL
 
 
 def test_sev1_gives_up_at_once() -> None:
     d = climb(POLICY, RankHistory(resumable=True), ev(Severity.SEV1, "ecc"))
-    assert d.action is Action.GIVE_UP and "ecc" in d.reason
+    assert d.action is Remedy.GIVE_UP and "ecc" in d.reason
 
 
 def test_zero_budgets_escalate_immediately() -> None:
     d = climb(LadderPolicy(0, 0), RankHistory(resumable=True), ev(Severity.SEV3))
-    assert d.action is Action.GIVE_UP and d.escalated_from == (Severity.SEV3, Severity.SEV2)
+    assert d.action is Remedy.GIVE_UP and d.escalated_from == (Severity.SEV3, Severity.SEV2)
     with pytest.raises(ConfigError):
         LadderPolicy(-1, 0)
 
@@ -144,11 +144,11 @@ def left_out(severity: Severity = Severity.SEV3) -> ErrorEvent:
 
 def test_left_out_restarts_as_a_joiner_without_using_the_restart_budget() -> None:
     d = climb(POLICY, RankHistory(resumable=True, reattempts=2, step=4), left_out())
-    assert d.action is Action.RESTART_WORKER and d.severity is Severity.SEV3 and d.escalated_from == ()
+    assert d.action is Remedy.RESTART_WORKER and d.severity is Severity.SEV3 and d.escalated_from == ()
     assert d.history.rejoins == 1 and d.history.restarts == 0 and d.history.reattempts == 0
     assert d.reason == "rejoin 1/10"
     after = climb(POLICY, d.history, ev(Severity.SEV2))  # a real failure later still has its whole budget
-    assert after.action is Action.RESTART_WORKER and after.history.restarts == 1 and after.history.rejoins == 1
+    assert after.action is Remedy.RESTART_WORKER and after.history.restarts == 1 and after.history.rejoins == 1
 
 
 def test_left_out_past_max_rejoins_is_an_ordinary_sev2_exit() -> None:
@@ -158,28 +158,28 @@ def test_left_out_past_max_rejoins_is_an_ordinary_sev2_exit() -> None:
         d = climb(policy, h, left_out())
         actions.append((d.action, d.severity))
         h = d.history
-    assert actions == [(Action.RESTART_WORKER, Severity.SEV3), (Action.RESTART_WORKER, Severity.SEV3),
-                       (Action.RESTART_WORKER, Severity.SEV2), (Action.GIVE_UP, Severity.SEV1)]
+    assert actions == [(Remedy.RESTART_WORKER, Severity.SEV3), (Remedy.RESTART_WORKER, Severity.SEV3),
+                       (Remedy.RESTART_WORKER, Severity.SEV2), (Remedy.GIVE_UP, Severity.SEV1)]
     assert h.rejoins == 2 and h.restarts == 1
     assert d.escalated_from == (Severity.SEV3, Severity.SEV2)
 
 
 def test_left_out_of_a_plain_script_restarts_all_as_for_sev2() -> None:
     d = climb(POLICY, RankHistory(resumable=False), left_out())
-    assert d.action is Action.RESTART_ALL and d.severity is Severity.SEV2 and d.history.rejoins == 0
+    assert d.action is Remedy.RESTART_ALL and d.severity is Severity.SEV2 and d.history.rejoins == 0
 
 
 def test_left_out_is_never_reattempted_in_place_and_sev1_still_gives_up() -> None:
     d = climb(POLICY, RankHistory(resumable=True, responsive=True), left_out(), step=3)
-    assert d.action is Action.RESTART_WORKER  # not REATTEMPT, though SEV3 and responsive
-    assert climb(POLICY, RankHistory(resumable=True), left_out(Severity.SEV1)).action is Action.GIVE_UP
+    assert d.action is Remedy.RESTART_WORKER  # not REATTEMPT, though SEV3 and responsive
+    assert climb(POLICY, RankHistory(resumable=True), left_out(Severity.SEV1)).action is Remedy.GIVE_UP
     sev2 = climb(POLICY, RankHistory(resumable=True), left_out(Severity.SEV2))
-    assert sev2.action is Action.RESTART_WORKER and sev2.history.rejoins == 1
+    assert sev2.action is Remedy.RESTART_WORKER and sev2.history.rejoins == 1
 
 
 def test_max_rejoins_zero_and_negative() -> None:
     d = climb(LadderPolicy(2, 2, 0), RankHistory(resumable=True), left_out())
-    assert d.action is Action.RESTART_WORKER and d.severity is Severity.SEV2 and d.history.restarts == 1
+    assert d.action is Remedy.RESTART_WORKER and d.severity is Severity.SEV2 and d.history.restarts == 1
     assert LadderPolicy().max_rejoins == 10
     with pytest.raises(ConfigError):
         LadderPolicy(max_rejoins=-1)
@@ -197,11 +197,11 @@ def test_left_out_never_counts_as_a_restart_while_rejoins_last(kinds: list[str],
         d = climb(policy, h, events[kind], step=0)
         assert d.history.rejoins <= max_rejoins and d.history.restarts <= policy.max_worker_restarts
         if kind == "left_out" and d.history.rejoins > h.rejoins:  # a rejoin: nothing else changes
-            assert d.action is Action.RESTART_WORKER and d.history.restarts == h.restarts and resumable
+            assert d.action is Remedy.RESTART_WORKER and d.history.restarts == h.restarts and resumable
         if kind == "left_out" and resumable and h.rejoins < max_rejoins:
             assert d.history.rejoins == h.rejoins + 1
         if not resumable:
-            assert d.history.rejoins == 0 and d.action in (Action.REATTEMPT, Action.RESTART_ALL)
-        if d.action is Action.GIVE_UP:
+            assert d.history.rejoins == 0 and d.action in (Remedy.REATTEMPT, Remedy.RESTART_ALL)
+        if d.action is Remedy.GIVE_UP:
             return
         h = d.history

@@ -108,8 +108,8 @@ def test_unicron_run_standalone_needs_no_etcd_and_leaves_none_behind(tmp_path: P
     assert "standalone_etcd" in result.stderr
     records = _records(out)
     assert {r["world_size"] for r in records} == {2}
-    # our agent class ran the workers: it exports the generation
-    assert {r["generation"] for r in records} == {"1"}
+    # our agent class ran the workers: it exports the incarnation (<node>.<rendezvous count>.<restarts>)
+    assert {tuple(r["incarnation"].rsplit(".", 2)[1:]) for r in records} == {("1", "0")}
     # etcd's data dir and log are removed (torch keeps its own torchelastic_* log dir)
     assert [p.name for p in tmp.iterdir() if p.name.startswith("unicron-etcd")] == []
     assert _processes_mentioning(str(tmp)) == []  # no etcd still running on it

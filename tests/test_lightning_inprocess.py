@@ -112,7 +112,7 @@ def test_sigterm_stops_fit_after_the_step_whose_exchange_carried_it(tmp_path: Pa
     with pytest.raises(SIGTERMException):
         t.fit(model, loader())
     assert t.global_step == 3  # step 2 completed (its optimizer step too), then Lightning stopped
-    assert t.strategy.engine.stop_requested and t.strategy.engine.stop_agreed
+    assert t.strategy.engine.reduction.stop_requested and t.strategy.engine.reduction.stop_agreed
     for ours, ref in zip(model.parameters(), reference(3)):
         torch.testing.assert_close(ours.detach(), ref)
     assert signal.getsignal(signal.SIGTERM) == before  # Lightning put the handler back
@@ -129,7 +129,7 @@ def test_unsupported_lightning_settings_are_clear_errors(tmp_path: Path, case: s
 @pytest.mark.timeout(120)
 def test_members_outside_the_world_are_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="subset of ranks 0..0"):
-        trainer(tmp_path, 2, strategy=UnicronMegatronStrategy(schedule={1: [0, 3]})).fit(Regression(), loader())
+        trainer(tmp_path, 2, strategy=UnicronMegatronStrategy(member_schedule={1: [0, 3]})).fit(Regression(), loader())
 
 
 def test_bad_strategy_arguments_are_clear_errors() -> None:

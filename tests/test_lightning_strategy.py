@@ -230,7 +230,7 @@ def baseline4(failure_free) -> list[torch.Tensor]:
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_scale_in_4_3_2_keeps_the_global_batch_and_trajectory(tmp_path: Path, baseline4) -> None:
-    proc = launch(tmp_path, [], "--schedule", json.dumps({2: [0, 1, 2], 5: [0, 1]}), world=4)
+    proc = launch(tmp_path, [], "--member-schedule", json.dumps({2: [0, 1, 2], 5: [0, 1]}), world=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [summary(tmp_path, r)["retired_at"] for r in range(4)] == [None, None, 5, 2]
     for r in (0, 1):
@@ -243,7 +243,7 @@ def test_scale_in_4_3_2_keeps_the_global_batch_and_trajectory(tmp_path: Path, ba
 @pytest.mark.matrix  # (the e2e tier grows a task by a node: tests/test_node_loss.py)
 @pytest.mark.timeout(300)
 def test_scale_out_2_to_4_new_ranks_get_the_state_from_a_replica(tmp_path: Path, baseline4) -> None:
-    proc = launch(tmp_path, [], "--members", "0,1", "--schedule", json.dumps({3: [0, 1, 2, 3]}), world=4)
+    proc = launch(tmp_path, [], "--members", "0,1", "--member-schedule", json.dumps({3: [0, 1, 2, 3]}), world=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(4):
         assert summary(tmp_path, r)["global_step"] == STEPS

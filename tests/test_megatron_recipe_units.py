@@ -196,11 +196,11 @@ def _engine(grad_dtype: torch.dtype, reductions: ModelReductions, fused_path: bo
     def loss_fn(m: nn.Module, batch: tuple[int, torch.Tensor]) -> torch.Tensor:
         j, x = batch
         loss_sum = m(x).pow(2).sum() * TOKENS[j] / 10
-        if nan_at == e.current_micro_batch:
+        if nan_at == e.computation.current_micro_batch:
             loss_sum = loss_sum * float("nan")
         parts = MicroBatchLoss(loss_sum, torch.tensor(TOKENS[j]), None)
         if layout is not None:
-            e.record(layout.encode(parts.count(reductions.per_token), parts.to_backward(reductions.per_token), None))
+            e.computation.record(layout.encode(parts.count(reductions.per_token), parts.to_backward(reductions.per_token), None))
         return parts.to_backward(reductions.per_token)
 
     plan = GlobalBatchPlan(len(DATA), 12, 2, seed=0)  # six micro-batches a step
@@ -227,7 +227,7 @@ def test_per_token_loss_divides_the_summed_gradients_by_the_steps_tokens() -> No
     e = _engine(torch.float64, reductions)
     try:
         grads = _step(e)
-        assert e.totals.count == sum(TOKENS)
+        assert e.reduction.totals.count == sum(TOKENS)
         model, expected = _Model(False), None
         for j in range(6):
             x = DATA[e.batch_plan.indices(0, j)]
@@ -307,20 +307,23 @@ def test_each_micro_batch_reseeds_the_tracker_from_its_own_seed_and_restores_it(
 
 
 def test_a_joiner_receives_the_trackers_states(cpu_tracker: Any) -> None:
-    from unicron_elastic.strategy.lightning.megatron_strategy import UnicronMegatronStrategy
+    from unicron_elastic.strategy.lightning.random_streams import RandomStreams
+    from unicron_elastic.strategy.lightning.replica_state import ReplicaState
 
     seed_tracker(cpu_tracker, 7, tensor_rank=1)
     with cpu_tracker.fork():
         torch.rand(5)
-    replica = UnicronMegatronStrategy()
-    replica._tracker = cpu_tracker
+    streams = RandomStreams(seed=0)
+    streams.tracker = cpu_tracker
     connector = SimpleNamespace(dump_checkpoint=lambda: {})
-    replica._lightning_module = SimpleNamespace(trainer=SimpleNamespace(_checkpoint_connector=connector))
-    sent = replica._state()["rng"]["megatron"]
+    module = SimpleNamespace(trainer=SimpleNamespace(_checkpoint_connector=connector))
+    replica = ReplicaState(lambda: module, streams, memory=None, disk=None)  # type: ignore[arg-type]
+    sent = replica.get()["rng"]["megatron"]
     assert all(torch.equal(sent[k], v) for k, v in cpu_tracker.get_states().items())
     expected = _draws(cpu_tracker)[1]
     seed_tracker(cpu_tracker, 99, tensor_rank=0)  # the joiner's own, before it receives the state
-    joiner = UnicronMegatronStrategy()
-    joiner._tracker, joiner._rng = cpu_tracker, {**replica._state()["rng"], "megatron": sent}
-    joiner._restore_rng()
+    joiner = RandomStreams(seed=0)
+    joiner.tracker = cpu_tracker
+    joiner.hold({**replica.get()["rng"], "megatron": sent})
+    joiner.restore()
     assert torch.equal(_draws(cpu_tracker)[1], expected)

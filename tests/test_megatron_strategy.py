@@ -117,7 +117,7 @@ def check_recovery(out: Path, proc: subprocess.CompletedProcess, ref: Path, layo
 
 # -- the kills -------------------------------------------------------------------------------------------
 def kill_in_a_micro_batch(layout: ModelParallel) -> tuple[int, Fault]:
-    victim = layout.rank(1, layout.size - 1)  # the last coordinate of replica 1
+    victim = layout.rank(1, layout.size - 1)  # the last shard of replica 1
     return victim, fail_at(rank=victim, step=2, micro_batch=3)
 
 
@@ -166,7 +166,7 @@ def test_a_killed_rank_loses_its_replica_which_rejoins_with_its_shards_state(tmp
     # stage before it reduced all of its buckets with replica 1's part, kept them, and ran forward only
     victim_stage = layout.stage(victim)
     for r, rep in noticed.items():
-        if layout.coordinate(r) == layout.coordinate(victim):
+        if layout.shard(r) == layout.shard(victim):
             assert rep["kept_buckets"] == 2, (r, rep)
         elif layout.stage(r) < victim_stage:
             assert rep["kept_buckets"] == buckets(tmp_path, r), (r, rep)
@@ -223,7 +223,7 @@ def reference_tp2_3(failure_free) -> Path:
 @pytest.mark.matrix  # (the e2e tier scales in at DP: tests/test_lightning_strategy.py, test_elastic_dp.py)
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_dp_scale_in_3_to_2_with_tp2_keeps_the_trajectory(tmp_path: Path, reference_tp2_3: Path) -> None:
-    proc = launch(tmp_path, 2, 1, [], "--schedule", json.dumps({3: [0, 1]}), replicas=3)
+    proc = launch(tmp_path, 2, 1, [], "--member-schedule", json.dumps({3: [0, 1]}), replicas=3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [summary(tmp_path, r)["retired_at"] for r in range(6)] == [None] * 4 + [3, 3]  # replica 2, whole
     for r in range(4):
@@ -238,7 +238,7 @@ def test_dp_scale_in_3_to_2_with_tp2_keeps_the_trajectory(tmp_path: Path, refere
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_dp_scale_out_2_to_3_with_tp2_new_replica_gets_its_shards_from_a_replica(tmp_path: Path,
                                                                                  reference_tp2_3: Path) -> None:
-    proc = launch(tmp_path, 2, 1, [], "--members", "0,1", "--schedule", json.dumps({3: [0, 1, 2]}), replicas=3)
+    proc = launch(tmp_path, 2, 1, [], "--members", "0,1", "--member-schedule", json.dumps({3: [0, 1, 2]}), replicas=3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_every_shard_equals(tmp_path, reference_tp2_3, 6)
     for r in (4, 5):

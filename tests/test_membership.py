@@ -351,7 +351,7 @@ def test_decide_record_waits_for_exactly_the_live_ranks_missing(inputs: tuple) -
 def test_a_dead_rank_that_checked_in_is_still_left_out_and_a_dead_leader_hands_over() -> None:
     checked = {0: CheckIn(4, 2), 1: CheckIn(4, 1), 2: CheckIn(4, 1)}
     record = decide_record(3, [0, 1, 2], checked, alive={1, 2}, deadline_passed=False)
-    assert record == MembershipRecord(3, (1, 2), 1, (0,), step=4) and record.leader == 1
+    assert record == MembershipRecord(3, (1, 2), 1, (0,), step=4) and record.primary == 1
 
 
 def test_ranks_behind_the_newest_step_are_left_out() -> None:
@@ -526,6 +526,27 @@ def test_both_transports_execute_every_effect_of_the_protocol() -> None:
     assert set(real._handlers) == effects
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["as_shipped", "liveness_ignored"])
+def test_the_fake_runs_the_engines_own_store_effects_a_broken_one_fails_the_properties(
+        broken: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fake executes the store effects with EngineStore, the class ElasticDataParallel ships. Broken on
+    # purpose (a dead member's liveness is not read), the survivors wait for the dead node: the run sticks.
+    from fake_dp import SimStuck
+    from unicron_elastic.strategy.engine.store_effects import EngineStore
+
+    if broken:
+        monkeypatch.setattr(EngineStore, "alive_among", lambda self, replicas, trained=True: set(replicas))
+    scenario = Scenario(world=4, buckets=3, micro_batches=8, steps=2, deaths={2: ("bucket", 0, 1)},
+                        together=frozenset({2, 3}), liveness=True, liveness_delay=3, deadline=None)
+    if broken:
+        with pytest.raises(SimStuck):
+            Sim(scenario, max_rounds=400).run()
+        return
+    sim = Sim(scenario, max_rounds=400).run()
+    check_all(sim)
+    assert sim.records()[1] == MembershipRecord(1, (0, 1), 1, (2, 3))
+
+
 def test_every_replica_lost_while_a_rank_waits_to_rejoin_it_resumes_alone() -> None:
     # rank 3 dies, rank 2 checks in past the deadline and is left out; then ranks 0 and 1 (a node) die before
     # admitting it: no replica is left, the waiting rank resumes (the engine: snapshot, checkpoint, step 0)
@@ -634,7 +655,7 @@ def check_mp_records(sim: Sim) -> None:
     assert all(n == 1 for n in sim.store.creates.values()), sim.store.creates
     for generation, followers in sim.adopted.items():
         for rank, record in followers.items():
-            assert record == records[generation].for_coordinate(layout.coordinate(rank)), (generation, rank, record)
+            assert record == records[generation].for_shard(layout.shard(rank)), (generation, rank, record)
     for generation, record in records.items():
         if record.members and not record.resize:
             assert len(record.kept) == layout.size and record.kept_buckets == min(record.kept), record
@@ -794,7 +815,7 @@ def test_replicas_a_tp_peer_lost_while_computing_breaks_its_replica_which_rejoin
 
 
 def test_replicas_a_stage_that_reduced_all_its_buckets_keeps_them_and_recomputes_forward_only() -> None:
-    # PP = 2: coordinate 0 is stage 0, coordinate 1 stage 1. Rank 5 (replica 2, stage 1) dies before its
+    # PP = 2: shard 0 is stage 0, shard 1 stage 1. Rank 5 (replica 2, stage 1) dies before its
     # bucket 1: stage 0's groups reduced both buckets, stage 1's only bucket 0. The record keeps (2, 1); the
     # survivors recompute replica 2's micro-batches with stage 0 forward only (its sums are not needed)
     sim = run_mp(Scenario(world=6, buckets=2, micro_batches=6, steps=2, model_parallel=(1, 2),

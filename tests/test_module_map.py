@@ -1,12 +1,13 @@
 """The package's layout: declared layers, no import circles, docs/architecture.md maps every module, the strategy registers.
 
+The benchmarks (``benchmarks/*.py``, which import each other by file name) have no import circles either.
+
 Static (``ast``): lazy imports and ``TYPE_CHECKING`` imports count, since a
 circle through them is still two modules that need each other.
 
 The AST cannot see imports by name, which the layering therefore does not check:
 ``_lightning_hook.STRATEGY_MODULE`` (the late registration of the Lightning strategy, on purpose),
-the lazy ``_EXPORTS`` tables of packages' ``__init__`` modules, ``strategy/_old_paths.MOVED`` and
-``rendezvous/__init__.py``'s table.
+the lazy ``_EXPORTS`` tables of packages' ``__init__`` modules and ``rendezvous/__init__.py``'s table.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import unicron_elastic
 
 PACKAGE = Path(unicron_elastic.__file__).parent
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 
 def _module_name(path: Path) -> str:
@@ -141,8 +143,29 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def benchmark_graph() -> dict[str, set[str]]:
+    """``module -> benchmarks/ modules it imports``, lazy imports included (a script's folder is on its path)."""
+    files = {path.stem: path for path in BENCHMARKS.glob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.partition(".")[0])
+        graph[module] = (imported & set(files)) - {module}
+    return graph
+
+
 def test_no_module_of_the_package_imports_itself_through_others() -> None:
     assert cycles(import_graph()) == []
+
+
+def test_no_benchmark_imports_itself_through_others() -> None:
+    graph = benchmark_graph()
+    assert {"_scale_emu", "_scale_report"} <= graph["scale"]  # (the graph sees lazy imports too)
+    assert cycles(graph) == []
 
 
 def test_every_unit_has_a_layer() -> None:
@@ -187,3 +210,31 @@ def test_the_strategy_registers_whichever_module_is_imported_first(first: str) -
     done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+#: The most methods a class of the package has (Lightning's ``DDPStrategy`` has 29, ``FSDPStrategy`` 33, torch's
+#: ``SimpleElasticAgent`` 22), the longest ``__init__`` and the longest module, in lines.
+MOST_METHODS, LONGEST_INIT, LONGEST_MODULE = 35, 50, 700
+
+
+def sizes() -> tuple[list[str], list[str], list[str]]:
+    """Classes over :data:`MOST_METHODS` methods, ``__init__`` over :data:`LONGEST_INIT` lines, modules over
+    :data:`LONGEST_MODULE` lines (``path:name count`` each)."""
+    classes, inits, modules = [], [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source, where = path.read_text(), path.relative_to(PACKAGE.parent)
+        if source.count("\n") > LONGEST_MODULE:
+            modules.append(f"{where} {source.count(chr(10))}")
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = [b for b in node.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if len(methods) > MOST_METHODS:
+                classes.append(f"{where}:{node.name} {len(methods)}")
+            inits += [f"{where}:{node.name} {m.end_lineno - m.lineno + 1}" for m in methods
+                      if m.name == "__init__" and m.end_lineno - m.lineno + 1 > LONGEST_INIT]
+    return classes, inits, modules
+
+
+def test_every_class_module_and_init_stays_small_enough_to_hold() -> None:
+    assert sizes() == ([], [], [])

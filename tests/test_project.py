@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import re
+import tokenize
 from pathlib import Path
 
 from conftest import REPO
@@ -93,3 +95,33 @@ def test_the_readmes_feature_table_rows_are_short() -> None:
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert len(rows) > 5
     assert [row[:60] for row in rows if len(row) > 400] == []
+
+
+def split_comments(source: str) -> list[int]:
+    """The lines whose trailing comment opens a "(" it does not close and goes on in the next line's trailing comment.
+
+    That is one sentence broken over two lines of code (``if x:  # (once, not per`` and ``f()  # micro-batch)``);
+    it is written as a plain sentence on its own lines above the code instead.
+    """
+    trailing = {token.start[0]: token.string for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                if token.type == tokenize.COMMENT and token.line[:token.start[1]].strip()}
+    return [line for line, text in sorted(trailing.items())
+            if text.count("(") > text.count(")") and line + 1 in trailing]
+
+
+def test_no_comment_of_the_package_is_one_sentence_split_over_two_lines_of_code() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "unicron_elastic").rglob("*.py"))
+             for line in split_comments(path.read_text())]
+    assert found == [], "a comment split over two lines of code: write it as a sentence above the code"
+
+
+def test_the_split_comment_check_finds_one_and_spares_a_closed_one_and_a_comment_block() -> None:
+    source = ("if x:  # (a stage that scales no loss: once, not per\n"
+              "    f()  # micro-batch)\n"
+              "g()  # (closed)\n"
+              "h()  # next\n"
+              "# (a comment of its own\n"
+              "# line goes on)\n"
+              "i()  # (open, but the next line has no comment\n"
+              "j()\n")
+    assert split_comments(source) == [1]

@@ -288,7 +288,7 @@ def test_the_unicron_handler_is_the_agents_seam_and_torchs_handlers_are_not() ->
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-    from unicron_elastic.agent import agent as agent_module
+    from unicron_elastic.agent import seam
     from unicron_elastic.rendezvous.api import RoundJoined, RoundStart, UnicronRendezvous
 
     def built(cls: type[DynamicRendezvousHandler]) -> DynamicRendezvousHandler:
@@ -296,17 +296,17 @@ def test_the_unicron_handler_is_the_agents_seam_and_torchs_handlers_are_not() ->
         return cls.from_backend("seam", store, C10dRendezvousBackend(store, "seam"), 1, 3, local_addr="127.0.0.1")
 
     unicron = built(UnicronRendezvousHandler)
-    assert isinstance(unicron, UnicronRendezvous) and agent_module._unicron(unicron) is unicron
+    assert isinstance(unicron, UnicronRendezvous) and seam.unicron_rendezvous(unicron) is unicron
     assert (unicron.max_nodes, unicron.round_joined, unicron.rejoin) == (3, None, False)
     with pytest.raises(RuntimeError, match="no round"):  # the agent asks only once a rendezvous completed
-        agent_module._round_joined(unicron)
+        seam.round_joined(unicron)
     with pytest.raises(ValueError, match="local_world_size"):
         unicron.join_running_rounds(0)
     unicron.join_running_rounds(4)
     assert (unicron.rejoin, unicron.local_world_size) == (True, 4)
     for other in (built(DynamicRendezvousHandler), StaticTCPRendezvous("127.0.0.1", 29500, 0, 1, "seam", 60)):
         assert not isinstance(other, UnicronRendezvous)  # (--rdzv-backend=c10d or static)
-        assert agent_module._unicron(other) is None and agent_module._round_joined(other) is None
+        assert seam.unicron_rendezvous(other) is None and seam.round_joined(other) is None
     joined = RoundJoined(2, running=True, past_round=RoundStart(1, 2, 2, 4))
     with pytest.raises(dataclasses.FrozenInstanceError):
         joined.round = 3  # type: ignore[misc]

@@ -24,7 +24,7 @@ from unicron_elastic.strategy.engine.replicas import (
     ModelParallel,
     ReplicaMembership,
     combine_checkins,
-    kept_per_coordinate,
+    kept_per_shard,
     live_replicas,
     stages_to_backpropagate,
     touched_replicas,
@@ -41,16 +41,16 @@ layouts = st.builds(ModelParallel, st.integers(1, 4), st.integers(1, 4))
 # -- the layout ------------------------------------------------------------------------------------
 @SOME
 @given(layouts, st.integers(0, 200))
-def test_a_launch_rank_round_trips_through_replica_coordinate_tensor_rank_and_stage(layout: ModelParallel,
+def test_a_launch_rank_round_trips_through_replica_shard_tensor_rank_and_stage(layout: ModelParallel,
                                                                                    rank: int) -> None:
-    replica, coordinate = layout.replica(rank), layout.coordinate(rank)
+    replica, shard = layout.replica(rank), layout.shard(rank)
     tensor_rank, stage = layout.tensor_rank(rank), layout.stage(rank)
-    assert 0 <= coordinate < layout.size and 0 <= tensor_rank < layout.tensor and 0 <= stage < layout.pipeline
-    assert layout.rank(replica, coordinate) == rank == replica * layout.size + stage * layout.tensor + tensor_rank
-    assert coordinate == stage * layout.tensor + tensor_rank and layout.stage_of(coordinate) == stage
+    assert 0 <= shard < layout.size and 0 <= tensor_rank < layout.tensor and 0 <= stage < layout.pipeline
+    assert layout.rank(replica, shard) == rank == replica * layout.size + stage * layout.tensor + tensor_rank
+    assert shard == stage * layout.tensor + tensor_rank and layout.stage_of(shard) == stage
     assert rank in layout.ranks(replica) and layout.ranks(replica) == list(range(replica * layout.size,
                                                                                   (replica + 1) * layout.size))
-    assert layout.label(rank) == f"tp{tensor_rank}-pp{stage}" == layout.labels()[coordinate]
+    assert layout.label(rank) == f"tp{tensor_rank}-pp{stage}" == layout.labels()[shard]
     assert layout.replicas(layout.size * (replica + 1)) == replica + 1
 
 
@@ -83,7 +83,7 @@ def _megatron_groups(tensor: int, pipeline: int, replicas: int) -> dict[str, lis
 ])
 def test_world_ranks_number_the_members_as_megatron_cores_tp_pp_dp_order(tensor: int, pipeline: int,
                                                                          members: list[int]) -> None:
-    """tp groups: one replica's stage; pp groups: one replica's tensor rank across stages; dp: one coordinate."""
+    """tp groups: one replica's stage; pp groups: one replica's tensor rank across stages; dp: one shard."""
     layout = ModelParallel(tensor, pipeline)
     groups = _megatron_groups(tensor, pipeline, len(members))
     launch = [rank for replica in members for rank in layout.ranks(replica)]
@@ -99,7 +99,7 @@ def test_world_ranks_number_the_members_as_megatron_cores_tp_pp_dp_order(tensor:
 
     assert grouped(lambda r: (layout.replica(r), layout.stage(r))) == sorted(groups["tp"])
     assert grouped(lambda r: (layout.replica(r), layout.tensor_rank(r))) == sorted(groups["pp"])
-    assert grouped(layout.coordinate) == sorted(groups["dp"])
+    assert grouped(layout.shard) == sorted(groups["dp"])
     for rank in launch:  # the pipeline neighbours of a rank are its pp group, in stage order
         [pp] = [g for g in groups["pp"] if world[rank] in g]
         assert [layout.neighbour(members, rank, stage) for stage in range(pipeline)] == pp
@@ -107,7 +107,7 @@ def test_world_ranks_number_the_members_as_megatron_cores_tp_pp_dp_order(tensor:
         layout.world_rank(members, layout.rank(max(members) + 1, 0))
 
 
-# -- combine_checkins, kept_per_coordinate ---------------------------------------------------------------
+# -- combine_checkins, kept_per_shard ---------------------------------------------------------------
 def test_combine_checkins_examples() -> None:
     layout = ModelParallel(2, 1)  # replica r: ranks 2r, 2r+1
     per_rank = {0: CheckIn(5, 2), 1: CheckIn(5, 1),  # replica 0: both in, one step
@@ -141,8 +141,8 @@ def checkins_of_replicas(draw: st.DrawFn) -> tuple[ModelParallel, dict[int, Chec
 def test_combine_checkins_a_replica_is_in_when_all_its_ranks_are_broken_when_one_is_or_steps_differ(
         drawn: tuple, data: st.DataObject) -> None:
     layout, per_rank, replicas = drawn
-    coordinate = data.draw(st.integers(0, layout.size - 1))
-    combined = combine_checkins(layout, per_rank, replicas, coordinate)
+    shard = data.draw(st.integers(0, layout.size - 1))
+    combined = combine_checkins(layout, per_rank, replicas, shard)
     assert set(combined) <= set(replicas)
     for replica in replicas:
         mine = [per_rank.get(rank) for rank in layout.ranks(replica)]
@@ -151,7 +151,7 @@ def test_combine_checkins_a_replica_is_in_when_all_its_ranks_are_broken_when_one
             continue
         got = combined[replica]
         assert got.step == min(c.step for c in mine)
-        assert got.done == per_rank[layout.rank(replica, coordinate)].done  # the coordinate's own buckets
+        assert got.done == per_rank[layout.rank(replica, shard)].done  # the shard's own buckets
         assert got.broken == (len({c.step for c in mine}) > 1 or any(c.broken for c in mine))
     if layout.size == 1:  # plain data parallelism: the ranks' own check-ins
         assert combined == {r: c for r, c in per_rank.items() if r in replicas}
@@ -159,26 +159,26 @@ def test_combine_checkins_a_replica_is_in_when_all_its_ranks_are_broken_when_one
 
 @SOME
 @given(checkins_of_replicas())
-def test_kept_per_coordinate_is_the_least_done_of_each_coordinates_members(drawn: tuple) -> None:
+def test_kept_per_shard_is_the_least_done_of_each_shards_members(drawn: tuple) -> None:
     layout, per_rank, replicas = drawn
     members = [r for r in replicas if all(rank in per_rank for rank in layout.ranks(r))]
     missing = [r for r in replicas if r not in members]
     if members:
-        kept = kept_per_coordinate(layout, per_rank, members)
+        kept = kept_per_shard(layout, per_rank, members)
         assert kept == tuple(min(per_rank[layout.rank(m, c)].done for m in members) for c in range(layout.size))
         combined = [combine_checkins(layout, per_rank, members, c) for c in range(layout.size)]
         assert kept == tuple(min(view[m].done for m in members) for view in combined)  # each shard's min
     if missing:
         with pytest.raises(MembershipError):
-            kept_per_coordinate(layout, per_rank, sorted(members + missing[:1]))
+            kept_per_shard(layout, per_rank, sorted(members + missing[:1]))
 
 
-def test_kept_per_coordinate_examples() -> None:
+def test_kept_per_shard_examples() -> None:
     layout = ModelParallel(1, 2)
     per_rank = {0: CheckIn(3, 2), 1: CheckIn(3, 0), 4: CheckIn(3, 1), 5: CheckIn(3, 2)}
-    assert kept_per_coordinate(layout, per_rank, [0, 2]) == (1, 0)
+    assert kept_per_shard(layout, per_rank, [0, 2]) == (1, 0)
     with pytest.raises(MembershipError):
-        kept_per_coordinate(layout, per_rank, [0, 1])
+        kept_per_shard(layout, per_rank, [0, 1])
 
 
 def test_live_waiting_and_touched_replicas() -> None:
@@ -209,7 +209,7 @@ def test_stages_to_backpropagate_are_those_from_the_lowest_unreduced_stage_on(la
 
 
 def test_stages_to_backpropagate_examples() -> None:
-    layout = ModelParallel(2, 3)  # coordinates 0,1: stage 0; 2,3: stage 1; 4,5: stage 2
+    layout = ModelParallel(2, 3)  # shards 0,1: stage 0; 2,3: stage 1; 4,5: stage 2
     assert stages_to_backpropagate(layout, [2, 2, 2, 2, 2, 2], [2] * 6) == set()
     assert stages_to_backpropagate(layout, [2, 2, 2, 2, 2, 1], [2] * 6) == {2}
     assert stages_to_backpropagate(layout, [2, 2, 1, 2, 2, 2], [2] * 6) == {1, 2}
@@ -244,7 +244,7 @@ def failures(draw: st.DrawFn) -> tuple:
 
 @SOME
 @given(failures())
-def test_write_record_stores_the_buckets_kept_per_coordinate_and_each_shard_sees_its_own_decision(
+def test_write_record_stores_the_buckets_kept_per_shard_and_each_shard_sees_its_own_decision(
         drawn: tuple) -> None:
     layout, replicas, previous, per_rank, passed = drawn
     store, meetings = _meetings(layout, replicas)
@@ -254,7 +254,7 @@ def test_write_record_stores_the_buckets_kept_per_coordinate_and_each_shard_sees
     decided = {}
     for rank in [layout.rank(r, c) for r in previous for c in range(layout.size)]:
         seen = meetings[rank].checkins(generation, previous)
-        assert seen == combine_checkins(layout, per_rank, previous, layout.coordinate(rank))
+        assert seen == combine_checkins(layout, per_rank, previous, layout.shard(rank))
         decided[rank] = decide_record(generation, previous, seen, None, passed)
     if all(record is None for record in decided.values()):
         assert meetings[0].read_record(generation) is None
@@ -268,7 +268,7 @@ def test_write_record_stores_the_buckets_kept_per_coordinate_and_each_shard_sees
     full = MembershipRecord.from_json(store.get(K.record(generation)))
     assert meetings[first].record == full
     if layout.size > 1 and full.members:
-        assert full.kept == kept_per_coordinate(layout, per_rank, full.members)
+        assert full.kept == kept_per_shard(layout, per_rank, full.members)
         assert full.kept_buckets == min(full.kept)
     else:
         assert full == decided[first]
@@ -276,13 +276,13 @@ def test_write_record_stores_the_buckets_kept_per_coordinate_and_each_shard_sees
         if record is not None:
             assert meetings[rank].write_record(record) == record
         reread = meetings[rank].read_record(generation)
-        assert reread == full.for_coordinate(layout.coordinate(rank))
+        assert reread == full.for_shard(layout.shard(rank))
         if record is not None:
             assert reread == record
     assert store.creates[K.record(generation)] == 1  # written once, by the first writer
 
 
-def test_a_resize_record_stores_zeros_per_coordinate_and_its_view_is_the_proposal() -> None:
+def test_a_resize_record_stores_zeros_per_shard_and_its_view_is_the_proposal() -> None:
     layout = ModelParallel(2, 2)
     store, meetings = _meetings(layout, 3)
     proposed = resize_record(5, [0, 1], [0, 2], step=9)
@@ -301,7 +301,7 @@ def test_the_first_writer_wins_and_everyone_reads_its_record() -> None:
         meetings[rank].check_in(1, CheckIn(0, rank % 2))
     failure = MembershipRecord(1, (0, 1), 0, (), 0)
     resize = resize_record(1, [0, 1], [0], 0)
-    assert meetings[1].write_record(failure) == MembershipRecord(1, (0, 1), 1, (), 0)  # coordinate 1 kept 1
+    assert meetings[1].write_record(failure) == MembershipRecord(1, (0, 1), 1, (), 0)  # shard 1 kept 1
     assert meetings[0].write_record(resize) == failure  # the second writer gets the first one's
     assert meetings[3].write_record(resize) == MembershipRecord(1, (0, 1), 1, (), 0)
     assert MembershipRecord.from_json(store.get(K.record(1))).kept == (0, 1)

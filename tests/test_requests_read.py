@@ -1,7 +1,7 @@
-"""The leader's read of the join/leave requests, in one process: begun with the step's computation.
+"""The primary's read of the join/leave requests, in one process: begun with the step's computation.
 
 The proposal for step s + 1 rides in step s's last bucket, which every other
-rank waits in; the leader reads the request counter in a thread when step s
+rank waits in; the primary reads the request counter in a thread when step s
 begins computing, so the bucket waits for no store round trip. What was asked
 before step s began computing is seen in its proposal (a hold for joiners
 relies on it); what is asked while it computes is seen a step later.
@@ -24,16 +24,16 @@ from unicron_elastic.strategy.engine.effects import ReadRequests
 DATA = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
 
 
-def engine(loss_fn, schedule=None) -> tuple[ElasticDataParallel, list[int]]:
-    """A one-rank engine (the leader) whose ``waiting()`` records the steps it was asked at: a request was seen."""
+def engine(loss_fn, member_schedule=None) -> tuple[ElasticDataParallel, list[int]]:
+    """A one-rank engine (the primary) whose ``waiting()`` records the steps it was asked at: a request was seen."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     e = ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                            plan=GlobalBatchPlan(len(DATA), 4, 2, seed=0), batch=lambda idx: DATA[idx],
+                            batch_plan=GlobalBatchPlan(len(DATA), 4, 2, seed=0), batch=lambda idx: DATA[idx],
                             loss_fn=loss_fn, store=dist.HashStore(), rank=0, world_size=1,
-                            options=EngineOptions(timeout=timedelta(seconds=30)), schedule=schedule)
+                            options=EngineOptions(timeout=timedelta(seconds=30)), member_schedule=member_schedule)
     seen: list[int] = []
-    e.waiting = lambda: seen.append(current[0]) or []  # type: ignore[method-assign]
+    e.store_effects.membership.waiting = lambda: seen.append(current[0]) or []  # type: ignore[method-assign]
     return e, seen
 
 
@@ -53,8 +53,8 @@ def test_a_request_made_before_a_step_computes_is_seen_in_its_proposal_one_made_
 
     def loss(model, batch):
         if current[0] == 1 and not asked_during:  # while step 1 computes, once its read is done
-            assert e.requests.prefetched is not None and e.requests.prefetched[1].result() == 0
-            asked_during[1] = e.store.add(K.JOIN_REQUESTS, 1)
+            assert e.store_effects.requests.prefetched is not None and e.store_effects.requests.prefetched[1].result() == 0
+            asked_during[1] = e.store_effects.store.add(K.JOIN_REQUESTS, 1)
         return model(batch).pow(2).mean()
 
     e, seen = engine(loss)
@@ -71,7 +71,7 @@ def test_a_request_made_before_a_step_computes_is_seen_in_its_proposal_one_made_
 def test_a_request_raised_before_the_step_began_is_seen_at_once() -> None:
     e, seen = engine(lambda model, batch: model(batch).pow(2).mean())
     try:
-        train(e, range(3), before_step=lambda s: s == 1 and e.store.add(K.JOIN_REQUESTS, 1))
+        train(e, range(3), before_step=lambda s: s == 1 and e.store_effects.store.add(K.JOIN_REQUESTS, 1))
         assert seen == [1, 2]
     finally:
         e.close()
@@ -81,15 +81,15 @@ def test_the_read_is_used_once_and_only_for_the_next_steps_proposal() -> None:
     e, _ = engine(lambda model, batch: model(batch).pow(2).mean())
     reads = []
     counts = iter([5, 0, 0])
-    e.requests.count = lambda: reads.append(1) or next(counts)  # type: ignore[method-assign]
+    e.store_effects.requests.count = lambda: reads.append(1) or next(counts)  # type: ignore[method-assign]
     try:
-        e._prefetch_requests(4)
-        assert e.requests.prefetched is not None and e.requests.prefetched[1].result() == 5
-        assert e._requests(ReadRequests((0,), step=4)) == ([], [])  # not step 5's: read afresh (0)
-        assert e.requests.prefetched is None and len(reads) == 2
-        e._prefetch_requests(4)
-        assert e._requests(ReadRequests((0,), step=5)) == ([], [])  # the prefetched 0, no third read
-        assert len(reads) == 3 and e.requests.prefetched is None
+        e.store_effects.prefetch_requests(4, True)
+        assert e.store_effects.requests.prefetched is not None and e.store_effects.requests.prefetched[1].result() == 5
+        assert e.store_effects.read_requests(ReadRequests((0,), step=4)) == ([], [])  # not step 5's: read afresh (0)
+        assert e.store_effects.requests.prefetched is None and len(reads) == 2
+        e.store_effects.prefetch_requests(4, True)
+        assert e.store_effects.read_requests(ReadRequests((0,), step=5)) == ([], [])  # the prefetched 0, no third read
+        assert len(reads) == 3 and e.store_effects.requests.prefetched is None
     finally:
         e.close()
 
@@ -100,7 +100,7 @@ def test_an_unreachable_store_during_the_read_reports_no_requests_and_training_g
     def unreachable() -> int:
         raise StoreUnavailableError("etcd down (test)")
 
-    e.requests.count = unreachable  # type: ignore[method-assign]
+    e.store_effects.requests.count = unreachable  # type: ignore[method-assign]
     try:
         train(e, range(3))
         assert seen == [] and e.next_step == 3
@@ -108,13 +108,13 @@ def test_an_unreachable_store_during_the_read_reports_no_requests_and_training_g
         e.close()
 
 
-def test_with_a_schedule_the_leader_reads_no_requests() -> None:
-    e, seen = engine(lambda model, batch: model(batch).pow(2).mean(), schedule={0: [0]})
-    e.requests.count = lambda: pytest.fail("a schedule decides the members: no read")  # type: ignore[method-assign]
+def test_with_a_member_schedule_the_primary_reads_no_requests() -> None:
+    e, seen = engine(lambda model, batch: model(batch).pow(2).mean(), member_schedule={0: [0]})
+    e.store_effects.requests.count = lambda: pytest.fail("a schedule decides the members: no read")  # type: ignore[method-assign]
     try:
-        e.store.add(K.JOIN_REQUESTS, 1)
+        e.store_effects.store.add(K.JOIN_REQUESTS, 1)
         train(e, range(2))
-        assert seen == [] and e.requests.reader is None
+        assert seen == [] and e.store_effects.requests.reader is None
     finally:
         e.close()
 
@@ -138,12 +138,12 @@ def test_a_read_still_pending_at_the_steps_end_is_not_waited_for_and_the_next_re
 
     try:
         train(e, range(1))
-        e.requests.count = failing_over  # type: ignore[method-assign]
+        e.store_effects.requests.count = failing_over  # type: ignore[method-assign]
         started = time.monotonic()
         train(e, range(1, 3))  # each step's end finds its read pending: waited for briefly, no request
         assert time.monotonic() - started < 10 * STEP_END_WAIT_S and seen == [] and e.next_step == 3
         etcd_back.set()
-        e.requests.count = lambda: 3  # type: ignore[method-assign]
+        e.store_effects.requests.count = lambda: 3  # type: ignore[method-assign]
         train(e, range(3, 5))
         assert seen == [3, 4]  # seen once the store answers again
     finally:

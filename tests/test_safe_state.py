@@ -344,7 +344,7 @@ def test_a_stale_checkpoint_writer_never_marks_an_older_step_latest(tmp_path: Pa
 def _engines(store: dist.Store, **kwargs: Any) -> ElasticDataParallel:
     torch.manual_seed(kwargs.pop("seed", 0))
     model = torch.nn.Linear(4, 2)
-    return ElasticDataParallel(model, torch.optim.Adam(model.parameters()), plan=None, batch=lambda idx: idx,
+    return ElasticDataParallel(model, torch.optim.Adam(model.parameters()), batch_plan=None, batch=lambda idx: idx,
                                loss_fn=lambda m, b: m(b).sum(), store=store, world_size=2,
                                options=EngineOptions(timeout=timedelta(seconds=30)), **kwargs)
 
@@ -365,7 +365,7 @@ def test_a_pickle_broadcast_by_a_peer_is_refused_and_runs_nothing(tmp_path: Path
     sender.start()
     joiner = _engines(store, rank=1)
     with pytest.raises(StateDecodingError, match="pickle|torch.save"):
-        joiner._transfer(TransferState(0, apply=True))
+        joiner.handout.transfer(TransferState(0, apply=True))
     sender.join(30)
     assert not marker.exists()
 
@@ -382,14 +382,14 @@ def test_state_broadcast_between_replicas_is_bit_exact() -> None:
         t.start()
     for t in threads:
         t.join(30)
-    leader, joiner = engines[0], engines[1]
-    leader.model(torch.randn(3, 4)).sum().backward()
-    leader.optimizer.step()
-    leader.next_step = 5
-    sent = threading.Thread(target=leader._transfer, args=(TransferState(0, apply=False),))
+    primary, joiner = engines[0], engines[1]
+    primary.model(torch.randn(3, 4)).sum().backward()
+    primary.optimizer.step()
+    primary.next_step = 5
+    sent = threading.Thread(target=primary.handout.transfer, args=(TransferState(0, apply=False),))
     sent.start()
-    joiner._transfer(TransferState(0, apply=True))
+    joiner.handout.transfer(TransferState(0, apply=True))
     sent.join(30)
     assert joiner.next_step == 5
-    assert all(torch.equal(a, b) for a, b in zip(leader.model.parameters(), joiner.model.parameters()))
-    assert same(joiner.optimizer.state_dict(), leader.optimizer.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(primary.model.parameters(), joiner.model.parameters()))
+    assert same(joiner.optimizer.state_dict(), primary.optimizer.state_dict())

@@ -122,9 +122,9 @@ def test_each_agent_publishes_its_snapshot_server_on_its_lease(store: StatusStor
 def test_the_snapshot_is_held_by_the_other_node_and_survives_losing_the_writers(
         store: StatusStore, agents: list[MeetingPoint], captured: structlog.testing.LogCapture) -> None:
     state = _state(3)
-    leader = _snapshot(store, agents[0], node=0)
-    leader.save(state)
-    leader.wait()
+    primary = _snapshot(store, agents[0], node=0)
+    primary.save(state)
+    primary.wait()
     assert agents[1].snapshots.check([SNAPSHOT_KEY])
     assert not agents[0].snapshots.check([SNAPSHOT_KEY])  # not on the writer's own node
     agents[0].close()  # the writer's node is lost
@@ -135,9 +135,9 @@ def test_the_snapshot_is_held_by_the_other_node_and_survives_losing_the_writers(
 
 def test_losing_the_node_that_holds_it_is_a_warning_not_silence(
         store: StatusStore, agents: list[MeetingPoint], captured: structlog.testing.LogCapture) -> None:
-    leader = _snapshot(store, agents[0], node=0)
-    leader.save(_state(3))
-    leader.wait()
+    primary = _snapshot(store, agents[0], node=0)
+    primary.save(_state(3))
+    primary.wait()
     agents[1].close()  # the holder's node is lost
     assert _snapshot(store, agents[0], node=0).load() is None
     assert [e["node"] for e in events_named(captured, "snapshot_unreachable")] == [1]
@@ -146,9 +146,9 @@ def test_losing_the_node_that_holds_it_is_a_warning_not_silence(
 def test_the_joiner_takes_the_newest_step_of_every_server(store: StatusStore, agents: list[MeetingPoint]) -> None:
     old, new = _state(3), _state(5)
     for node, state in ((1, new), (0, old)):  # the newest one written first: newest step wins, not last write
-        leader = _snapshot(store, agents[node], node=node)
-        leader.save(state)
-        leader.wait()
+        primary = _snapshot(store, agents[node], node=node)
+        primary.save(state)
+        primary.wait()
     assert all(point.snapshots.check([SNAPSHOT_KEY]) for point in agents)  # one on each node
     assert same(_snapshot(store, agents[0], node=0).load(), new)
 
@@ -158,9 +158,9 @@ def test_with_three_nodes_two_hold_it_and_it_survives_losing_either(
     points = [MeetingPoint(store, "three", 0, 2, group_rank, 3, host=LOOPBACK) for group_rank in range(3)]
     try:
         state = _state(4)
-        leader = _snapshot(store, points[0], node=0)
-        leader.save(state)
-        leader.wait()
+        primary = _snapshot(store, points[0], node=0)
+        primary.save(state)
+        primary.wait()
         assert [point.snapshots.check([SNAPSHOT_KEY]) for point in points] == [False, True, True]
         points[1].close()  # one holder is lost (or frozen): the other one still has it
         assert same(_snapshot(store, points[2], node=2).load(), state)
@@ -172,9 +172,9 @@ def test_with_three_nodes_two_hold_it_and_it_survives_losing_either(
 def test_a_stale_writer_never_replaces_a_newer_snapshot(
         store: StatusStore, agents: list[MeetingPoint], captured: structlog.testing.LogCapture) -> None:
     """A writer frozen with an old step's upload and resumed after the group moved on: the step fences it."""
-    leader = _snapshot(store, agents[0], node=0)
-    leader.save(_state(7))
-    leader.wait()
+    primary = _snapshot(store, agents[0], node=0)
+    primary.save(_state(7))
+    primary.wait()
     stale = _snapshot(store, agents[0], node=0)
     stale.save(_state(5))
     stale.wait()
@@ -186,11 +186,11 @@ def test_alone_the_snapshot_stays_on_its_node_with_one_warning(
         store: StatusStore, captured: structlog.testing.LogCapture) -> None:
     point = MeetingPoint(store, "alone", 0, 2, 0, 1, host=LOOPBACK)
     try:
-        leader = _snapshot(store, point, node=0)
+        primary = _snapshot(store, point, node=0)
         for step in (0, 1):
-            leader.save(_state(step))
-            leader.wait()
-        assert same(leader.load(), _state(1))
+            primary.save(_state(step))
+            primary.wait()
+        assert same(primary.load(), _state(1))
         assert len(events_named(captured, "snapshot_not_replicated")) == 1
     finally:
         point.close()
@@ -204,11 +204,11 @@ def test_a_server_that_does_not_answer_is_skipped_with_a_warning_within_its_boun
     del dead  # node 1 died; its key has not expired yet
     store.put(point.prefix + MeetingKeys.snapshot_host(1), f"{LOOPBACK}:{port}".encode())
     try:
-        leader = _snapshot(store, point, node=0, connect_s=0.5)
-        leader.save(_state(2))
-        leader.wait()  # in the background: a warning, no crash
+        primary = _snapshot(store, point, node=0, connect_s=0.5)
+        primary.save(_state(2))
+        primary.wait()  # in the background: a warning, no crash
         assert [e["node"] for e in events_named(captured, "snapshot_unreachable")] == [1]
-        assert leader.load() is None
+        assert primary.load() is None
         assert [e["node"] for e in events_named(captured, "snapshot_unreachable")] == [1, 1]
     finally:
         point.close()
@@ -220,17 +220,17 @@ def test_out_of_process_the_writer_process_sends_the_snapshot_to_the_next_node(
     from unicron_elastic.meeting import encode_meeting
 
     places = PeerServers.from_meeting(encode_meeting(etcd_config, agents[0].prefix), node=0)
-    leader = MemorySnapshot(places, every=1, out_of_process=True)
-    assert leader.out_of_process
+    primary = MemorySnapshot(places, every=1, out_of_process=True)
+    assert primary.out_of_process
     try:
-        leader.start()  # (as the strategy does at setup: the first snapshot is not skipped)
+        primary.start()  # (as the strategy does at setup: the first snapshot is not skipped)
         for step in (3, 4):  # the second reuses the writer and its buffer
-            assert leader.save(_state(step))
-            leader.wait()
+            assert primary.save(_state(step))
+            primary.wait()
             assert agents[1].snapshots.check([SNAPSHOT_KEY]) and not agents[0].snapshots.check([SNAPSHOT_KEY])
             assert same(_snapshot(store, agents[1], node=1).load(), _state(step))
     finally:
-        leader.close()
+        primary.close()
 
 
 def test_a_store_only_this_process_reaches_keeps_the_snapshot_in_a_thread() -> None:

@@ -100,13 +100,15 @@ def test_append_event_trims_a_large_backlog_in_one_go(store: StatusStore) -> Non
 def test_agent_publish_keeps_only_the_newest_events(etcd_config: EtcdConfig) -> None:
     from types import SimpleNamespace
 
-    from unicron_elastic.agent.agent import UnicronAgent
+    from unicron_elastic.agent.publisher import EventPublisher
     from unicron_elastic.plugins.manager import plugin_manager
 
     store = StatusStore(etcd_config, event_retention=3)
-    agent = SimpleNamespace(events=[], store=store, _pm=plugin_manager(load_entry_points=False))
+    rendezvous = SimpleNamespace(task="", status_store=store, max_nodes=1, round_joined=None,
+                                 join_running_rounds=lambda local_world_size: None, get_run_id=lambda: "t")
+    publisher = EventPublisher("n1", plugin_manager(load_entry_points=False), rendezvous)
     for i in range(5):
-        UnicronAgent.publish(agent, ErrorEvent(Severity.SEV3, "nan_loss", "loss", "n1", message=f"e{i}"))
+        publisher.publish(ErrorEvent(Severity.SEV3, "nan_loss", "loss", "n1", message=f"e{i}"))
     kept = [ErrorEvent.from_json(kv.value).message for kv in store.get_prefix(store.keys.events())]
     assert kept == ["e2", "e3", "e4"]
     store.close()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.store.keys import MeetingKeys as K
+from unicron_elastic.strategy.engine import effects as E
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineOptions
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 
@@ -23,7 +24,7 @@ def engine(loss_fn=lambda model, batch: model(batch).pow(2).mean()) -> ElasticDa
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     return ElasticDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               plan=GlobalBatchPlan(len(DATA), 4, 2, seed=0), batch=lambda idx: DATA[idx],
+                               batch_plan=GlobalBatchPlan(len(DATA), 4, 2, seed=0), batch=lambda idx: DATA[idx],
                                loss_fn=loss_fn, store=dist.HashStore(), rank=0, world_size=1,
                                options=EngineOptions(timeout=timedelta(seconds=30)))
 
@@ -39,28 +40,28 @@ def test_a_stop_asked_while_a_step_computes_is_agreed_in_that_steps_exchange() -
 
     e = engine(loss)
     e.train_step(0)
-    assert not e.stop_agreed
+    assert not e.reduction.stop_agreed
     e.next_step = 1
     e.train_step(1)
-    assert asked and e.stop_requested and e.stop_agreed
+    assert asked and e.reduction.stop_requested and e.reduction.stop_agreed
 
 
 def test_the_stop_slot_is_summed_beside_the_members_and_sent_on_by_whoever_saw_it() -> None:
     e = engine()
-    slots = e._encode([0], torch.float64)
-    assert slots.tolist()[-1] == 0 and e._decode(slots) == [0] and not e.stop_agreed
-    other = e._encode(None, torch.float64)
+    slots = e.reduction._encode([0], torch.float64)
+    assert slots.tolist()[-1] == 0 and e.reduction._exchanged(slots).members == [0] and not e.reduction.stop_agreed
+    other = e.reduction._encode(None, torch.float64)
     other[-1] = 1  # another rank asked: the sum carries it
-    assert e._decode(slots + other) == [0]
-    assert e.stop_agreed and e.stop_requested  # this rank now sends it in every exchange too
-    assert e._encode(None, torch.float64).tolist()[-1] == 1
+    assert e.reduction._exchanged(slots + other).members == [0]
+    assert e.reduction.stop_agreed and e.reduction.stop_requested  # this rank now sends it in every exchange too
+    assert e.reduction._encode(None, torch.float64).tolist()[-1] == 1
 
 
 def test_ranks_that_regroup_after_the_stop_step_learn_it_when_their_group_forms() -> None:
     stopped, behind = engine(), engine()
-    behind.store = stopped.store  # (one meeting store)
+    behind.store_effects.store = stopped.store_effects.store  # (one meeting store)
     stopped.stopping(4)
-    assert stopped.store.get(K.STOP) == b"4"
-    assert not behind.stop_requested
-    behind._formed(None)  # what a regroup's new group runs once formed
-    assert behind.stop_requested and not behind.stop_agreed  # its next exchange carries it to every member
+    assert stopped.store_effects.store.get(K.STOP) == b"4"
+    assert not behind.reduction.stop_requested
+    behind._formed(E.Formed(1, (0,)))  # what a regroup's new group runs once formed
+    assert behind.reduction.stop_requested and not behind.reduction.stop_agreed  # its next exchange carries it to every member

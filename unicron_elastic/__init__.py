@@ -4,7 +4,7 @@ Plugs into torchrun (``--rdzv-backend=unicron`` and the ``unicron-run``
 launcher), PyTorch Lightning and megatron-core. See README.md and DESIGN.md.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _register_lightning_strategy() -> None:

@@ -7,10 +7,8 @@ without importing the modules that do I/O.
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -231,27 +229,3 @@ def member_endpoint(host: str, port: int) -> str:
 
 def _join(members: Any) -> str:
     return ",".join(member_endpoint(host, port) for host, port in members)
-
-
-def renamed_keywords(**renamed: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A decorator: a function's keyword arguments ``old=`` keep working as ``new=`` for one release.
-
-    Args:
-        renamed: ``old="new"`` for each renamed keyword.
-
-    Raises:
-        TypeError: (from the wrapped function) both the old and the new name are given.
-    """
-    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            for old, new in renamed.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{function.__qualname__}() got both {old}= and {new}= ({old}= is deprecated)")
-                    warnings.warn(f"{function.__qualname__}({old}=) is deprecated: use {new}=; removed in 0.3",
-                                  DeprecationWarning, stacklevel=2)
-                    kwargs[new] = kwargs.pop(old)
-            return function(*args, **kwargs)
-        return wrapper
-    return decorate

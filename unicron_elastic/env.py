@@ -43,8 +43,6 @@ MAX_WORLD = Variable("UNICRON_MAX_WORLD", "int >= `WORLD_SIZE`",
                      "the agent (for its workers)", "`strategy/lightning/environment.py`")
 INCARNATION = Variable("UNICRON_INCARNATION", "`<node>.<rendezvous count>.<restarts>`: this process of its rank",
                        "the agent (for its workers)", "user scripts (the workers' liveness value is the same)")
-GENERATION = Variable("UNICRON_GENERATION", "deprecated (use `UNICRON_INCARNATION`; until 0.3): `N` at a group "
-                      "start, `N.R` for a rank's respawn `R`", "the agent (for its workers)", "user scripts")
 ROUND = Variable("UNICRON_ROUND", "int >= 0: the run's rendezvous round",
                  "the agent (for its workers)", "the Lightning strategy")
 WORKER_RESTARTS = Variable("UNICRON_WORKER_RESTARTS",
@@ -68,8 +66,8 @@ LOOPBACK_SLURM_NODE = Variable("UNICRON_LOOPBACK_SLURM_NODE", "`<slurm.conf>:<ma
                                "`slurm/loopback.py` (from `/proc/<pid>/environ`)")
 
 #: Every variable, in the order of docs/architecture.md's table.
-VARIABLES: tuple[Variable, ...] = (AGENT_SOCKET, MEETING, ETCD_PASSWORD, MAX_WORLD, INCARNATION, GENERATION, ROUND,
-                                   WORKER_RESTARTS, FAULTS, FAULT_LOG, NODE_DAEMON, DAEMON_PID,
+VARIABLES: tuple[Variable, ...] = (AGENT_SOCKET, MEETING, ETCD_PASSWORD, MAX_WORLD, INCARNATION, ROUND, WORKER_RESTARTS,
+                                   FAULTS, FAULT_LOG, NODE_DAEMON, DAEMON_PID,
                                    EVENT_RETENTION, ETCD_BINARY, LOG_LEVEL, ETCD_LAYOUT, LOOPBACK_SLURM_NODE)
 
 
@@ -156,15 +154,13 @@ def incarnation(node: str, rendezvous_count: int, restarts: int) -> str:
 
 
 def set_group_start(node: str, rendezvous_count: int) -> None:
-    """Tell the workers of a group start their incarnation (and the deprecated :data:`GENERATION`)."""
+    """Tell the workers of a group start their incarnation."""
     os.environ[INCARNATION.name] = incarnation(node, rendezvous_count, 0)
-    os.environ[GENERATION.name] = str(rendezvous_count)
 
 
 def respawn_env(node: str, rendezvous_count: int, restarts: int) -> dict[str, str]:
-    """The variables of a rank's respawned process: its incarnation and restart count (and ``N.R``, deprecated)."""
-    return {INCARNATION.name: incarnation(node, rendezvous_count, restarts),
-            GENERATION.name: f"{rendezvous_count}.{restarts}", WORKER_RESTARTS.name: str(restarts)}
+    """The variables of a rank's respawned process: its incarnation and restart count."""
+    return {INCARNATION.name: incarnation(node, rendezvous_count, restarts), WORKER_RESTARTS.name: str(restarts)}
 
 
 def set_round(round_: int) -> None:

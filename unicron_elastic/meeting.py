@@ -14,33 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, EtcdConfig
-from unicron_elastic.env import ETCD_PASSWORD, MAX_WORLD, MEETING, etcd_password, meeting_text
-
-#: The old names of variables now in :mod:`unicron_elastic.env` (served with a deprecation warning).
-_MOVED_TO_ENV = {"MEETING_ENV": ("MEETING", MEETING), "PASSWORD_ENV": ("ETCD_PASSWORD", ETCD_PASSWORD),
-                 "MAX_WORLD_ENV": ("MAX_WORLD", MAX_WORLD)}
-
-
-def __getattr__(name: str) -> Any:
-    """The deprecated ``MEETING_ENV``, ``PASSWORD_ENV`` and ``MAX_WORLD_ENV`` (their variables' names).
-
-    Raises:
-        AttributeError: Another name.
-    """
-    if name in _MOVED_TO_ENV:
-        new, variable = _MOVED_TO_ENV[name]
-        warnings.warn(f"unicron_elastic.meeting.{name} is deprecated: use unicron_elastic.env.{new}.name; "
-                      "removed in 0.3", DeprecationWarning, stacklevel=2)
-        return variable.name
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from unicron_elastic.env import ETCD_PASSWORD, MEETING, etcd_password, meeting_text
 
 
 def encode_meeting(config: EtcdConfig, prefix: str) -> str:

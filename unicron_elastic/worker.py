@@ -40,9 +40,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
-from unicron_elastic.env import AGENT_SOCKET, agent_socket
+from unicron_elastic.env import agent_socket
 
-SOCKET_ENV = AGENT_SOCKET.name  # deprecated alias, remove in 0.3 (the variable is env.AGENT_SOCKET)
 T = TypeVar("T")
 _MAX_TRACEBACK = 8000
 #: Longest reason a rejoin request carries (the agent refuses longer ones).

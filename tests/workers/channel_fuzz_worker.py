@@ -16,7 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from unicron_elastic.worker import SOCKET_ENV, get_worker
+from unicron_elastic.env import AGENT_SOCKET
+from unicron_elastic.worker import get_worker
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     worker = get_worker()
     worker.hello(resumable=True)
     step = int(step_file.read_text()) + 1 if step_file.exists() else 0
-    note(event="start", step=step, socket=os.environ[SOCKET_ENV],
+    note(event="start", step=step, socket=os.environ[AGENT_SOCKET.name],
          restarts=int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")))
     attempts: list[int] = []
 

@@ -27,7 +27,7 @@ from unicron_elastic.strategy.lightning.megatron_strategy import UnicronMegatron
 
 
 def _keep_lightnings_clipping() -> None:
-    bind = UnicronMegatronStrategy._bind_stages
+    bind = UnicronMegatronStrategy._bind_model
 
     def keep(self, module):  # type: ignore[no-untyped-def]
         plugin = self.precision_plugin
@@ -35,7 +35,7 @@ def _keep_lightnings_clipping() -> None:
         bind(self, module)
         plugin.clip_grad_by_norm = own
 
-    UnicronMegatronStrategy._bind_stages = keep
+    UnicronMegatronStrategy._bind_model = keep
 
 
 def _count_recomputed_twice() -> None:

@@ -299,7 +299,8 @@ class NodeHealthDetector(Detector):
     def __init__(self, ttl: int = 2) -> None:
         self.ttl = ttl
         self.lease: KeptLease | None = None
-        self._stopping = False  # a renewal must not turn the ``leaving`` record back to ``running``
+        # Once stopping, a renewal must not turn the ``leaving`` record back to ``running``.
+        self._stopping = False
 
     def start(self, ctx: DetectorContext) -> None:
         super().start(ctx)
@@ -308,7 +309,8 @@ class NodeHealthDetector(Detector):
             log.info("detector_disabled", detector=self.name, reason="no etcd status store (not the unicron backend)")
             return
         if node_daemon() is not None:
-            return  # the daemon's record is this node's; the meeting point's lease is the agent's
+            # The daemon's record is this node's, and the meeting point's lease is the agent's.
+            return
         self.lease = KeptLease(store, self.ttl, on_lost=ctx.lost_own_lease, on_renewed=self._register)
         self._register(self.lease.id)
 
@@ -319,7 +321,8 @@ class NodeHealthDetector(Detector):
             StoreError: etcd refused or could not be reached.
         """
         if node_daemon() is not None or self._stopping:
-            return  # the node daemon holds this node's record (with its slots) on its own lease; or leaving
+            # The node daemon holds this node's record (with its slots) on its own lease, or the node is leaving.
+            return
         store = self.ctx.store
         assert store is not None
         store.put_json(store.keys.node(self.ctx.node), {"state": "running", "lease": lease, "ts": time.time()},

@@ -29,8 +29,8 @@ from unicron_elastic.events import ErrorEvent, Severity
 LEFT_OUT = "left_out"
 
 
-class Action(str, Enum):
-    """What the agent does about an event."""
+class Remedy(str, Enum):
+    """What the agent does about an event: the action of a rung of the ladder."""
 
     REATTEMPT = "reattempt"
     RESTART_WORKER = "restart_worker"
@@ -69,9 +69,10 @@ class Rung:
         severity: The severity the action answers (after escalation).
         history: The rank's history including this rung.
         reason: Why, for logs and events.
+        escalated_from: The severities the event was escalated from, in order (empty: none).
     """
 
-    action: Action
+    action: Remedy
     severity: Severity
     history: RankHistory
     reason: str = ""
@@ -104,17 +105,17 @@ def climb(policy: LadderPolicy, history: RankHistory, event: ErrorEvent, step: i
         used = history.reattempts if same_step else 0
         if history.responsive and used < policy.max_reattempts:
             new = replace(history, step=step, reattempts=used + 1)
-            return Rung(Action.REATTEMPT, Severity.SEV3, new, f"reattempt {used + 1}/{policy.max_reattempts}")
+            return Rung(Remedy.REATTEMPT, Severity.SEV3, new, f"reattempt {used + 1}/{policy.max_reattempts}")
         escalated, severity = (Severity.SEV3,), Severity.SEV2
     if severity is Severity.SEV2:
         if not history.resumable:
-            return Rung(Action.RESTART_ALL, Severity.SEV2, history, "worker not resumable: restart all", escalated)
+            return Rung(Remedy.RESTART_ALL, Severity.SEV2, history, "worker not resumable: restart all", escalated)
         if history.restarts < policy.max_worker_restarts:
             new = replace(history, restarts=history.restarts + 1, reattempts=0)
-            return Rung(Action.RESTART_WORKER, Severity.SEV2, new,
-                            f"restart {history.restarts + 1}/{policy.max_worker_restarts}", escalated)
+            return Rung(Remedy.RESTART_WORKER, Severity.SEV2, new,
+                        f"restart {history.restarts + 1}/{policy.max_worker_restarts}", escalated)
         escalated, severity = (*escalated, Severity.SEV2), Severity.SEV1
-    return Rung(Action.GIVE_UP, Severity.SEV1, history, f"{event.kind}: node gives up its assignment", escalated)
+    return Rung(Remedy.GIVE_UP, Severity.SEV1, history, f"{event.kind}: node gives up its assignment", escalated)
 
 
 def _rejoin(policy: LadderPolicy, history: RankHistory) -> Rung | None:
@@ -122,4 +123,4 @@ def _rejoin(policy: LadderPolicy, history: RankHistory) -> Rung | None:
     if not history.resumable or history.rejoins >= policy.max_rejoins:
         return None
     new = replace(history, rejoins=history.rejoins + 1, reattempts=0)
-    return Rung(Action.RESTART_WORKER, Severity.SEV3, new, f"rejoin {history.rejoins + 1}/{policy.max_rejoins}")
+    return Rung(Remedy.RESTART_WORKER, Severity.SEV3, new, f"rejoin {history.rejoins + 1}/{policy.max_rejoins}")

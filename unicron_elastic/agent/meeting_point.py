@@ -7,7 +7,7 @@ vanish within one TTL when the node is lost.
 
 The agent also hosts a snapshot server in its own memory (a TCPStore, port
 chosen by the OS) and publishes its ``host:port`` there on the same lease:
-the leader of a node's workers writes the in-memory snapshot to the *next*
+the shards of the primary replica write the in-memory snapshot to the *next*
 live node's server (GEMINI's placement, :mod:`unicron_elastic.strategy.snapshots`),
 so losing a node loses its replicas, not the snapshot.
 """
@@ -118,9 +118,11 @@ class MeetingPoint:
         """
         key = self.prefix + MeetingKeys.agent(self.group_rank)
         mine = self.owner.encode()
-        with self._lock:  # (held across the writes: a worker exiting meanwhile must not be put back)
+        # The lock is held across the writes: a worker exiting meanwhile must not be put back.
+        with self._lock:
             owner = None if self.store.cas(key, mine, None, lease=lease).succeeded else self.store.get(key)
-            if owner is not None and owner.value == mine:  # (still there: a lease etcd had not dropped yet) ours
+            if owner is not None and owner.value == mine:
+                # The key is still there, and it is ours: etcd had not dropped the old lease yet.
                 self.store.put(key, mine, lease=lease)
                 owner = None
             if owner is None:
@@ -192,8 +194,8 @@ class MeetingPoint:
         """Ask workers ``ranks`` to leave the data-parallel group at the next step boundary.
 
         The requests are counted on :attr:`MeetingKeys.JOIN_REQUESTS` (the
-        counter the group's leader reads between steps), then written in one
-        transaction (the leader sees all of them or none, so a node's ranks
+        counter the group's primary reads between steps), then written in one
+        transaction (the primary sees all of them or none, so a node's ranks
         leave at the same step).
 
         Raises:
@@ -270,7 +272,8 @@ class MeetingPoint:
         if self.lease.lost.is_set():
             return
         key, left = self.prefix + MeetingKeys.agent(self.group_rank), replace(self.place, left=True).encode()
-        try:  # (only while this node still holds it)
+        # The place is marked only while this node still holds it.
+        try:
             self.store.call(lambda c: c.transaction(compare=[c.transactions.value(key) == self.owner],
                                                     success=[c.transactions.put(key, left, lease=self.lease.id)],
                                                     failure=[]), f"mark {key} left", patience=2.0)

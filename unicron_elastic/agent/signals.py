@@ -35,10 +35,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 LEAVE_SIGNAL = signal.SIGUSR2
 #: SLURM's warning signal (``--signal=USR1@N``): stops ``unicron-run --slurm`` like SIGTERM (exit code 138).
 PREEMPT_SIGNAL = signal.SIGUSR1
-_shutting_down = threading.Event()  # set once the process cleans up: later stop signals are ignored
-_leave_requested = threading.Event()  # LEAVE_SIGNAL arrived: the agent acts on it once its workers can leave
-_in_rendezvous = threading.Event()  # the node waits for a round (no workers of its own): a leave ends it at once
-_signals: dict[str, Any] = {"pending": None, "deferring": 0}  # main-thread state of the stop signal
+#: Set once the process cleans up: later stop signals are ignored.
+_shutting_down = threading.Event()
+#: Set when LEAVE_SIGNAL arrived: the agent acts on it once its workers can leave.
+_leave_requested = threading.Event()
+#: Set while the node waits for a round (it has no workers of its own): a leave ends the wait at once.
+_in_rendezvous = threading.Event()
+#: The main thread's state of the stop signal.
+_signals: dict[str, Any] = {"pending": None, "deferring": 0}
 
 
 def _on_stop_signal(signum: int, frame: object) -> None:

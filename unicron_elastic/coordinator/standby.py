@@ -22,7 +22,6 @@ def state_to_json(state: ClusterState, cursor: int, leader: str) -> str:
     import json
 
     return json.dumps({"nodes": dict(state.nodes), "leases": dict(state.leases),
-                       "incarnations": dict(state.leases),  # (the old name of "leases", read by 0.1; until 0.3)
                        "tasks": [t.name for t in state.tasks],
                        "isolated": sorted(state.isolated), "finished": sorted(state.finished),
                        "failed": sorted(state.failed),
@@ -52,7 +51,7 @@ def state_from_json(raw: str | bytes, plan: ClusterPlan | None, specs: Mapping[s
             failures={str(k): tuple(float(t) for t in v) for k, v in doc["failures"].items()}, config=config,
             task_failures={str(k): tuple((float(t), str(n)) for t, n in v)
                            for k, v in doc.get("task_failures", {}).items()},
-            leases={str(k): int(v) for k, v in doc.get("leases", doc.get("incarnations", {})).items()},
+            leases={str(k): int(v) for k, v in doc.get("leases", {}).items()},
             failed=frozenset(str(t) for t in doc.get("failed", ())))
         return replace(state, table=one_step_table(state)), int(doc["cursor"])
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:

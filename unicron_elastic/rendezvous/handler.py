@@ -325,17 +325,6 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         return self._round_joined
 
     @property
-    def rejoined(self) -> bool:  # deprecated alias, remove in 0.3
-        """Deprecated: ``round_joined.running``."""
-        return self._round_joined is not None and self._round_joined.running
-
-    @property
-    def past_round(self) -> tuple[int, int] | None:  # deprecated alias, remove in 0.3
-        """Deprecated: ``round_joined.past_round`` (a ``RoundStart``; this is its ``(nodes, world)``)."""
-        past = self._round_joined.past_round if self._round_joined is not None else None
-        return None if past is None else (past.nodes, past.world)
-
-    @property
     def max_nodes(self) -> int:
         """The most nodes the run may have (``--nnodes``' max)."""
         return int(self._settings.max_nodes)

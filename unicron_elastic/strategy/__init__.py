@@ -11,15 +11,12 @@ Three packages:
 - :mod:`~unicron_elastic.strategy.engine`: the elastic data-parallel engine (no Lightning, no megatron-core);
 - :mod:`~unicron_elastic.strategy.snapshots`: the state format, in-memory snapshots and disk checkpoints;
 - :mod:`~unicron_elastic.strategy.lightning`: the Lightning strategy and what it does around a megatron-core model.
-
-The old module paths of the flat layout keep working for one release (:mod:`._old_paths`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from unicron_elastic.strategy import _old_paths
 from unicron_elastic.strategy.lightning.stages import run_forward_step
 
 __all__ = ["STRATEGY_NAME", "UnicronMegatronStrategy", "run_forward_step"]
@@ -36,6 +33,3 @@ def __getattr__(name: str) -> Any:
 
         return getattr(megatron_strategy, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_old_paths.install()

@@ -6,6 +6,7 @@ examples, tests) state a setting by name without importing the engine.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,15 +15,46 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from unicron_elastic.strategy.engine.replicas import ModelParallel
     from unicron_elastic.strategy.engine.step_totals import TotalsLayout
     from unicron_elastic.strategy.engine.transport import CollectiveTransport
     from unicron_elastic.strategy.engine.group_watch import WatchTimes
 
-#: ``hook(rank, step, micro_batch=j | bucket=k | at=...)``: a fault-injection point.
-Hook = Callable[..., None]
+#: ``fault_point(rank, step, micro_batch=j | bucket=k | at=...)``: a fault-injection point.
+FaultPoint = Callable[..., None]
 #: ``stage_fn(model, batch, input)``: a pipeline stage's output for one micro-batch (the loss on the last stage).
 StageFn = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
+
+
+class GroupListener(ABC):
+    """What is built over the same members as the engine's groups, each generation (the Lightning strategy's world).
+
+    :class:`~unicron_elastic.strategy.engine.groups.GenerationGroups` calls it
+    after it built the engine's groups of a generation, and before it aborts them.
+    """
+
+    @abstractmethod
+    def on_configure(self, store: dist.Store, generation: int, members: list[int]) -> None:
+        """Build what uses the members ``members`` (replicas with TP/PP) of ``generation``.
+
+        Args:
+            store: The generation's bootstrap store (it stops waiting for a member whose liveness key is gone).
+            generation: The generation of the groups just built.
+            members: The data-parallel members (replicas with TP/PP).
+
+        Raises:
+            RuntimeError: A member is gone while it forms (the engine gives this generation up and regroups).
+        """
+
+    @abstractmethod
+    def on_abort(self) -> None:
+        """The engine's groups are being aborted (a failure, or ``close()``): abort what uses the same members.
+
+        A rank blocked in one of them with this rank then fails at once (a tensor-parallel collective would
+        otherwise keep a survivor waiting until its timeout).
+        """
 
 
 @dataclass(frozen=True)
@@ -62,26 +94,19 @@ class EngineHooks:
     """What the engine calls back (each optional).
 
     Attributes:
-        hook: Called as ``hook(rank, step, micro_batch=j)`` before each
-            micro-batch (its forward, with PP) and ``hook(rank, step, bucket=k)``
-            before each bucket's reduction, ``hook(rank, -1, at="before_first_group")``
-            before the first group is built (fault injection: ``unicron_elastic.faults.maybe_fail``).
+        fault_point: Called as ``fault_point(rank, step, micro_batch=j)`` before each
+            micro-batch (its forward, with PP), ``fault_point(rank, step, bucket=k)``
+            before each bucket's reduction, ``fault_point(rank, -1, at="before_first_group")``
+            before the first group is built, and ``at="before_optimizer_step"`` / ``"after_optimizer_step"``
+            around :meth:`train_step`'s optimizer step (fault injection: ``unicron_elastic.faults.maybe_fail``).
         stage_fn: With ``pipeline > 1``: ``stage_fn(model, batch, input)``, this
             stage's output for one micro-batch (``input`` is None on the first
             stage, the previous stage's output otherwise); the loss on the last stage.
         get_state: The state a replica hands to a joiner (default: model,
             optimizer, RNG); the step is added.
         set_state: Loads what ``get_state`` returned (default: the inverse).
-        on_group: Called as ``on_group(members, generation)`` when every new
-            group (failure, resize, join) is built, before any state moves
-            (with TP/PP it must rebuild the world the model's collectives use:
-            :func:`~unicron_elastic.strategy.lightning.parallel.rebuild_world`); a
-            ``RuntimeError`` there (a member gone) gives up that group.
-        on_drop: Called when this rank drops its group (a failure, or
-            ``close()``): drop every other group of the same members too,
-            so a rank blocked in one of them with this rank fails at once
-            (the Lightning strategy destroys its world group and megatron-core's:
-            a tensor-parallel collective would otherwise keep a survivor waiting).
+        group_listener: Built and aborted with the engine's groups of each generation
+            (:class:`GroupListener`: the Lightning strategy's world and megatron-core's groups).
         fallback: Called by a joiner when no replica is left (every member is
             waiting to join): returns the state to resume from (in-memory
             snapshot, then persisted checkpoint) or None. With TP/PP the
@@ -99,12 +124,11 @@ class EngineHooks:
             reduced sum is not finite once unscaled (see :mod:`~unicron_elastic.strategy.lightning.precision`).
     """
 
-    hook: Hook | None = None
+    fault_point: FaultPoint | None = None
     stage_fn: StageFn | None = None
     get_state: Callable[[], dict[str, Any]] | None = None
     set_state: Callable[[dict[str, Any]], None] | None = None
-    on_group: Callable[[list[int], int], None] | None = None
-    on_drop: Callable[[], None] | None = None
+    group_listener: GroupListener | None = None
     fallback: Callable[..., dict[str, Any] | None] | None = None
     pause: Callable[[bool, float | None], None] | None = None
     report_waiting: Callable[[bool], None] | None = None

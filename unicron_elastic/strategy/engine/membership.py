@@ -152,11 +152,6 @@ class MembershipRecord:
             raise MembershipError(f"generation {self.generation} dissolved the group: it has no primary")
         return self.members[0]
 
-    @property
-    def leader(self) -> int:  # deprecated alias, remove in 0.3
-        """Deprecated: :attr:`primary`."""
-        return self.primary
-
     def for_shard(self, shard: int) -> MembershipRecord:
         """This record as one shard's group sees it: ``kept_buckets`` is that shard's (and no ``kept``:
         the view equals the record that shard's protocol decided or proposed).
@@ -170,10 +165,6 @@ class MembershipRecord:
             raise MembershipError(f"record {self.generation} keeps buckets for {len(self.kept)} shards, "
                                   f"not for shard {shard}")
         return replace(self, kept_buckets=self.kept[shard], kept=())
-
-    def for_coordinate(self, shard: int) -> MembershipRecord:  # deprecated alias, remove in 0.3
-        """Deprecated: :meth:`for_shard`."""
-        return self.for_shard(shard)
 
     def to_json(self) -> str:
         """The record as stored."""
@@ -238,8 +229,10 @@ def decide_record(generation: int, previous: Sequence[int], checked_in: Mapping[
         return None
     candidates = [r for r in set(previous) if r in checked_in and live(r) and not checked_in[r].broken]
     if not candidates:
-        if waiting_for and alive is not None:  # nobody can go on without them (a stuck one is the hang
-            return None  # detector's to find); without liveness keys the deadline ends the wait
+        if waiting_for and alive is not None:
+            # Nobody can go on without them: a stuck one is the hang detector's to find. Without liveness keys
+            # the deadline ends the wait.
+            return None
         step = max((checked_in[r].step for r in previous if r in checked_in), default=0)
         return MembershipRecord(generation, (), 0, tuple(sorted(set(previous))), step)  # every member dead/broken
     step = max(checked_in[r].step for r in candidates)

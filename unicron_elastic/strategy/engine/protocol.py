@@ -88,8 +88,8 @@ Effects = Generator[Any, Any, Any]
 
 
 def _root(latest: dict) -> int:
-    """The rank the admission's state comes from (``"root"``; ``"leader"`` as written before 0.2, read until 0.3)."""
-    return latest["root"] if "root" in latest else latest["leader"]
+    """The rank the admission's state comes from."""
+    return latest["root"]
 
 
 # -- the machine ---------------------------------------------------------------------------------------

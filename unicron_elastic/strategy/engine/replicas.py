@@ -89,10 +89,6 @@ class ModelParallel:
         """The shard of launch rank ``rank``: ``stage * TP + tensor_rank``."""
         return rank % self.size
 
-    def coordinate(self, rank: int) -> int:  # deprecated alias, remove in 0.3
-        """Deprecated: :meth:`shard` (the paper's *coordinate*)."""
-        return self.shard(rank)
-
     def tensor_rank(self, rank: int) -> int:
         """The tensor-parallel rank of launch rank ``rank``."""
         return rank % self.tensor
@@ -187,7 +183,6 @@ def kept_per_shard(layout: ModelParallel, per_rank: Mapping[int, CheckIn], membe
     return tuple(kept)
 
 
-kept_per_coordinate = kept_per_shard  # deprecated alias, remove in 0.3
 
 
 def live_replicas(layout: ModelParallel, live_ranks: Collection[int] | None, replicas: Iterable[int]) -> set[int] | None:

@@ -102,7 +102,7 @@ class SigtermTakeover:
         pause (as at the end of training): they are not a hang.
         """
         strategy = self.strategy
-        if not strategy.engine.stop_agreed or self.stopping:
+        if not strategy.engine.reduction.stop_agreed or self.stopping:
             return
         self.stopping = True
         log.info("stopping_on_sigterm", rank=strategy.env.launch_rank, step=step)

@@ -1,0 +1,77 @@
+"""Clipping by norm with the whole replica's gradient norm (TP x PP > 1), in place of Lightning's per-shard norm.
+
+Lightning's precision plugin clips with ``clip_grad_by_norm``; with TP x PP >
+1 that would clip each shard by its own norm. The engine takes the replica's
+norm in the step's commit (every parameter counted once, as megatron-core
+counts it), and :class:`ReplicaNormClip` clips every shard by it alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unicron_elastic.strategy.lightning.precision import loss_scaler
+
+if TYPE_CHECKING:
+    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
+
+__all__ = ["ReplicaNormClip", "replica_grad_norm"]
+
+
+def replica_grad_norm(engine: ElasticDataParallel | None, precision: Any) -> float | None:
+    """The norm of the whole replica's gradients as Lightning clips them in this step (TP x PP > 1).
+
+    Taken from the reduced gradients in the step's commit, divided by the
+    number of micro-batches and, with a loss scaler, by the scale being
+    unscaled (read it up to the optimizer step).
+
+    Args:
+        engine: The elastic engine (None: no norm).
+        precision: Lightning's precision plugin (its loss scaler, if any).
+
+    Returns:
+        The norm; None with TP = PP = 1 (Lightning computes it) and before the step's gradients are reduced.
+    """
+    norm = engine.reduction.grad_norm if engine is not None else None
+    scaler = loss_scaler(precision)
+    if norm is not None and scaler is not None and scaler.is_enabled():
+        norm /= scaler.get_scale()
+    return norm
+
+
+class ReplicaNormClip:
+    """Lightning's clipping by norm with the whole replica's norm, on every shard alike.
+
+    Set as the precision plugin's ``clip_grad_by_norm`` for a fit.
+
+    Args:
+        norm: Returns the replica's norm of this step (:func:`replica_grad_norm`).
+        precision: Lightning's precision plugin (its ``main_params``).
+        device: The strategy's root device (where the norm goes when no parameter has a gradient).
+    """
+
+    def __init__(self, norm: Callable[[], float | None], precision: Any, device: torch.device) -> None:
+        self.norm, self.precision, self.device = norm, precision, device
+
+    def __call__(self, optimizer: Any, clip_val: float) -> None:
+        """Scale the gradients of ``optimizer``'s parameters so that the replica's norm is at most ``clip_val``.
+
+        Args:
+            optimizer: The optimizer whose parameters' gradients are clipped.
+            clip_val: The largest norm.
+
+        Raises:
+            RuntimeError: No norm was taken in this step.
+        """
+        norm = self.norm()
+        if norm is None:
+            raise RuntimeError("unicron_megatron: clipping by norm, but this step's commit took no gradient norm")
+        # torch clamps the coefficient at 1, so there is nothing to scale; older releases' docs do not say they clamp.
+        if norm + 1e-6 <= clip_val:
+            return
+        params = [p for p in self.precision.main_params(optimizer) if p.grad is not None]
+        device = params[0].grad.device if params else self.device
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.tensor(norm, dtype=torch.float32, device=device))

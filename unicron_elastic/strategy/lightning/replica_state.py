@@ -1,0 +1,149 @@
+"""The state of a replica under Lightning: what a joiner receives, and the tiers that keep it when no replica is left.
+
+The state is Lightning's whole checkpoint (weights, optimizer, loop progress,
+callbacks) plus the random streams
+(:class:`~unicron_elastic.strategy.lightning.random_streams.RandomStreams`).
+The shards of the primary replica save it to the in-memory snapshot and to
+disk checkpoints when they are due; a joiner with no replica left resumes
+from the newer of the two.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from unicron_elastic.strategy.snapshots.tiers import DiskCheckpoints, MemorySnapshot
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.replicas import ModelParallel
+    from unicron_elastic.strategy.lightning.random_streams import RandomStreams
+    from unicron_elastic.strategy.snapshots.places import PeerServers
+
+__all__ = ["ReplicaState"]
+
+
+class ReplicaState:
+    """A rank's state as the engine hands it out, loads it and falls back to it.
+
+    Args:
+        module: Returns the LightningModule being trained.
+        streams: This rank's random streams.
+        memory: The in-memory snapshot.
+        disk: The disk checkpoints (None: none).
+    """
+
+    def __init__(self, module: Callable[[], Any], streams: RandomStreams, memory: MemorySnapshot,
+                 disk: DiskCheckpoints | None) -> None:
+        self.module, self.streams, self.memory, self.disk = module, streams, memory, disk
+
+    @classmethod
+    def open(cls, module: Callable[[], Any], streams: RandomStreams, store: dist.Store | PeerServers | None,
+             layout: ModelParallel, rank: int, snapshot_every: int, checkpoint_dir: str | os.PathLike[str] | None,
+             checkpoint_every: int) -> ReplicaState:
+        """The state of launch rank ``rank``, with its tiers (their writer process starts in :meth:`start`).
+
+        Args:
+            module: Returns the LightningModule being trained.
+            streams: This rank's random streams.
+            store: Where the in-memory snapshot lives
+                (:func:`~unicron_elastic.strategy.lightning.stores.snapshot_store`).
+            layout: The model's tensor x pipeline parallelism (with TP x PP > 1 each shard saves its own part).
+            rank: This launch rank.
+            snapshot_every: Steps between in-memory snapshots (0: none).
+            checkpoint_dir: The disk checkpoints' directory (None: none).
+            checkpoint_every: Steps between disk checkpoints.
+
+        Returns:
+            The state and its tiers.
+        """
+        shard = layout.label(rank) if layout.size > 1 else None
+        memory = MemorySnapshot(store, snapshot_every, shard, layout.labels(), out_of_process=True)
+        disk = None
+        if checkpoint_dir is not None:
+            disk = DiskCheckpoints(checkpoint_dir, checkpoint_every, shard=shard, shards=layout.labels())
+        return cls(module, streams, memory, disk)
+
+    def get(self) -> dict[str, Any]:
+        """The state a replica hands to a joiner: Lightning's checkpoint and the random streams."""
+        checkpoint = self.module().trainer._checkpoint_connector.dump_checkpoint()
+        return {"lightning": checkpoint, "rng": self.streams.capture()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore the whole Lightning state (Lightning's own resume path, fed from memory).
+
+        Lightning's ``_run`` restores the optimizers and the loop progress
+        right after ``setup()``; the random streams are restored at the
+        joiner's first step.
+
+        Args:
+            state: What :meth:`get` returned on a replica (or a tier's copy of it).
+        """
+        connector = self.module().trainer._checkpoint_connector
+        connector._loaded_checkpoint = state["lightning"]
+        connector.restore_model()
+        connector.restore_datamodule()
+        connector.restore_callbacks()
+        self.streams.hold(state["rng"])
+
+    def fallback(self, step: int | None = None) -> dict[str, Any] | None:
+        """No replica left: the newer of the in-memory snapshot and the newest disk checkpoint.
+
+        The in-memory snapshot is the newest one of every agent's server this
+        rank reaches (an unreachable one is skipped with a warning). With
+        TP x PP > 1, the newest step every shard has; given ``step`` (the
+        resuming replica's first shard chose it), this shard's state of that step.
+
+        Args:
+            step: The step to load (None: the newest).
+
+        Returns:
+            The state with its ``"source"`` (``"memory"`` or ``"disk"``), or None if neither tier has one.
+        """
+        candidates = []
+        memory = self.memory.load(step)
+        if memory is not None:
+            candidates.append((memory["step"], 1, {**memory, "source": "memory"}))
+        disk = self.disk.load(step) if self.disk else None
+        if disk is not None:
+            candidates.append((disk["step"], 0, {**disk, "source": "disk"}))
+        return max(candidates, key=lambda c: c[:2])[2] if candidates else None
+
+    def save_if_due(self, step: int, engine: ElasticDataParallel, worker: Any) -> None:
+        """Save the state of ``step`` to the tiers that are due, on every shard of the primary replica.
+
+        Args:
+            step: The step about to run.
+            engine: The elastic engine (its state and whether this rank is in the primary replica).
+            worker: This worker's end of the agent channel (the save is declared to the agent).
+        """
+        if not engine.in_primary_replica:
+            return
+        memory_due = self.memory.due(step)
+        disk_due = self.disk is not None and self.disk.due(step) and step > 0
+        if not (memory_due or disk_due):
+            return
+        with worker.checkpointing():
+            state = engine.state()
+            if memory_due:
+                self.memory.save(state)
+            if disk_due:
+                self.disk.save(step, state)
+
+    def start(self) -> None:
+        """Start the snapshot's writer process, so that it is ready before the first step (~1 s, once)."""
+        self.memory.start()
+
+    def settle(self) -> None:
+        """End a snapshot's copy from the GPU (made beside the step's compute) before the optimizer step."""
+        self.memory.settle()
+
+    def close(self) -> None:
+        """Send the snapshot in flight and stop the writer process; wait for the disk checkpoint in flight."""
+        self.memory.close()
+        if self.disk is not None:
+            self.disk.wait()
