@@ -1,9 +1,13 @@
-"""An in-process transport for the data-parallel recovery protocol (tests only).
+"""An in-process run of the data-parallel recovery protocol over fake collectives and a fake clock (tests only).
 
-The ranks run the engine's own protocol - :class:`~unicron_elastic.strategy.engine.protocol.Protocol`,
-the very code :class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel`
-runs - and this module executes its effects with fakes instead of gloo groups
-and a c10d store:
+The ranks run the engine's own parts, the very code
+:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel` runs:
+its :class:`~unicron_elastic.strategy.engine.protocol.Protocol`, its effect loop
+(:func:`~unicron_elastic.strategy.engine.effect_loop.execute`) and every store
+effect through its :class:`~unicron_elastic.strategy.engine.store_effects.EngineStore`,
+over :class:`FakeStore` (an in-memory c10d-like store). Only the collectives
+(groups, reductions, the state's broadcast, the micro-batches' computation),
+the clock and the hooks (fault points, pauses, the fallback state) are fakes:
 
 * every rank is a generator; :meth:`Sim.run` advances the live ones in rounds,
   each one action per round in a seeded random order (a *slow* rank skips
@@ -604,10 +608,10 @@ class _ReplicaRank(_Rank):
         record = self.membership.record
         if e.redo and layout.pipeline > 1 and record is not None and record.kept:
             backward = stages_to_backpropagate(layout, record.kept, [sc.buckets] * layout.size)
-        if not backward or not e.micro_batches:  # (ElasticDataParallel._pipeline: nothing runs)
+        if not backward or not e.micro_batches:  # (Computation._pipeline: nothing runs)
             return total
         if self.held is None:
-            if layout.pipeline > 1:  # ElasticDataParallel._pipeline: not a peer failure, raised as is
+            if layout.pipeline > 1:  # Computation._pipeline: not a peer failure, raised as is
                 raise _ModelError(f"rank {self.rank}: the group failed before this stage's pipeline ran")
             self.sim.broken.append((self.sim.round, self.rank, e.step))
             self.was_broken = True
@@ -694,7 +698,7 @@ class _ReplicaRank(_Rank):
         self._release()
         groups = self._hold(e.record.generation, list(e.record.members))
         try:
-            for group in groups:  # (ElasticDataParallel._set_groups: the shard's group, then the commit's)
+            for group in groups:  # (GenerationGroups._build: the shard's group, then the commit's)
                 seq = group.enter(self.rank, ("form",), 0, build=True)
                 yield from group.wait(self.rank, seq, build=True)
         except _Failed:

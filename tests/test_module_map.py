@@ -238,3 +238,31 @@ def sizes() -> tuple[list[str], list[str], list[str]]:
 
 def test_every_class_module_and_init_stays_small_enough_to_hold() -> None:
     assert sizes() == ([], [], [])
+
+
+def _overrides_unmarked(cls: type) -> list[str]:
+    """``Class.method`` for each method ``cls`` defines over one of a base from outside the package, without
+    ``@override``."""
+    foreign = [base for base in cls.__mro__[1:] if base is not object and not base.__module__.startswith("unicron")]
+    found = []
+    for name, value in vars(cls).items():
+        if name.startswith("_") and name.endswith("_") or not any(name in vars(base) for base in foreign):
+            continue
+        function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+        if callable(function) and not getattr(function, "__override__", False):
+            found.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+    return found
+
+
+def test_every_method_overriding_lightning_or_torch_says_so() -> None:
+    import importlib
+    import inspect
+
+    modules = sorted(module for module in import_graph() if not module.endswith("__main__"))
+    unmarked = []
+    for name in modules:
+        module = importlib.import_module(name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == name:
+                unmarked += _overrides_unmarked(cls)
+    assert unmarked == []

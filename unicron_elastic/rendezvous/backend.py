@@ -12,6 +12,7 @@ from collections.abc import Callable
 import structlog
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+from typing_extensions import override
 
 from unicron_elastic.api import StoreError
 from unicron_elastic.store.client import KeyValue, StatusStore
@@ -71,6 +72,7 @@ class UnicronRendezvousBackend(RendezvousBackend):
         self.fold: Callable[[bytes], bytes] | None = None
 
     @property
+    @override
     def name(self) -> str:
         """The backend name torchrun checks: ``unicron``."""
         return "unicron"
@@ -80,6 +82,7 @@ class UnicronRendezvousBackend(RendezvousBackend):
             return None
         return decode_state(kv.value), kv.mod_revision
 
+    @override
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class."""
         try:
@@ -87,6 +90,7 @@ class UnicronRendezvousBackend(RendezvousBackend):
         except StoreError as exc:
             raise RendezvousConnectionError(f"the connection to etcd has failed: {exc}") from exc
 
+    @override
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """See base class."""
         expected: int | None = None

@@ -20,6 +20,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
     _RendezvousExitOp,
 )
+from typing_extensions import override
 
 from unicron_elastic.rendezvous.api import RoundJoined
 from unicron_elastic.rendezvous.backend import UnicronRendezvousBackend
@@ -72,6 +73,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
     _checked: int | None = None  # the revision of torch's state a quiet look last decoded
     _moved_on: bool = False  # torch's state is past this node's round: it must enter the next one
 
+    @override
     def next_rendezvous(self) -> RendezvousInfo:
         """Wait for the plan to admit this node, then join the running round (rejoin) or the next one."""
         self._round_joined = None
@@ -142,6 +144,7 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         except StoreError as exc:
             raise RendezvousConnectionError(f"the connection to etcd has failed: {exc}") from exc
 
+    @override
     def _start_heartbeats(self) -> None:
         """torch's heartbeats once a round formed; under ``unicron-run`` none: the round runs quiet."""
         if not self.rejoin:
@@ -150,12 +153,14 @@ class UnicronRendezvousHandler(DynamicRendezvousHandler):
         self._quiet, self._resumed, self._announced, self._look_at, self._checked = True, False, 0, 0.0, None
         self._moved_on = False
 
+    @override
     def _stop_heartbeats(self) -> None:
         """Stop torch's heartbeats (this node enters the rendezvous, or shuts it down): not quiet any more."""
         self._quiet = False
         self._resumed = False
         super()._stop_heartbeats()
 
+    @override
     def num_nodes_waiting(self) -> int:
         """torch's count of nodes waiting for the next round; while quiet, 0 unless a node announced itself.
 

@@ -107,10 +107,12 @@ class PreemptionCheckpoint(pl.Callback):
         """The checkpoint of a previous run's stop, for ``fit(ckpt_path=...)`` (None: start afresh)."""
         return str(self.path) if self.path.exists() else None
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.resume_path is not None and trainer.is_global_zero:
             log.info("resuming_from_preemption_checkpoint", path=str(self.path), step=trainer.global_step)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """At the end of the step every member agreed to stop after: the checkpoint."""
         if not trainer.received_sigterm or self.saved_step is not None:

@@ -13,6 +13,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from typing_extensions import override
 
 from unicron_elastic.store.client import StatusStore
 
@@ -41,9 +42,11 @@ class EtcdC10dStore(dist.Store):
     def _key(self, key: str | bytes) -> str:
         return self.prefix + (key.decode() if isinstance(key, bytes) else key)
 
+    @override
     def set(self, key: str, value: str | bytes) -> None:  # noqa: D102 - c10d semantics
         self._store.put(self._key(key), _b(value))
 
+    @override
     def get(self, key: str) -> bytes:
         """Return the value of ``key``, waiting for it up to the store timeout.
 
@@ -52,6 +55,7 @@ class EtcdC10dStore(dist.Store):
         """
         return self._wait_get([key], None)[0]
 
+    @override
     def add(self, key: str, num: int) -> int:
         """Atomically add ``num`` to the integer at ``key`` (0 if absent)."""
         full = self._key(key)
@@ -71,6 +75,7 @@ class EtcdC10dStore(dist.Store):
         kv = self._store.get(self._key(key), patience)
         return int(kv.value) if kv is not None else 0
 
+    @override
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """c10d compare-and-set: returns the value now stored."""
         full = self._key(key)
@@ -85,6 +90,7 @@ class EtcdC10dStore(dist.Store):
             if result.succeeded:
                 return desired
 
+    @override
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
         """Wait until every key exists.
 
@@ -93,14 +99,17 @@ class EtcdC10dStore(dist.Store):
         """
         self._wait_get(keys, override_timeout)
 
+    @override
     def check(self, keys: list[str]) -> bool:
         """True if every key exists now."""
         return all(self._store.get(self._key(k)) is not None for k in keys)
 
+    @override
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
         return self._store.delete(self._key(key))
 
+    @override
     def num_keys(self) -> int:
         """Number of keys under this store's prefix."""
         return len(self._store.get_prefix(self.prefix))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
+from typing_extensions import override
 
 from unicron_elastic.store.keys import MeetingKeys as K
 
@@ -63,30 +64,38 @@ class ForwardingStore(dist.Store):
         self._store = store
         self.set_timeout(store.timeout)
 
+    @override
     def set(self, key: str, value: str | bytes) -> None:  # noqa: D102 - c10d semantics
         self._store.set(key, value)
 
+    @override
     def get(self, key: str) -> bytes:  # noqa: D102 - c10d semantics
         return self._store.get(key)
 
+    @override
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:  # noqa: D102
         if override_timeout is None:
             self._store.wait(keys)
         else:
             self._store.wait(keys, override_timeout)
 
+    @override
     def check(self, keys: list[str]) -> bool:  # noqa: D102 - c10d semantics
         return self._store.check(keys)
 
+    @override
     def add(self, key: str, num: int) -> int:  # noqa: D102 - c10d semantics
         return self._store.add(key, num)
 
+    @override
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:  # noqa: D102
         return self._store.compare_set(key, expected_value, desired_value)
 
+    @override
     def delete_key(self, key: str) -> bool:  # noqa: D102 - c10d semantics
         return self._store.delete_key(key)
 
+    @override
     def num_keys(self) -> int:  # noqa: D102 - c10d semantics
         return self._store.num_keys()
 
@@ -109,6 +118,7 @@ class WatchfulStore(ForwardingStore):
         super().__init__(store)
         self._gone, self._every = gone, every
 
+    @override
     def get(self, key: str) -> bytes:
         """The value of ``key`` once it exists.
 
@@ -119,6 +129,7 @@ class WatchfulStore(ForwardingStore):
         self.wait([key])
         return self._store.get(key)
 
+    @override
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
         """Wait until every key exists, looking at the watched ranks every ``every`` seconds.
 

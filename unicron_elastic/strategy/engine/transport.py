@@ -37,6 +37,7 @@ from datetime import timedelta
 import structlog
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.engine.bootstrap import ForwardingStore
@@ -150,10 +151,12 @@ class RendezvousRecord(ForwardingStore):
         """The values it read under keys it did not write (its peers' addresses)."""
         return [value for key, value in self._got.items() if key not in self._set]
 
+    @override
     def set(self, key: str, value: str | bytes) -> None:  # noqa: D102 - c10d semantics
         self._set[key] = value.encode() if isinstance(value, str) else bytes(value)
         self._store.set(key, value)
 
+    @override
     def get(self, key: str) -> bytes:  # noqa: D102 - c10d semantics
         value = self._store.get(key)
         self._got[key] = bytes(value)

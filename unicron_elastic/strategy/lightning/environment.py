@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from typing_extensions import override
 
 from unicron_elastic import _lightning_hook
 from unicron_elastic.api import ConfigError
@@ -44,18 +45,22 @@ class UnicronEnvironment(ClusterEnvironment):
         self._node_rank = _env_int("GROUP_RANK", _env_int("NODE_RANK", 0))
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         return True
 
     @property
+    @override
     def main_address(self) -> str:
         return os.environ.get("MASTER_ADDR", "127.0.0.1")
 
     @property
+    @override
     def main_port(self) -> int:
         return _env_int("MASTER_PORT", 0)
 
     @staticmethod
+    @override
     def detect() -> bool:
         return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -81,21 +86,27 @@ class UnicronEnvironment(ClusterEnvironment):
             raise ConfigError(f"{MAX_WORLD.name}={value} is below WORLD_SIZE={self._launch_world_size}")
         return value
 
+    @override
     def world_size(self) -> int:
         return self._world_size
 
+    @override
     def set_world_size(self, size: int) -> None:
         self._world_size = size
 
+    @override
     def global_rank(self) -> int:
         return self._rank
 
+    @override
     def set_global_rank(self, rank: int) -> None:
         self._rank = rank
 
+    @override
     def local_rank(self) -> int:
         return self._local_rank
 
+    @override
     def node_rank(self) -> int:
         return self._node_rank
 
