@@ -364,6 +364,7 @@ class _Rank:
             E.RequestJoin: self.request_join, E.Admitted: self.admitted, E.Fallback: self.fallback,
             E.Decided: self.decided, E.Followed: self.followed, E.Reassigned: self.reassigned,
         }
+        self.handlers = {kind: _failing_as_collectives(handler) for kind, handler in self.handlers.items()}
 
     def _protocol_rank(self) -> int:
         return self.rank
@@ -958,6 +959,30 @@ class Sim:
                 record = MembershipRecord.from_json(value)
                 out[record.generation] = record
         return dict(sorted(out.items()))
+
+
+def _failing_as_collectives(handler: Callable[[Any], Any]) -> Callable[[Any], Generator[None, None, Any]]:
+    """``handler``, letting only a collective's failure reach the protocol.
+
+    The effect loop throws any ``Exception`` a handler raises into the
+    protocol, which takes a ``RuntimeError`` for a failed collective and
+    recovers. In the fake a collective fails with :class:`_Failed`,
+    :class:`~unicron_elastic.strategy.engine.effects.ReplicaBroken` or
+    :class:`_ModelError`; any other exception (a bug in a store effect, or
+    in the fake) is a :class:`ProtocolViolation`, which the protocol lets through.
+    """
+    def checked(effect: Any) -> Generator[None, None, Any]:
+        try:
+            result = handler(effect)
+            if isinstance(result, Generator):
+                result = yield from result
+        except (_Failed, ReplicaBroken, _ModelError, ProtocolViolation):
+            raise
+        except Exception as exc:
+            raise ProtocolViolation(f"{type(effect).__name__}: a handler raised {exc!r}") from exc
+        return result
+
+    return checked
 
 
 def _incarnation(n: int) -> str:

@@ -64,7 +64,7 @@ With pipeline parallelism a weight tied across the first and the last stage
 (megatron-core's shared word embedding) has its reduced gradient sums added
 over both stages before the commit, and the commit also carries the primary
 replica's squared gradient norm (:mod:`~unicron_elastic.strategy.engine.stage_sums`,
-:attr:`ElasticDataParallel.grad_norm`).
+:attr:`StepReduction.grad_norm <unicron_elastic.strategy.engine.reduction.StepReduction.grad_norm>`).
 
 With tensor parallelism the gradients megatron-core reduces over the tensor
 group (sequence-parallel parameters, q/k layer norms) are reduced there too,
@@ -88,7 +88,7 @@ A stop that one rank is asked for (:meth:`ElasticDataParallel.request_stop`,
 e.g. on SIGTERM) rides in the same slots as the members: the step's last
 exchange (the commit with TP/PP, else the last gradient bucket; also the
 members' agreement when one runs) sums it, so every member sees
-:attr:`~ElasticDataParallel.stop_agreed` after the same step and no extra
+:attr:`StepReduction.stop_agreed <unicron_elastic.strategy.engine.reduction.StepReduction.stop_agreed>` after the same step and no extra
 collective runs per step. A rank that saw it sends it on; one that stops
 records it (:meth:`~ElasticDataParallel.stopping`), so ranks that regroup
 because that exchange failed on them learn it when their group forms.
@@ -241,8 +241,14 @@ class ElasticDataParallel:
     def _first_groups(self, tie: bool) -> None:
         """(A member from the start) build generation 0's groups and publish the members."""
         self.fault_point(self.rank, -1, at="before_first_group")
-        self.groups.configure(self.generation, self.members)
-        self.store_effects.formed(self.generation, self.members)
+        try:
+            self.groups.configure(self.generation, self.members)
+        except BaseException:
+            # The listener's world failed after the engine's groups formed: a gloo group left alive when the
+            # interpreter shuts down can abort the process (see close()).
+            self.close()
+            raise
+        self.store_effects.formed(self.generation, self.members, read_stop=False)
         if tie:
             self.tie()
 
@@ -353,7 +359,8 @@ class ElasticDataParallel:
             return False
 
     def _formed(self, effect: E.Formed) -> None:
-        if self.store_effects.formed(effect.generation, list(effect.members)):
+        read_stop = not self.reduction.stop_requested
+        if self.store_effects.formed(effect.generation, list(effect.members), read_stop):
             # Members stopped after a step: this group's exchange says so too.
             self.reduction.stop_requested = True
 

@@ -200,21 +200,23 @@ class StepReduction:
         Raises:
             RuntimeError: The group failed (gloo's error), or was gone already.
         """
-        group = self.groups.every_rank
-        if group is None:
+        # No local name holds the group: a failure's traceback keeps this frame, and the group must go with
+        # the last reference GenerationGroups.abort drops (gloo's destructor closes its sockets).
+        if self.groups.every_rank is None:
             raise RuntimeError("the group failed before the step's commit")
         reduced, sums, members = self.gradients.reduced_sum(), self.sums, self.protocol.members
         if sums.tensor_reduced:
-            sums.exchange_tensor(reduced, group, self.layout.tensor_peers(members, self.rank), self.watch.waiting)
+            sums.exchange_tensor(reduced, self.groups.every_rank, self.layout.tensor_peers(members, self.rank),
+                                 self.watch.waiting)
         if sums.tied is not None:
-            sums.exchange(reduced, group, self._peer(sums.tied.peer_stage), self.watch.waiting)
+            sums.exchange(reduced, self.groups.every_rank, self._peer(sums.tied.peer_stage), self.watch.waiting)
         squared = sums.squared_norm(reduced) if self.measure_norm and self.in_primary_replica else 0.0
         non_finite = self._finds_non_finite(effect.step, effect.local)
         slots = self._encode(self._offer(effect.offer), torch.float64, self._overflowed(), non_finite)
         payload = torch.cat([slots, torch.tensor([squared], dtype=torch.float64), self._totals_offered()])
         payload = payload.to(self.groups.transport.device)
         with self.watch.waiting("commit"):
-            group.allreduce([payload]).wait()
+            self.groups.every_rank.allreduce([payload]).wait()
         payload = payload.cpu()
         said = self._exchanged(payload[: self.slots.size], effect.step)
         self.overflow_agreed = said.overflow

@@ -21,8 +21,8 @@
   are set.
 * **The replica's gradient norm**: each shard's sum of squares of its reduced
   gradient sum (each parameter counted once), which the step's commit adds up
-  over the primary replica's shards; :attr:`ElasticDataParallel.grad_norm
-  <unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel.grad_norm>` divides
+  over the primary replica's shards; :attr:`StepReduction.grad_norm
+  <unicron_elastic.strategy.engine.reduction.StepReduction.grad_norm>` divides
   its square root by B.
 """
 

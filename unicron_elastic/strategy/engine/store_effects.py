@@ -190,16 +190,22 @@ class EngineStore:
         return int(last["generation"]), list(last["members"])
 
     # -- a group formed, a step, the end -----------------------------------------------------------------
-    def formed(self, generation: int, members: list[int]) -> bool:
+    def formed(self, generation: int, members: list[int], read_stop: bool = True) -> bool:
         """A group of ``members`` formed: note their incarnations, publish them (the primary's first shard).
+
+        Args:
+            generation: The generation of the group.
+            members: Its members (replicas).
+            read_stop: Read whether a stop was recorded (not when this rank sends one already, nor at start).
 
         Returns:
             Whether a stop was recorded (members stopped after a step: this group's exchange carries it on).
         """
         self.note_incarnations(members)
+        stopped = read_stop and self.store.check([K.STOP])
         if members and members[0] == self.replica and self.shard == 0:
             self.store.set(K.MEMBERS, json.dumps({"generation": generation, "members": list(members)}))
-        return self.store.check([K.STOP])
+        return stopped
 
     def record_stop(self, step: int) -> None:
         """This rank stops after ``step``: ranks that regroup because that step's exchange failed on them learn

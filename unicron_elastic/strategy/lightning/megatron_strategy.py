@@ -198,6 +198,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.initial_members = sorted(members) if members is not None else None
         self.member_schedule = {int(step): sorted(ranks) for step, ranks in (member_schedule or {}).items()}
         self.role = RankRole.MEMBER
+        #: ``fit`` ended normally (Lightning's ``on_train_end``), in any role.
+        self._fit_ended = False
         self.retired_at: int | None = None
         self.joined_at: int | None = None
         self.engine: ElasticDataParallel | None = None
@@ -561,7 +563,10 @@ class UnicronMegatronStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """No more iterations; a member's ``fit`` ended normally."""
         self.worker.set_paused(True)  # saving and teardown are not a hang
-        if self.role is RankRole.MEMBER:  # ranks still waiting to join may stop waiting (teardown)
+        # Ranks still waiting to join may stop waiting (teardown), whatever this rank's role: a joiner whose fit
+        # ends before its first step (its state was at the last step already) says so too.
+        self._fit_ended = True
+        if self.role is RankRole.MEMBER:
             self.role = RankRole.TRAINED
 
     @override
@@ -645,7 +650,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             self._forward.close()  # the DataLoader's worker processes
         # Training is over only when fit ended normally or on an agreed stop. After a crash the restarted
         # ranks must resume, not conclude that the others finished.
-        ended = self.role is RankRole.TRAINED or self._sigterm.stopping
+        ended = self._fit_ended or self._sigterm.stopping
         if ended and self.engine is not None and self.engine.groups.held and self.role is not RankRole.RETIRED:
             self.engine.finish()
         if self._state is not None:
