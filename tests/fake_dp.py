@@ -527,7 +527,8 @@ class _Rank:
     def fallback(self, e: E.Fallback) -> tuple[int, str]:
         """No replica is left: resume from step 0 (the engine: snapshot, checkpoint, else step 0)."""
         sim = self.sim
-        last = json.loads(sim.store.get(K.MEMBERS))["members"] if sim.store.check([K.MEMBERS]) else self.members
+        published = self.store_effects.read_members(E.ReadMembers())  # (what the last group's primary published)
+        last = published[1] if published is not None else self.members
         if any(not sim.ranks[r].joining for r in set(last) & set(sim.running)):  # (others train in a stale group)
             raise ProtocolViolation(f"rank {self.rank} found no replica while a member trains: {sim.describe()}")
         sim.fallbacks.append((sim.round, self.rank))
@@ -736,7 +737,8 @@ class _ReplicaRank(_Rank):
         if e.step is not None:  # another shard of this replica chose the step: this shard's state of it
             sim.fallbacks.append((sim.round, self.rank))
             return e.step, "snapshot" if e.step else "step0"
-        last = json.loads(sim.store.get(K.MEMBERS))["members"] if sim.store.check([K.MEMBERS]) else self.members
+        published = self.store_effects.read_members(E.ReadMembers())  # (what the last group's primary published)
+        last = published[1] if published is not None else self.members
         # (a whole replica trains in a stale group; a replica that lost a rank is lost, its other ranks
         # find out at their next collective)
         if any(all(p in sim.running and not sim.ranks[p].joining for p in self.layout.ranks(r)) for r in last):
