@@ -48,6 +48,14 @@ def _hold_until(path: Path, rank: int, worker) -> None:
     worker.set_paused(False)
 
 
+def _state_bytes(ddp: ElasticDataParallel) -> int:
+    """Bytes of optimizer state this rank holds (with a sharded optimizer: its shares and their main parameters)."""
+    if ddp.optimizer_shards is not None:
+        return ddp.optimizer_shards.state_bytes()
+    return sum(v.numel() * v.element_size() for state in ddp.optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
@@ -69,6 +77,11 @@ def main() -> None:
                         help="before step --hold-step, wait (at most 300 s) until FILE exists: lets a test decide "
                              "when the run may end instead of racing it")
     parser.add_argument("--hold-step", type=int, default=0)
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                        help="SGD with momentum (default) or AdamW (lr 0.01, weight decay 0.1)")
+    parser.add_argument("--optimizer-instances", type=int, default=None, metavar="I",
+                        help="shard the optimizer's state over the members in I instances (Megatron-LM's distributed "
+                             "optimizer); default: every rank keeps all of it")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = connect_meeting_store()  # etcd under unicron-run (survives any node), else the launcher's TCPStore
@@ -78,6 +91,8 @@ def main() -> None:
     restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
 
     model, optimizer, xs, ys = toy_problem(args.width)
+    if args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
 
     members = [int(m) for m in args.members.split(",")] if args.members else list(range(world))
     batch_plan = GlobalBatchPlan(len(xs), args.global_batch, args.micro_batch, seed=2)
@@ -90,6 +105,7 @@ def main() -> None:
         options=EngineOptions(
             bucket_numel=args.bucket_numel, timeout=timedelta(seconds=20), grad_dtype=getattr(torch, args.grad_dtype),
             max_world=max_world(world),  # a node that grows the run joins past WORLD_SIZE
+            optimizer_instances=args.optimizer_instances,
         ),
         hooks=EngineHooks(fault_point=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
     )
@@ -132,6 +148,7 @@ def main() -> None:
     (args.out / f"rank{rank}.json").write_text(json.dumps(reports))
     if trained:
         torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
+        (args.out / f"state{rank}.json").write_text(json.dumps({"optimizer_state_bytes": _state_bytes(ddp)}))
 
 
 if __name__ == "__main__":

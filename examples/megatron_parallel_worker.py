@@ -113,7 +113,7 @@ def main() -> None:
     model = stage_model(config, stage, stages)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     engine.bind(model, optimizer)
-    engine.tie()
+    engine.reduction.tie()
     code = 0
     try:
         reports = []

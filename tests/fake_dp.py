@@ -158,6 +158,9 @@ class Scenario:
             (``world`` counts launch ranks and must be a multiple of C; ``deaths``, ``together``,
             ``slow``, ``late``, ``leaving``, ``unformed`` name launch ranks; a joiner is a whole replica).
         restart_after: (C > 1) rounds after its death at which a killed rank starts again as a joiner.
+        sharded: (C = 1) the optimizer is sharded: after each step's optimizer step (a point ``update``) the
+            parameters are stale until the protocol's refresh, a collective of the group (a point ``refresh``);
+            a rank that computes with stale parameters violates the protocol.
     """
 
     world: int
@@ -179,6 +182,7 @@ class Scenario:
     seed: int = 0
     model_parallel: tuple[int, int] = (1, 1)
     restart_after: int | None = None
+    sharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -363,6 +367,7 @@ class _Rank:
             E.TransferState: self.transfer, E.SetGradients: self.set_gradients,
             E.RequestJoin: self.request_join, E.Admitted: self.admitted, E.Fallback: self.fallback,
             E.Decided: self.decided, E.Followed: self.followed, E.Reassigned: self.reassigned,
+            E.Refresh: self.refresh,
         }
         self.handlers = {kind: _failing_as_collectives(handler) for kind, handler in self.handlers.items()}
 
@@ -370,7 +375,7 @@ class _Rank:
         return self.rank
 
     def _protocol_options(self) -> dict[str, bool]:
-        return {}
+        return {"sharded": self.sim.scenario.sharded}
 
     def _protocol_buckets(self) -> int:
         return self.sim.scenario.buckets
@@ -407,6 +412,9 @@ class _Rank:
             try:
                 yield from self.run(self.protocol.begin_step(s))
                 yield from self.run(self.protocol.finish_gradients())
+                if sc.sharded:  # the optimizer steps this rank's share: the parameters are stale
+                    yield from self.point("update", s)
+                    self.protocol.stale = True
                 self.protocol.next_step = s + 1
             except E.Retired:  # asked to leave: out at a step boundary, exits 0
                 self.store_effects.withdraw_leave_request()  # (as ElasticDataParallel.begin_step)
@@ -420,7 +428,12 @@ class _Rank:
                 self.in_recovery = False
                 if not (yield from self.join()):
                     return
-        self.store_effects.record_finished(self.protocol.next_step)  # any member (ElasticDataParallel.finish)
+        try:  # (ElasticDataParallel.finish) the parameters gathered, then any member says training is over
+            yield from self.run(self.protocol.refresh(self.protocol.next_step))
+        except Excluded as exc:
+            self.sim.excluded.append((exc.record.generation, self.rank, "left out at the end"))
+            return
+        self.store_effects.record_finished(self.protocol.next_step)
 
     def join(self) -> Generator[None, None, bool]:
         """Ask to join; wait for an admission (the protocol's join). False: training finished first."""
@@ -435,6 +448,8 @@ class _Rank:
 
     # -- effects -------------------------------------------------------------------------
     def compute(self, e: E.Compute) -> Generator[None, None, list[int]]:
+        if self.protocol.stale:
+            raise ProtocolViolation(f"rank {self.rank} computes step {e.step} with stale parameters")
         total = [0] * self.sim.scenario.buckets
         for j in e.micro_batches:
             yield from self.point("redo" if e.redo else "micro", e.step, j)
@@ -463,6 +478,14 @@ class _Rank:
 
     def pause(self, e: E.Pause) -> None:
         self.in_recovery = e.paused
+
+    def refresh(self, e: E.Refresh) -> Generator[None, None, None]:
+        """(Sharded) the reshard and the parameters' gather: one collective of the group."""
+        if self.group is None:
+            raise _Failed
+        seq = self.group.enter(self.rank, ("refresh", e.step), 0)
+        yield from self.point("refresh", e.step)
+        yield from self.group.wait(self.rank, seq, self.sim.scenario.partial)
 
     def drop(self, e: E.DropGroup) -> Generator[None, None, None]:
         if self.group is not None:

@@ -287,6 +287,24 @@ def test_recovery_protocol_properties_when_the_last_bucket_completes_on_some_onl
     check_all(run(replace(scenario, partial=partial, partial_last=True)))
 
 
+@FAST
+@given(scenarios(keep_one=False), st.floats(0.0, 1.0))
+def test_recovery_protocol_properties_with_a_sharded_optimizer(scenario: Scenario, partial: float) -> None:
+    # Every member refreshes at the same collective (the fake refuses members that disagree), none computes with
+    # stale parameters, and the step's sums stay exact, however the refresh or the last bucket fails.
+    from dataclasses import replace
+    check_all(run(replace(scenario, sharded=True, partial=partial, partial_last=partial > 0.5)))
+
+
+def test_sharded_a_rank_lost_in_the_gather_the_others_refresh_again_before_computing() -> None:
+    scenario = Scenario(world=4, buckets=2, micro_batches=6, steps=3, deaths={2: ("refresh", 1)}, sharded=True,
+                        partial=1.0, deadline=None)
+    sim = Sim(scenario).run()
+    check_all(sim)
+    assert sim.outcome == "finished" and not sim.excluded
+    assert [(d.rank, d.label) for d in sim.deaths] == [(2, ("refresh", 1, None))]
+
+
 # -- deal + redistribute over successive failures -----------------------------------------------
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.integers(1, 40), st.integers(2, 8), st.data())

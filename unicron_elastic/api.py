@@ -68,6 +68,24 @@ class NonFiniteError(UnicronError, FloatingPointError):
         self.step, self.ranks = step, list(ranks)
 
 
+class ShardLostError(UnicronError, LookupError):
+    """Every copy of part of a sharded optimizer's state was lost with the ranks that held it.
+
+    With one optimizer instance each share is held by one rank only; with more, this needs every instance's
+    holder of the same elements lost at once. Training cannot go on from memory: the run goes back to its newest
+    snapshot or checkpoint (restarted workers resume from it, as when no replica is left).
+
+    Attributes:
+        start: The first element of the flat range no rank holds.
+        end: Where the ranks' holdings resume (the range's end if none does).
+    """
+
+    def __init__(self, start: int, end: int) -> None:
+        super().__init__(f"optimizer state elements [{start}, {end}) were held only by lost ranks (no other "
+                         "optimizer instance keeps a copy): training goes back to the newest snapshot or checkpoint")
+        self.start, self.end = start, end
+
+
 class StateEncodingError(UnicronError, TypeError):
     """A training state holds a value the safe state format cannot carry; the message names its path."""
 

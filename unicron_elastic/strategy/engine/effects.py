@@ -224,6 +224,19 @@ class SetGradients:
 
 
 @dataclass(frozen=True)
+class Refresh:
+    """(A sharded optimizer) make this rank hold its share of the members' optimizer state (copied from the ranks
+    that hold it) and every parameter of its model equal to the updated main parameter that holds it.
+
+    A collective over the group; raises ``RuntimeError`` when it fails, and
+    :class:`~unicron_elastic.api.ShardLostError` when every copy of part of
+    the state was lost. Returns nothing.
+    """
+
+    step: int
+
+
+@dataclass(frozen=True)
 class MarkReady:
     """(A joiner admitted by ``generation``) its model is built: the members may send it the state now."""
 

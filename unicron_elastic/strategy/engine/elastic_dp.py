@@ -126,9 +126,11 @@ from unicron_elastic.strategy.engine.group_watch import GroupWatch
 from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.joining import StateHandout, default_state, load_default_state
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards
 from unicron_elastic.strategy.engine.protocol import Protocol
 from unicron_elastic.strategy.engine.reduction import StepReduction
 from unicron_elastic.strategy.engine.replicas import ModelParallel, stages_to_backpropagate
+from unicron_elastic.strategy.engine.shard_layout import ShardLayout
 from unicron_elastic.strategy.engine.stage_sums import ReplicaSums
 from unicron_elastic.strategy.engine.store_effects import EngineStore
 from unicron_elastic.strategy.engine.transport import GlooTransport, is_peer_failure
@@ -220,6 +222,11 @@ class ElasticDataParallel:
                                     hooks.fallback or (lambda step=None: None))
         #: This shard's gradient sums (made by :meth:`bind`).
         self.gradients: GradientBuffer | None = None
+        #: With ``optimizer_instances``: the optimizer's shares this rank holds (a joiner holds none until admitted).
+        self.optimizer_shards = None if options.optimizer_instances is None else OptimizerShards(
+            options.optimizer_instances, self.groups.transport.device, self.watch.waiting,
+            lambda kind: self.fault_point(self.rank, self.next_step - (kind == "gather"), at=kind),
+            updated=lambda: setattr(self.protocol, "stale", True), holds=not joining)
         self._joining: tuple[Any, Any] | None = None
         self._handlers = self._effect_handlers()
         if model is not None:
@@ -236,7 +243,7 @@ class ElasticDataParallel:
                         micro_batches=batch_plan.num_micro_batches if batch_plan is not None else 0, buckets=0,
                         member_schedule=member_schedule, checkin_timeout=options.checkin_timeout,
                         collective_timeout=options.timeout.total_seconds(), authority=self.shard == 0,
-                        compute_needs_group=self.layout.size > 1)
+                        compute_needs_group=self.layout.size > 1, sharded=options.optimizer_instances is not None)
 
     def _first_groups(self, tie: bool) -> None:
         """(A member from the start) build generation 0's groups and publish the members."""
@@ -250,7 +257,7 @@ class ElasticDataParallel:
             raise
         self.store_effects.formed(self.generation, self.members, read_stop=False)
         if tie:
-            self.tie()
+            self.reduction.tie()
 
     def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              reductions: ModelReductions | None = None) -> None:
@@ -276,6 +283,8 @@ class ElasticDataParallel:
         self.reduction.bind(self.gradients, sums, reductions)
         self.computation.bind(model, self.gradients)
         self.model, self.optimizer = model, optimizer
+        if self.optimizer_shards is not None:
+            self.optimizer_shards.bind(optimizer, self.gradients.params, self.members, self.replica)
         self.protocol.buckets = len(self.gradients.bounds) + committed
         if committed:
             self.store_effects.set_buckets(len(self.gradients.bounds))
@@ -342,6 +351,7 @@ class ElasticDataParallel:
             E.TransferState: handout.transfer, E.Fallback: handout.resume, E.Admitted: self._admitted,
             E.BuildGroup: self._build, E.Formed: self._formed, E.DropGroup: lambda e: self.groups.abort(),
             E.Point: self._point, E.Pause: lambda e: self.pause(e.paused, e.bound),
+            E.Refresh: lambda e: self.optimizer_shards.refresh(self.groups.shard, self.members, self.replica),
             E.Now: lambda e: time.monotonic(), E.Sleep: lambda e: time.sleep(e.seconds),
             # What the protocol decided, for observers (the in-process fake records them).
             E.Abandon: _nothing, E.Decided: _nothing, E.Followed: _nothing, E.Reassigned: _nothing,
@@ -430,7 +440,13 @@ class ElasticDataParallel:
         self.store_effects.record_stop(step)
 
     def finish(self) -> None:
-        """Training is over: ranks still waiting in :meth:`join` give up waiting (any member says so)."""
+        """Training is over: the parameters gathered (a sharded optimizer stepped them last); ranks still waiting
+        in :meth:`join` give up waiting (any member says so).
+
+        Raises:
+            Excluded: (Sharded) a member was lost while the parameters were gathered and a record left this rank out.
+        """
+        run(self.protocol.refresh(self.next_step), self._handlers)
         if self.replica in self.members and self.groups.held:
             self.store_effects.record_finished(self.next_step)
 
@@ -568,13 +584,3 @@ class ElasticDataParallel:
         self.next_step = step + 1
         self.fault_point(self.rank, step, at="after_optimizer_step")
         return report
-
-    def tie(self) -> None:
-        """Make the copies of a weight tied across stages equal (start of training): see :meth:`StepReduction.tie
-        <unicron_elastic.strategy.engine.reduction.StepReduction.tie>`.
-
-        Raises:
-            ConfigError: The first and the last stage do not hold matching copies.
-            RuntimeError: The peer failed, or there is no group.
-        """
-        self.reduction.tie()

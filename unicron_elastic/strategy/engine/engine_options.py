@@ -76,6 +76,10 @@ class EngineOptions:
         pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``.
         transport: Makes and aborts the engine's groups (default: gloo).
         watch_times: When a wait is reported and the members' liveness checked.
+        optimizer_instances: Shard the optimizer's state over the data-parallel members, in this many
+            instances that each hold all of it (Megatron-LM's distributed optimizer with
+            ``num_distributed_optimizer_instances``; :mod:`~unicron_elastic.strategy.engine.optimizer_shards`).
+            None: every member keeps the whole state.
     """
 
     bucket_numel: int | None = None
@@ -87,6 +91,7 @@ class EngineOptions:
     pipeline_schedule: str = "1f1b"
     transport: CollectiveTransport | None = None
     watch_times: WatchTimes | None = None
+    optimizer_instances: int | None = None
 
 
 @dataclass(frozen=True)

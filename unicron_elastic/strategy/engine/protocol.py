@@ -70,6 +70,7 @@ from unicron_elastic.strategy.engine.effects import (
     ReadWaiting,
     Reassigned,
     Reduce,
+    Refresh,
     Regrouped,
     ReplicaBroken,
     RequestJoin,
@@ -114,14 +115,20 @@ class Protocol:
             sync regroups before computing instead of in the step's reduction.
         ready_timeout: How long (transport clock) the members wait for newcomers
             to build their model (:class:`MarkReady`) before sending them the state.
+        sharded: The optimizer is sharded (:mod:`~unicron_elastic.strategy.engine.optimizer_shards`): after
+            an optimizer step the parameters are stale until a :class:`Refresh` (before the next step computes;
+            a failure there regroups first), and every group formed after a failure or a resize refreshes first.
     """
 
     def __init__(self, rank: int, members: Sequence[int], micro_batches: int, buckets: int,
                  member_schedule: Mapping[int, Sequence[int]] | None = None, checkin_timeout: float = 10.0,
                  collective_timeout: float = 30.0, logger: Any = None, authority: bool = True,
-                 compute_needs_group: bool = False, ready_timeout: float = 300.0) -> None:
+                 compute_needs_group: bool = False, ready_timeout: float = 300.0, sharded: bool = False) -> None:
         self.rank = rank
-        self.authority, self.compute_needs_group = authority, compute_needs_group
+        self.authority, self.compute_needs_group = authority, compute_needs_group or sharded
+        self.sharded = sharded
+        #: (Sharded) an optimizer step updated the shares since the parameters were last gathered.
+        self.stale = False
         self.ready_timeout = ready_timeout
         self.joining = False  # in join(), not admitted yet
         self.resumed: int | None = None  # the step of the fallback state this rank fetched (no replica was left)
@@ -165,6 +172,7 @@ class Protocol:
             Excluded: A failure's record (during a resize) left this rank out.
         """
         early = yield from self._sync_membership(step)
+        early = (yield from self.refresh(step)) or early
         yield Point("step", step)
         report = StepReport(step)
         if early is not None:  # the membership sync failed and the group re-formed before computing
@@ -223,7 +231,7 @@ class Protocol:
                 break
             except RuntimeError as exc:  # a collective failed (gloo's error) or the group was gone already
                 self.log.warning("dp_collective_failed", step=step, bucket=done, error=str(exc)[:200])
-                outcome = yield from self._regroup(step, done)
+                outcome = yield from self._refreshed(step, (yield from self._regroup(step, done)))
                 done = outcome.done
                 report.recoveries += 1
                 report.dead += outcome.dead
@@ -347,6 +355,51 @@ class Protocol:
                 return False
             yield Sleep(0.002)
 
+    # -- a sharded optimizer's parameters ------------------------------------------------------------------
+    def _refresh(self, step: int) -> Effects:
+        """(Sharded) every rank holds its share of the members' optimizer state and the updated parameters."""
+        if self.sharded:
+            yield Refresh(step)
+            self.stale = False
+
+    def _refreshed(self, step: int, outcome: Regrouped) -> Effects:
+        """After a regroup in a step's reduction: :meth:`_refresh` (sharded), regrouping again while it fails.
+
+        Returns:
+            What every regroup changed, together.
+        """
+        while True:
+            try:
+                yield from self._refresh(step)
+                return outcome
+            except RuntimeError as exc:
+                self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
+                again = yield from self._regroup(step, outcome.done)
+                outcome = Regrouped(again.base if again.base is not None else outcome.base,
+                                    outcome.dead + again.dead, again.done)
+
+    def refresh(self, step: int) -> Effects:
+        """(Sharded, parameters stale) gather them before ``step`` computes or training ends; a failure regroups
+        first (no stale parameter computes).
+
+        Returns:
+            What that regroup changed, else None.
+
+        Raises:
+            Retired: The record followed is a resize that leaves this rank out.
+            Excluded: A failure's record left this rank out.
+        """
+        if not self.stale:
+            return None
+        try:
+            yield from self._refresh(step)
+            return None
+        except RuntimeError as exc:
+            yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
+            self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
+            dead = yield from self._follow_between_steps(step, list(self.members))
+            return Regrouped(None, dead, 0)
+
     # -- membership between steps -------------------------------------------------------------------------
     def _proposal(self, step: int) -> Effects:
         """The primary's members for ``step``: the member schedule's, else the current ones less those asked to leave plus joiners."""
@@ -446,15 +499,17 @@ class Protocol:
                 base, dead = outcome.base, []
             dead += outcome.dead
             self.deal_base = (step, base, dead)
-            if outcome.base is None or set(self.members) <= set(previous):
-                return dead  # a failure's record, or ranks only left: no newcomer to send the state to
-            root = min(set(previous) & set(self.members))
-            try:  # the resize's group formed: a replica sends the state to the newcomers, once they are ready
-                yield from self._await_ready(sorted(set(self.members) - set(previous)))
-                yield TransferState(self.members.index(root), apply=False)
+            # A resize's newcomers get the state from a replica (a failure's record has none).
+            newcomers = sorted(set(self.members) - set(previous)) if outcome.base is not None else []
+            try:
+                if newcomers:  # once they are ready
+                    yield from self._await_ready(newcomers)
+                    yield TransferState(self.members.index(min(set(previous) & set(self.members))), apply=False)
+                yield from self._refresh(step)
                 return dead
             except RuntimeError as exc:
-                self.log.warning("dp_resize_transfer_failed", step=step, error=str(exc)[:200])
+                event = "dp_resize_transfer_failed" if newcomers else "dp_refresh_failed"
+                self.log.warning(event, step=step, error=str(exc)[:200])
 
     def _await_ready(self, newcomers: list[int]) -> Effects:
         """Wait (at most :attr:`ready_timeout`, a declared pause) until the newcomers built their model.
@@ -584,6 +639,7 @@ class Protocol:
                 self.resumed = self.next_step = int(step)
             yield MarkReady(record.generation)
             step = yield TransferState(self.members.index(_root(latest)), apply=True)
+            yield from self._refresh(record.step)
         except RuntimeError as exc:  # the replica died while sending (or our part of a fallback is gone): wait
             self.log.warning("dp_join_transfer_failed", generation=self.generation, error=str(exc)[:200])
             yield DropGroup()

@@ -435,7 +435,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             return
         self._bind_model(module)
         if self.role is not RankRole.ADMITTED:  # (a joiner's tied copies come with its state)
-            self.engine.tie()
+            self.engine.reduction.tie()
         if self.layout.stage(self.env.launch_rank) < self.pp - 1:
             # A stage that scales no loss starts the loss scale once, not per micro-batch.
             start_scale(self.precision_plugin, self.root_device)

@@ -1,0 +1,242 @@
+"""The sharded optimizer (Megatron-LM's distributed optimizer with instances) and its recovery, on gloo.
+
+Pure decisions (shares, the pieces a move copies) are checked in-process with
+hypothesis; the engine's sharded step with real killed processes: four ranks
+train the examples' MLP with AdamW and float64 sums, the optimizer's state
+sharded over two instances; a rank is SIGKILLed at a micro-batch, in the
+gradient reduction, inside the optimizer step or inside the gather of the
+parameters, in either instance. Survivors must end bit-identical to a
+failure-free run, none left out, and a failure-free sharded run bit-identical
+to the unsharded engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import BIN, EXAMPLES
+from unicron_elastic.api import ConfigError, ShardLostError
+from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards, check_element_wise
+from unicron_elastic.strategy.engine.shard_layout import ShardLayout, plan_pieces, share
+from unicron_elastic.testing import fail_at, faults_env, run_workers
+
+WORKER = os.path.join(EXAMPLES, "elastic_dp_worker.py")
+B = 6  # micro-batches per step (global batch 24 in micro-batches of 4)
+NUMEL = 8 * 16 + 16 + 16 + 1  # the MLP's 161 parameters
+
+
+# -- pure decisions ------------------------------------------------------------------------------------
+@given(st.integers(0, 500), st.integers(1, 9))
+def test_shares_cover_the_range_once_in_order(numel: int, parts: int) -> None:
+    bounds = [share(numel, i, parts) for i in range(parts)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=10, unique=True), st.integers(1, 4), st.integers(0, 300))
+def test_every_instance_holds_the_whole_range_and_each_member_one_share(members: list[int], instances: int,
+                                                                       numel: int) -> None:
+    layout = ShardLayout(tuple(sorted(members)), instances)
+    assert layout.copies == min(instances, len(members))
+    seen = []
+    for k in range(layout.copies):
+        block = layout.instance(k)
+        assert block, "every instance has a member"
+        ranges = sorted(layout.range_of(m, numel) for m in block)
+        assert ranges[0][0] == 0 and ranges[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        seen += block
+    assert sorted(seen) == sorted(members)
+    assert layout.range_of(max(members) + 1, numel) == (0, 0)
+
+
+@given(st.lists(st.integers(0, 30), min_size=2, max_size=8, unique=True), st.integers(1, 4), st.integers(1, 300),
+       st.data())
+def test_a_lost_members_share_comes_from_another_instance_or_is_reported_lost(members: list[int], instances: int,
+                                                                             numel: int, data) -> None:
+    layout = ShardLayout(tuple(sorted(members)), instances)
+    lost = set(data.draw(st.lists(st.sampled_from(members), max_size=len(members) - 1)))
+    held = [layout.range_of(m, numel) if m not in lost else (0, 0) for m in layout.members]
+    covered = sorted({i for start, end in held for i in range(start, end)})
+    if covered != list(range(numel)):
+        with pytest.raises(ShardLostError) as caught:
+            plan_pieces(held, numel)
+        assert caught.value.start not in covered
+        return
+    pieces = plan_pieces(held, numel)
+    assert [p.start for p in pieces] == [0] + [p.end for p in pieces[:-1]] and pieces[-1].end == numel
+    for piece in pieces:  # each piece comes from a rank that holds all of it
+        start, end = held[piece.source]
+        assert start <= piece.start < piece.end <= end
+    if not lost:  # as few pieces as the instance with the fewest (non-empty) shares has
+        fewest = min(sum(1 for m in layout.instance(k) if layout.range_of(m, numel)[1] > layout.range_of(m, numel)[0])
+                     for k in range(layout.copies))
+        assert len(pieces) <= fewest
+
+
+def test_an_optimizer_that_is_not_element_wise_is_refused_with_one_clear_error() -> None:
+    model = torch.nn.Linear(3, 2)
+    for optimizer in (torch.optim.LBFGS(model.parameters()),
+                      type("MyAdam", (torch.optim.Adam,), {})(model.parameters())):
+        with pytest.raises(ConfigError, match="cannot be sharded: the distributed optimizer needs an element-wise"):
+            check_element_wise(optimizer)
+    assert check_element_wise(torch.optim.AdamW(model.parameters()))[1] == ("step",)
+
+
+def test_a_share_steps_as_those_elements_of_the_whole_step_to_the_bit() -> None:
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    parts = [torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)) for _ in range(3)]
+    for part in parts:
+        part.load_state_dict(whole.state_dict())
+    reference = torch.optim.AdamW(whole.parameters(), lr=0.01, weight_decay=0.1)
+    shards = []
+    for index, part in enumerate(parts):  # three members in one instance: a share each
+        shard = OptimizerShards(1, torch.device("cpu"), waiting=None, point=lambda kind: None, updated=lambda: None)
+        shard.bind(torch.optim.AdamW(part.parameters(), lr=0.01, weight_decay=0.1), list(part.parameters()),
+                   [0, 1, 2], index)
+        shards.append(shard)
+    for _ in range(4):
+        grads = [torch.randn_like(p) for p in whole.parameters()]
+        for params in [whole.parameters()] + [part.parameters() for part in parts]:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        reference.step()
+        for shard in shards:
+            shard.optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in whole.parameters()])
+    mine = torch.cat([shard.main[0].detach() for shard in shards])
+    assert torch.equal(mine, flat)
+    assert sum(s.state_bytes() for s in shards) == 12 * flat.numel() + 3 * 4  # main, two moments; a step each
+
+
+def test_an_optimizer_with_state_already_is_refused() -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    shards = OptimizerShards(2, torch.device("cpu"), waiting=None, point=lambda kind: None, updated=lambda: None)
+    with pytest.raises(ConfigError, match="already has state"):
+        shards.bind(optimizer, list(model.parameters()), [0, 1], 0)
+
+
+# -- the engine's sharded step with killed processes ----------------------------------------------------
+def train(out: Path, *extra: str, faults=(), world: int = 4) -> list[subprocess.CompletedProcess]:
+    args = ["--steps", "3", "--out", str(out), "--bucket-numel", "64", "--grad-dtype", "float64",
+            "--optimizer", "adamw", *extra]
+    return run_workers(WORKER, world, args, faults_env(list(faults), str(out / "faults.log")), timeout=120)
+
+
+def _params(out: Path, rank: int) -> list[torch.Tensor]:
+    return torch.load(out / f"params{rank}.pt")
+
+
+def _bytes(out: Path, rank: int) -> int:
+    return json.loads((out / f"state{rank}.json").read_text())["optimizer_state_bytes"]
+
+
+@pytest.fixture(scope="session")
+def sharded_baseline(failure_free) -> list[torch.Tensor]:
+    """A failure-free sharded run (DP 4, 2 instances), checked against the unsharded engine's."""
+    def reference_run(out: Path) -> list[torch.Tensor]:
+        unsharded, sharded = out / "unsharded", out / "sharded"
+        assert [r.returncode for r in train(unsharded)] == [0] * 4
+        results = train(sharded, "--optimizer-instances", "2")
+        assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-3000:]
+        reference = _params(unsharded, 0)
+        for rank in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(_params(sharded, rank), reference)), f"rank {rank}"
+        # Optimizer state per rank: 12 bytes (fp32 main parameter, two moments) x P / (DP / I), plus a step counter
+        share_bytes = 12 * NUMEL / (4 / 2)
+        per_rank = [_bytes(sharded, rank) for rank in range(4)]
+        print(f"optimizer state bytes per rank: sharded {per_rank} (12 x P / (DP / I) = {share_bytes:.0f}), "
+              f"unsharded {[_bytes(unsharded, rank) for rank in range(4)]}")
+        assert all(abs(b - share_bytes) <= 0.05 * share_bytes for b in per_rank)
+        assert all(_bytes(unsharded, rank) == 8 * NUMEL + 4 * 4 for rank in range(4))  # two moments, 4 steps
+        return reference
+
+    return failure_free("test_optimizer_shards.sharded_baseline", reference_run)
+
+
+POINTS = {"micro-batch": {}, "reduction": dict(bucket=2), "optimizer-step": dict(at="optimizer_step"),
+          "gather": dict(at="gather")}
+
+
+def _cases() -> list:
+    """Each point, a victim in each instance (ranks 0-1, 2-3); the default tier keeps the gather in instance 1."""
+    return [pytest.param(point, victim, id=f"{point}-{victim}",
+                         marks=() if (point, victim) == ("gather", 2) else pytest.mark.e2e)
+            for point in POINTS for victim in (1, 2)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("point", "victim"), _cases())
+def test_a_rank_killed_anywhere_in_the_sharded_step_costs_no_other_rank_a_restart(tmp_path: Path, sharded_baseline,
+                                                                                  point: str, victim: int) -> None:
+    where = dict(POINTS[point]) or dict(micro_batch=victim + 4 if victim < 2 else victim)
+    results = train(tmp_path, "--optimizer-instances", "2", faults=[fail_at(rank=victim, step=1, **where)])
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1, "the fault did not fire"
+    assert results[victim].returncode == -9
+    for rank in (r for r in range(4) if r != victim):  # none left out, none restarted: each finished every step
+        assert results[rank].returncode == 0, results[rank].stderr[-3000:]
+        reports = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [rep["step"] for rep in reports] == [0, 1, 2]
+        assert sorted(d for rep in reports for d in rep["dead"]) == [victim]
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_one_instance_a_lost_share_stops_the_survivors_with_shard_lost(tmp_path: Path) -> None:
+    results = train(tmp_path, "--optimizer-instances", "1", faults=[fail_at(rank=3, step=1, micro_batch=3)])
+    assert results[3].returncode == -9
+    for rank in range(3):
+        assert results[rank].returncode != 0
+        assert "ShardLostError: optimizer state elements [120, 161) were held only by lost ranks" in \
+            results[rank].stderr
+        assert "optimizer_state_without_copy" in results[rank].stdout + results[rank].stderr  # said at the start
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_scale_in_4_3_and_out_to_4_reshards_and_keeps_the_trajectory(tmp_path: Path, sharded_baseline) -> None:
+    schedule = json.dumps({"1": [0, 1, 2], "2": [0, 1, 2, 3]})
+    results = train(tmp_path, "--optimizer-instances", "2", "--member-schedule", schedule)
+    assert [r.returncode for r in results] == [0] * 4, [r.stderr[-2000:] for r in results]
+    assert json.loads((tmp_path / "rank3.json").read_text())[-1] == {"retired_at": 1}
+    for rank in range(3):  # the global batch is the same at every size: float64 sums make it exact
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
+    assert len(json.loads((tmp_path / "rank0.json").read_text())[1]["micro_batches"]) == 2  # B = 6 over 3
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_restarted_and_rejoins_with_its_share_from_the_other_instance(tmp_path: Path) -> None:
+    steps = 8
+    reference = tmp_path / "reference"
+    assert [r.returncode for r in run_workers(WORKER, 4, ["--steps", str(steps), "--out", str(reference),
+                                                          "--grad-dtype", "float64", "--optimizer", "adamw"],
+                                              timeout=120)] == [0] * 4
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.update(faults_env([fail_at(rank=2, step=1, micro_batch=2)], str(tmp_path / "faults.log")))
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", "--log-format=json",
+           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.3", "--out", str(tmp_path),
+           "--grad-dtype", "float64", "--optimizer", "adamw", "--optimizer-instances", "2",
+           "--hold-for-joiner", str(steps - 2)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1
+    back = json.loads((tmp_path / "rank2.json").read_text())
+    assert back[0]["state_from"] == "replica" and 2 <= back[0]["joined_at"] < steps
+    for rank in range(4):  # the rejoiner too: its share came from instance 0 (rank 0), its parameters by the gather
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), _params(reference, 0))), f"rank {rank}"

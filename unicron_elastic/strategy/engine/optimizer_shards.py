@@ -1,0 +1,341 @@
+"""A sharded optimizer that survives lost ranks: Megatron-LM's distributed optimizer with instances.
+
+:class:`OptimizerShards` turns the user's element-wise torch optimizer
+(:data:`ELEMENT_WISE`: SGD, Adam, AdamW, RMSprop, Adamax) into a
+sharded one: each parameter group's parameters are seen as one flat range,
+this rank keeps its share of it (:class:`~unicron_elastic.strategy.engine.shard_layout.ShardLayout`)
+as an fp32 *main parameter*, and the optimizer's ``param_groups`` are pointed
+at those main parameters, so its per-element state (Adam's two moments) exists
+for the share only: 12 bytes per element of the share with Adam, against 8
+per parameter kept by every rank without sharding. Learning-rate schedulers
+keep working: they change the same ``param_groups``.
+
+One step of the engine with it:
+
+* the gradients are reduced as without sharding (every rank then holds the
+  whole reduced sum, which keeps the engine's recovery of a step unchanged:
+  any rank can take any share);
+* ``optimizer.step()`` (a step pre-hook loads this share's gradients into the
+  main parameters' ``grad``) updates this rank's share only, without a collective;
+* the next collective of the group, before the next step computes (or when
+  training ends), is the protocol's :class:`~unicron_elastic.strategy.engine.effects.Refresh`:
+  :meth:`OptimizerShards.refresh` first *reshards* when the members changed
+  (every rank's new share copied from the ranks holding it: another instance
+  for a lost rank's share), then *gathers* the updated main parameters into
+  every rank's model.
+
+An element-wise optimizer's step on a share equals the same elements of its
+step on the whole parameters, to the bit: with ``grad_dtype=float64`` the
+parameters equal the unsharded engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from unicron_elastic.api import ConfigError
+from unicron_elastic.strategy.engine.shard_layout import Piece, ShardLayout, plan_pieces
+
+__all__ = ["ELEMENT_WISE", "OptimizerShards", "check_element_wise"]
+
+log = structlog.get_logger(__name__)
+
+#: The optimizers whose step is element-wise (a share's step equals those elements of the whole step):
+#: their per-element state keys and their scalar state keys.
+ELEMENT_WISE: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    torch.optim.SGD: (("momentum_buffer",), ()),
+    torch.optim.Adam: (("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), ("step",)),
+    torch.optim.AdamW: (("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), ("step",)),
+    torch.optim.RMSprop: (("square_avg", "momentum_buffer", "grad_avg"), ("step",)),
+    torch.optim.Adamax: (("exp_avg", "exp_inf"), ("step",)),
+}
+
+
+def check_element_wise(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The optimizer's per-element and scalar state keys, if it can be sharded.
+
+    Raises:
+        ConfigError: Its step is not known to be element-wise (a subclass may change the step, so only these
+            classes themselves are accepted).
+    """
+    keys = ELEMENT_WISE.get(type(optimizer))
+    if keys is None:
+        names = ", ".join(f"torch.optim.{cls.__name__}" for cls in ELEMENT_WISE)
+        raise ConfigError(f"{type(optimizer).__module__}.{type(optimizer).__qualname__} cannot be sharded: the "
+                          f"distributed optimizer needs an element-wise optimizer ({names}), whose step on a share "
+                          "of the parameters equals the same elements of its step on all of them")
+    return keys
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch's optimizers give their ``step`` counter."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class _Group:
+    """One parameter group as a flat range: its parameters' offsets, reads and writes of a part of it."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    def _parts(self, start: int, end: int):  # type: ignore[no-untyped-def]
+        for p, lo, hi in zip(self.params, self.offsets, self.offsets[1:]):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                yield p, a - lo, b - lo, a - start, b - start
+
+    def read(self, start: int, end: int, grad: bool = False) -> torch.Tensor:
+        """Elements ``[start, end)`` of the parameters (or of their gradients, zeros for none) as fp32."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        out = torch.zeros(end - start, dtype=torch.float32, device=device)
+        for p, a, b, i, j in self._parts(start, end):
+            source = p.grad if grad else p.detach()
+            if source is not None:
+                out[i:j].copy_(source.reshape(-1)[a:b])
+        return out
+
+    @torch.no_grad()
+    def write(self, start: int, values: torch.Tensor) -> None:
+        """Set the parameters' elements ``[start, start + len(values))`` (cast to each parameter's dtype)."""
+        for p, a, b, i, j in self._parts(start, start + values.numel()):
+            p.view(-1)[a:b].copy_(values[i:j])
+
+
+class OptimizerShards:
+    """This rank's shares of a sharded optimizer's state, and the moves that keep them right.
+
+    Args:
+        instances: Optimizer instances (copies of the whole state; Megatron-LM's
+            ``num_distributed_optimizer_instances``).
+        device: Where collectives take their tensors (gloo: the CPU; NCCL: the GPU).
+        waiting: ``waiting(what)``: a context that reports this rank's wait on its group.
+        point: ``point(kind)``: a fault-injection point (``"optimizer_step"``: its gradients loaded, before the
+            optimizer's step; ``"gather"``: the parameters' gather begun).
+        updated: Called after each optimizer step (the parameters are stale until the next refresh).
+        holds: This rank holds its share from the start (False: a joiner, which gets it when admitted).
+
+    Raises:
+        ConfigError: ``instances`` is below 1.
+    """
+
+    def __init__(self, instances: int, device: torch.device, waiting: Callable[[str], Any],
+                 point: Callable[[str], None], updated: Callable[[], None], holds: bool = True) -> None:
+        if instances < 1:
+            raise ConfigError(f"optimizer_instances must be >= 1, got {instances}")
+        self.instances, self.device, self.waiting, self.point = instances, device, waiting, point
+        self.updated, self.holds = updated, holds
+        self._hooks: list[Any] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.groups: list[_Group] = []
+        #: Per parameter group: the ``(start, end)`` this rank holds.
+        self.held: list[tuple[int, int]] = []
+        #: Per parameter group: the fp32 main parameter of what this rank holds (the optimizer steps these).
+        self.main: list[torch.nn.Parameter] = []
+        self._keys: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def layout(self, members: Sequence[int]) -> ShardLayout:
+        """How ``members`` (the data-parallel members, in order) hold the state."""
+        return ShardLayout(tuple(members), self.instances)
+
+    def bind(self, optimizer: torch.optim.Optimizer, reduced: Sequence[torch.nn.Parameter],
+             members: Sequence[int], member: int) -> None:
+        """Point ``optimizer`` at this rank's shares of ``members``' layout (none for a joiner); hook its step.
+
+        Raises:
+            ConfigError: The optimizer is not element-wise, already has state, or steps a parameter whose
+                gradient the engine does not reduce.
+        """
+        self._keys = check_element_wise(optimizer)
+        if any(optimizer.state.values()):
+            raise ConfigError("the optimizer already has state: give the distributed optimizer a fresh one (a "
+                              "checkpoint's optimizer state is loaded after set-up)")
+        known = {id(p) for p in reduced}
+        self.optimizer, self.groups = optimizer, []
+        for group in optimizer.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            if any(id(p) not in known for p in params):
+                raise ConfigError("the optimizer steps a parameter the engine does not reduce (not in the model)")
+            self.groups.append(_Group(params))
+        layout = self.layout(members)
+        ranges = [layout.range_of(member, g.numel) if self.holds else (0, 0) for g in self.groups]
+        self._hold(ranges, [g.read(*r) for g, r in zip(self.groups, ranges)], [{} for _ in self.groups])
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = [optimizer.register_step_pre_hook(lambda *args: self._before_step()),
+                       optimizer.register_step_post_hook(lambda *args: self.updated())]
+        if layout.copies == 1 and len(layout.members) > 1:
+            log.warning("optimizer_state_without_copy", instances=self.instances,
+                        consequence="a lost rank costs a return to the newest snapshot or checkpoint")
+
+    def _before_step(self) -> None:
+        self.load_gradients()
+        self.point("optimizer_step")
+
+    def _hold(self, held: list[tuple[int, int]], main: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
+        """Hold ``main`` (fp32, per group) and its optimizer state; the optimizer's groups point at them."""
+        optimizer = self.optimizer
+        for old in self.main:
+            optimizer.state.pop(old, None)
+        self.held, self.main = list(held), [torch.nn.Parameter(m, requires_grad=True) for m in main]
+        for group, param, state in zip(optimizer.param_groups, self.main, states):
+            group["params"] = [param]
+            if state:
+                optimizer.state[param] = state
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def load_gradients(self) -> None:
+        """(Before the optimizer's step) this rank's share of the reduced gradients into the main parameters."""
+        for group, main, (start, end) in zip(self.groups, self.main, self.held):
+            main.grad = group.read(start, end, grad=True)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: its fp32 main parameters and their optimizer state."""
+        total = sum(m.numel() * m.element_size() for m in self.main)
+        for main in self.main:
+            total += sum(v.numel() * v.element_size() for v in self.optimizer.state.get(main, {}).values()
+                         if isinstance(v, torch.Tensor))
+        return total
+
+    # -- the moves ---------------------------------------------------------------------------------------
+    def refresh(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int) -> None:
+        """Reshard when what the ranks hold is not their share of ``members``' layout, then gather the parameters.
+
+        A collective over ``pg`` (the shard's data-parallel group of
+        ``members``, in their order): every rank calls it. First the ranks
+        tell each other what they hold; the plan of the moves is then the same
+        on every rank.
+
+        Raises:
+            RuntimeError: The group failed (a member was lost), or was gone already.
+            ShardLostError: Part of the state is held by no member any more.
+        """
+        if pg is None:
+            raise RuntimeError("the group failed before the parameters were gathered")
+        layout = self.layout(members)
+        held = self._exchange(pg)
+        shares = [[_empty_as_zero(layout.range_of(m, g.numel)) for g in self.groups] for m in layout.members]
+        if [[_empty_as_zero(h[:2]) for h in rank] for rank in held] != shares:
+            self._reshard(pg, held, shares[layout.members.index(member)])
+            held = [[(*share_, 0) for share_ in rank] for rank in shares]
+        self._gather(pg, held)
+
+    def _exchange(self, pg: dist.ProcessGroup) -> list[list[tuple[int, int, int]]]:
+        """What every rank of ``pg`` holds: per rank, per group ``(start, end, has optimizer state)``."""
+        mine = torch.tensor([v for (start, end), main in zip(self.held, self.main)
+                             for v in (start, end, int(bool(self.optimizer.state.get(main))))],
+                            dtype=torch.int64).to(self.device)
+        outs = [torch.empty_like(mine) for _ in range(pg.size())]
+        with self.waiting("shards"):
+            pg.allgather([outs], [mine]).wait()
+        return [[tuple(int(x) for x in out[3 * g:3 * g + 3].tolist()) for g in range(len(self.groups))]
+                for out in outs]
+
+    def _reshard(self, pg: dist.ProcessGroup, held: list[list[tuple[int, int, int]]],
+                 wanted: list[tuple[int, int]]) -> None:
+        """Make this rank hold ``wanted`` (per group) with its optimizer state, copied from the holders."""
+        main, states = [], []
+        for g, group in enumerate(self.groups):
+            ranks = [h[g] for h in held]
+            pieces = plan_pieces([(start, end) for start, end, _ in ranks], group.numel)
+            stateful = sorted({ranks[p.source][2] for p in pieces if p.end > p.start})
+            if len(stateful) > 1:  # (ranks that stepped and ranks that did not: the protocol never mixes them)
+                raise ValueError("the holders of the optimizer state disagree on whether it has state")
+            keys = self._present(g) if stateful == [1] else None
+            new_main, new_state = self._receive_group(pg, g, pieces, wanted[g], keys)
+            main.append(new_main)
+            states.append(new_state)
+        log.info("optimizer_state_resharded", held=[h[0][:2] for h in held], wanted=wanted)
+        self._hold(wanted, main, states)
+
+    def _present(self, g: int) -> tuple[str, ...]:
+        """The per-element state keys the optimizer keeps for group ``g`` (from its hyperparameters)."""
+        group = self.optimizer.param_groups[g]
+        per_element, _ = self._keys
+        present = []
+        for key in per_element:
+            if key == "max_exp_avg_sq" and not group.get("amsgrad", False):
+                continue
+            if key == "momentum_buffer" and not group.get("momentum", 0):
+                continue
+            if key == "grad_avg" and not group.get("centered", False):
+                continue
+            present.append(key)
+        return tuple(present)
+
+    def _receive_group(self, pg: dist.ProcessGroup, g: int, pieces: list[Piece], wanted: tuple[int, int],
+                       keys: tuple[str, ...] | None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Group ``g``'s new main parameter and state over ``wanted``, from the pieces' broadcasts."""
+        index, (start, end) = pg.rank(), wanted
+        rows = 1 + (len(keys) if keys is not None else 0)
+        out = torch.zeros(rows, end - start, dtype=torch.float32, device=self.main[g].device)
+        step = torch.zeros(1, dtype=torch.float64)
+        for n, piece in enumerate(pieces):
+            buf = self._rows(g, piece, keys) if piece.source == index else \
+                torch.empty(rows, piece.end - piece.start, dtype=torch.float32, device=self.main[g].device)
+            self._broadcast(pg, buf, piece.source)
+            a, b = max(start, piece.start), min(end, piece.end)
+            if a < b:
+                out[:, a - start:b - start].copy_(buf[:, a - piece.start:b - piece.start])
+            if n == 0 and keys is not None and self._keys[1]:
+                step = self._step_of(g) if piece.source == index else step
+                self._broadcast(pg, step, piece.source)
+        state: dict[str, Any] = {}
+        if keys is not None:
+            state = {key: out[1 + k].clone() for k, key in enumerate(keys)}
+            if self._keys[1]:
+                state["step"] = torch.tensor(float(step), dtype=_scalar_dtype())
+        return out[0].clone(), state
+
+    def _rows(self, g: int, piece: Piece, keys: tuple[str, ...] | None) -> torch.Tensor:
+        """(The source) its main parameter and state over ``piece``, one row each."""
+        first = self.held[g][0]
+        a, b = piece.start - first, piece.end - first
+        state = self.optimizer.state.get(self.main[g], {})
+        rows = [self.main[g].detach()[a:b]] + [state[key][a:b] for key in (keys or ())]
+        return torch.stack(rows).to(torch.float32)
+
+    def _step_of(self, g: int) -> torch.Tensor:
+        return torch.tensor([float(self.optimizer.state[self.main[g]]["step"])], dtype=torch.float64)
+
+    def _gather(self, pg: dist.ProcessGroup, held: list[list[tuple[int, int, int]]]) -> None:
+        """Every parameter of the model set from the main parameter of the rank that holds it."""
+        index = pg.rank()
+        for g, group in enumerate(self.groups):
+            pieces = plan_pieces([h[g][:2] for h in held], group.numel)
+            for n, piece in enumerate(pieces):
+                if piece.source == index:
+                    first = self.held[g][0]
+                    buf = self.main[g].detach()[piece.start - first:piece.end - first].clone()
+                else:
+                    buf = torch.empty(piece.end - piece.start, dtype=torch.float32, device=self.main[g].device)
+                self._broadcast(pg, buf, piece.source)
+                group.write(piece.start, buf)
+                if n == 0 and g == 0:
+                    self.point("gather")
+
+    def _broadcast(self, pg: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None:
+        staged = tensor.to(self.device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        with self.waiting("shards"):
+            pg.broadcast([staged], opts).wait()
+        if staged is not tensor:
+            tensor.copy_(staged)
+
+
+def _empty_as_zero(held: tuple[int, int]) -> tuple[int, int]:
+    """``(start, end)``, with every empty range written ``(0, 0)``."""
+    return held if held[1] > held[0] else (0, 0)
