@@ -483,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="shard AdamW's state over the data-parallel ranks (Megatron-LM's distributed optimizer)")
+    parser.add_argument("--optimizer-instances", type=int, default=1,
+                        help="--distributed-optimizer: instances that each hold the whole state")
+    parser.add_argument("--ckpt-path", type=Path, default=None, help="resume from this checkpoint (Lightning's)")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision (16-mixed: a CPU GradScaler)")
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="16-mixed: the GradScaler's initial scale")
     parser.add_argument("--inf-at", default=None, metavar="RANK:STEP:MB",
@@ -541,7 +546,8 @@ def main() -> None:
         pipeline_model_parallel_size=args.pipeline_parallel, pipeline_schedule=args.pipeline_schedule,
         members=[int(r) for r in args.members.split(",")] if args.members else None,
         member_schedule={int(k): v for k, v in json.loads(args.member_schedule).items()},
-        timeout=timedelta(seconds=args.collective_timeout))
+        timeout=timedelta(seconds=args.collective_timeout), distributed_optimizer=args.distributed_optimizer,
+        optimizer_instances=args.optimizer_instances)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
@@ -552,7 +558,7 @@ def main() -> None:
                   deadlock_at=deadlock_at)
     trainer.fit(model, DataLoader(data, batch_size=args.micro_batch, num_workers=args.num_workers,
                                   persistent_workers=args.num_workers > 0),
-                ckpt_path=preempted.resume_path if preempted is not None else None)
+                ckpt_path=preempted.resume_path if preempted is not None else args.ckpt_path)
     trainer.save_checkpoint(args.out / "final.ckpt")  # (the strategy writes none for a rank that trained nothing)
     trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
     summary = {"trained": trained, "joined_at": strategy.joined_at, "state_from": strategy.engine.handout.state_source,

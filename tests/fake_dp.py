@@ -161,6 +161,8 @@ class Scenario:
         sharded: (C = 1) the optimizer is sharded: after each step's optimizer step (a point ``update``) the
             parameters are stale until the protocol's refresh, a collective of the group (a point ``refresh``);
             a rank that computes with stale parameters violates the protocol.
+        eager_refresh: (sharded) each rank refreshes right after its optimizer step (the Lightning strategy's
+            order), not when the next step begins (the engine's ``train_step``).
     """
 
     world: int
@@ -183,6 +185,7 @@ class Scenario:
     model_parallel: tuple[int, int] = (1, 1)
     restart_after: int | None = None
     sharded: bool = False
+    eager_refresh: bool = False
 
 
 @dataclass(frozen=True)
@@ -416,6 +419,8 @@ class _Rank:
                     yield from self.point("update", s)
                     self.protocol.stale = True
                 self.protocol.next_step = s + 1
+                if sc.sharded and sc.eager_refresh:
+                    yield from self.run(self.protocol.refresh(s + 1))
             except E.Retired:  # asked to leave: out at a step boundary, exits 0
                 self.store_effects.withdraw_leave_request()  # (as ElasticDataParallel.begin_step)
                 self.sim.retired.append((s, self.rank))
@@ -429,7 +434,7 @@ class _Rank:
                 if not (yield from self.join()):
                     return
         try:  # (ElasticDataParallel.finish) the parameters gathered, then any member says training is over
-            yield from self.run(self.protocol.refresh(self.protocol.next_step))
+            yield from self.run(self.protocol.refresh(self.protocol.next_step, last=True))
         except Excluded as exc:
             self.sim.excluded.append((exc.record.generation, self.rank, "left out at the end"))
             return
@@ -448,7 +453,7 @@ class _Rank:
 
     # -- effects -------------------------------------------------------------------------
     def compute(self, e: E.Compute) -> Generator[None, None, list[int]]:
-        if self.protocol.stale:
+        if self.protocol.stale and e.micro_batches:
             raise ProtocolViolation(f"rank {self.rank} computes step {e.step} with stale parameters")
         total = [0] * self.sim.scenario.buckets
         for j in e.micro_batches:

@@ -288,12 +288,14 @@ def test_recovery_protocol_properties_when_the_last_bucket_completes_on_some_onl
 
 
 @FAST
-@given(scenarios(keep_one=False), st.floats(0.0, 1.0))
-def test_recovery_protocol_properties_with_a_sharded_optimizer(scenario: Scenario, partial: float) -> None:
+@given(scenarios(keep_one=False), st.floats(0.0, 1.0), st.booleans())
+def test_recovery_protocol_properties_with_a_sharded_optimizer(scenario: Scenario, partial: float,
+                                                               eager: bool) -> None:
     # Every member refreshes at the same collective (the fake refuses members that disagree), none computes with
-    # stale parameters, and the step's sums stay exact, however the refresh or the last bucket fails.
+    # stale parameters, and the step's sums stay exact, however the refresh or the last bucket fails, whether the
+    # parameters are gathered when the next step begins (the engine) or right after the step (Lightning).
     from dataclasses import replace
-    check_all(run(replace(scenario, sharded=True, partial=partial, partial_last=partial > 0.5)))
+    check_all(run(replace(scenario, sharded=True, partial=partial, partial_last=partial > 0.5, eager_refresh=eager)))
 
 
 def test_sharded_a_rank_lost_in_the_gather_the_others_refresh_again_before_computing() -> None:
@@ -303,6 +305,16 @@ def test_sharded_a_rank_lost_in_the_gather_the_others_refresh_again_before_compu
     check_all(sim)
     assert sim.outcome == "finished" and not sim.excluded
     assert [(d.rank, d.label) for d in sim.deaths] == [(2, ("refresh", 1, None))]
+
+
+def test_sharded_a_rank_lost_in_an_eager_gather_no_member_proposes_it_back() -> None:
+    # The members agreed on step 1's members (rank 2 among them) in step 0's last bucket; the regroup after the
+    # gather failed decides them instead: nobody waits for rank 2 to join again.
+    scenario = Scenario(world=4, buckets=2, micro_batches=6, steps=3, deaths={2: ("refresh", 1)}, sharded=True,
+                        eager_refresh=True, partial=1.0, deadline=None)
+    sim = Sim(scenario).run()
+    check_all(sim)
+    assert sim.outcome == "finished" and not sim.excluded and not sim.abandoned
 
 
 # -- deal + redistribute over successive failures -----------------------------------------------

@@ -130,7 +130,7 @@ from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards
 from unicron_elastic.strategy.engine.protocol import Protocol
 from unicron_elastic.strategy.engine.reduction import StepReduction
 from unicron_elastic.strategy.engine.replicas import ModelParallel, stages_to_backpropagate
-from unicron_elastic.strategy.engine.shard_layout import ShardLayout
+from unicron_elastic.strategy.engine.shard_checkpoint import collect
 from unicron_elastic.strategy.engine.stage_sums import ReplicaSums
 from unicron_elastic.strategy.engine.store_effects import EngineStore
 from unicron_elastic.strategy.engine.transport import GlooTransport, is_peer_failure
@@ -285,6 +285,9 @@ class ElasticDataParallel:
         self.model, self.optimizer = model, optimizer
         if self.optimizer_shards is not None:
             self.optimizer_shards.bind(optimizer, self.gradients.params, self.members, self.replica)
+            # A checkpoint's optimizer state: every share, on the rank of replica 0 (the one Lightning writes with).
+            self.optimizer_shards.collector = lambda: collect(
+                self.optimizer_shards, self.groups.shard, self.members.index(0) if 0 in self.members else 0)
         self.protocol.buckets = len(self.gradients.bounds) + committed
         if committed:
             self.store_effects.set_buckets(len(self.gradients.bounds))
@@ -446,9 +449,22 @@ class ElasticDataParallel:
         Raises:
             Excluded: (Sharded) a member was lost while the parameters were gathered and a record left this rank out.
         """
-        run(self.protocol.refresh(self.next_step), self._handlers)
+        self.refresh(last=True)
         if self.replica in self.members and self.groups.held:
             self.store_effects.record_finished(self.next_step)
+
+    def refresh(self, last: bool = False) -> None:
+        """(A sharded optimizer) the parameters its last step updated, gathered into every model (between steps).
+
+        The next :meth:`begin_step` does it otherwise. Nothing happens without a sharded optimizer, or when
+        nothing changed. When it fails the parameters stay stale until the next step's regroup; with ``last``
+        (no next step: :meth:`finish`) the members regroup at once.
+
+        Raises:
+            Retired: (``last``) a member was lost meanwhile and a resize record leaves this rank out.
+            Excluded: (``last``) a member was lost meanwhile and a record left this rank out.
+        """
+        run(self.protocol.refresh(self.next_step, last), self._handlers)
 
     def close(self) -> None:
         """Destroy this rank's groups; call before the process exits.
@@ -478,6 +494,8 @@ class ElasticDataParallel:
         Raises:
             TimeoutError: Not admitted within ``timeout`` seconds.
         """
+        if self.optimizer_shards is not None and self.optimizer_shards.groups:
+            self.optimizer_shards.drop()  # a rank left out holds a stale share: it gets a new one when admitted
         effects = self.protocol.join(timeout)
         outcome = run(effects, self._handlers, until=(E.MarkReady,))
         suspended = isinstance(outcome, Suspended)

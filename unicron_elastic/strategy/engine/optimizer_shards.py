@@ -31,7 +31,8 @@ parameters equal the unsharded engine's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import structlog
@@ -41,7 +42,12 @@ import torch.distributed as dist
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.engine.shard_layout import Piece, ShardLayout, plan_pieces
 
-__all__ = ["ELEMENT_WISE", "OptimizerShards", "check_element_wise"]
+__all__ = ["ELEMENT_WISE", "SHARED_ELSEWHERE", "OptimizerShards", "check_element_wise", "scalar_dtype", "share_format",
+           "share_of"]
+
+#: Marks an optimizer state dict that holds no per-element state because each rank holds its own share (what a
+#: replica hands a joiner: the joiner gets its share from the members when its group forms).
+SHARED_ELSEWHERE = "unicron_optimizer_state_shared_elsewhere"
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +78,7 @@ def check_element_wise(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...
     return keys
 
 
-def _scalar_dtype() -> torch.dtype:
+def scalar_dtype() -> torch.dtype:
     """The dtype torch's optimizers give their ``step`` counter."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
@@ -137,6 +143,12 @@ class OptimizerShards:
         self.instances, self.device, self.waiting, self.point = instances, device, waiting, point
         self.updated, self.holds = updated, holds
         self._hooks: list[Any] = []
+        #: Set by the engine: the whole state, a collective of the members, on the rank that writes checkpoints
+        #: (None on the others).
+        self.collector: Callable[[], dict[str, Any] | None] | None = None
+        #: A whole state collected for the dump in progress (a checkpoint, the snapshot tiers): what the
+        #: optimizer's ``state_dict()`` returns; None: its share marked :data:`SHARED_ELSEWHERE`.
+        self.whole: dict[str, Any] | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.groups: list[_Group] = []
         #: Per parameter group: the ``(start, end)`` this rank holds.
@@ -171,21 +183,65 @@ class OptimizerShards:
             self.groups.append(_Group(params))
         layout = self.layout(members)
         ranges = [layout.range_of(member, g.numel) if self.holds else (0, 0) for g in self.groups]
-        self._hold(ranges, [g.read(*r) for g, r in zip(self.groups, ranges)], [{} for _ in self.groups])
+        self.whole = None
+        self.hold(ranges, [g.read(*r) for g, r in zip(self.groups, ranges)], [{} for _ in self.groups])
         for handle in self._hooks:
             handle.remove()
-        self._hooks = [optimizer.register_step_pre_hook(lambda *args: self._before_step()),
-                       optimizer.register_step_post_hook(lambda *args: self.updated())]
+        self._hooks = [optimizer.register_step_pre_hook(self._before_step),
+                       optimizer.register_step_post_hook(lambda *args: self.updated()),
+                       optimizer.register_state_dict_post_hook(self._state_dict),
+                       optimizer.register_load_state_dict_pre_hook(lambda opt, state: share_format(self, state))]
         if layout.copies == 1 and len(layout.members) > 1:
             log.warning("optimizer_state_without_copy", instances=self.instances,
                         consequence="a lost rank costs a return to the newest snapshot or checkpoint")
 
-    def _before_step(self) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Load this share's gradients before the optimizer's step computes: after its closure, when it has one
+        (Lightning's: the closure runs the step's backward, whose reduction sets the gradients)."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0] is the optimizer)
+        if closure is None:
+            self._load_and_point()
+            return None
+
+        def then_load() -> Any:
+            loss = closure()
+            self._load_and_point()
+            return loss
+
+        return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": then_load}
+
+    def _load_and_point(self) -> None:
         self.load_gradients()
         self.point("optimizer_step")
 
-    def _hold(self, held: list[tuple[int, int]], main: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
-        """Hold ``main`` (fp32, per group) and its optimizer state; the optimizer's groups point at them."""
+    @contextmanager
+    def collected(self) -> Iterator[None]:
+        """Inside: the optimizer's ``state_dict()`` is the whole state (:attr:`collector`: a collective)."""
+        self.whole = self.collector()
+        try:
+            yield
+        finally:
+            self.whole = None
+
+    def _state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """What the optimizer's ``state_dict()`` returns: :attr:`whole` when collected, else its share marked
+        :data:`SHARED_ELSEWHERE` without the per-element state (what a replica hands a joiner)."""
+        if self.whole is not None:
+            return self.whole
+        return {**state_dict, "state": {}, SHARED_ELSEWHERE: True}
+
+    @property
+    def scalar_keys(self) -> tuple[str, ...]:
+        """The optimizer's scalar state keys (``step``), the same for every element of a group."""
+        return self._keys[1]
+
+    def main_device(self, g: int) -> torch.device:
+        """Where group ``g``'s main parameter lives (its parameters' device)."""
+        return self.main[g].device
+
+    def hold(self, held: list[tuple[int, int]], main: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
+        """Hold ``main`` (fp32, per group) over ``held`` and its optimizer state; the optimizer's groups point at
+        them."""
         optimizer = self.optimizer
         for old in self.main:
             optimizer.state.pop(old, None)
@@ -225,17 +281,21 @@ class OptimizerShards:
         if pg is None:
             raise RuntimeError("the group failed before the parameters were gathered")
         layout = self.layout(members)
-        held = self._exchange(pg)
+        held = self.exchange(pg)
         shares = [[_empty_as_zero(layout.range_of(m, g.numel)) for g in self.groups] for m in layout.members]
         if [[_empty_as_zero(h[:2]) for h in rank] for rank in held] != shares:
             self._reshard(pg, held, shares[layout.members.index(member)])
             held = [[(*share_, 0) for share_ in rank] for rank in shares]
         self._gather(pg, held)
 
-    def _exchange(self, pg: dist.ProcessGroup) -> list[list[tuple[int, int, int]]]:
-        """What every rank of ``pg`` holds: per rank, per group ``(start, end, has optimizer state)``."""
-        mine = torch.tensor([v for (start, end), main in zip(self.held, self.main)
-                             for v in (start, end, int(bool(self.optimizer.state.get(main))))],
+    def exchange(self, pg: dist.ProcessGroup) -> list[list[tuple[int, int, int]]]:
+        """What every rank of ``pg`` holds: per rank, per group ``(start, end, stepped)``.
+
+        ``stepped`` is 0 without optimizer state, else 1 + the optimizer's step
+        count where it keeps one (Adam's ``step``): holders at different steps
+        are refused, never mixed.
+        """
+        mine = torch.tensor([v for g, (start, end) in enumerate(self.held) for v in (start, end, self._stepped(g))],
                             dtype=torch.int64).to(self.device)
         outs = [torch.empty_like(mine) for _ in range(pg.size())]
         with self.waiting("shards"):
@@ -250,17 +310,27 @@ class OptimizerShards:
         for g, group in enumerate(self.groups):
             ranks = [h[g] for h in held]
             pieces = plan_pieces([(start, end) for start, end, _ in ranks], group.numel)
-            stateful = sorted({ranks[p.source][2] for p in pieces if p.end > p.start})
-            if len(stateful) > 1:  # (ranks that stepped and ranks that did not: the protocol never mixes them)
-                raise ValueError("the holders of the optimizer state disagree on whether it has state")
-            keys = self._present(g) if stateful == [1] else None
+            stepped = {ranks[p.source][2] for p in pieces if p.end > p.start}
+            if len(stepped) > 1:  # (the protocol never mixes them: a rank behind is left out, a joiner holds none)
+                raise ValueError(f"the holders of the optimizer state are at different steps: {sorted(stepped)}")
+            keys = self.present(g) if stepped and stepped != {0} else None
             new_main, new_state = self._receive_group(pg, g, pieces, wanted[g], keys)
             main.append(new_main)
             states.append(new_state)
         log.info("optimizer_state_resharded", held=[h[0][:2] for h in held], wanted=wanted)
-        self._hold(wanted, main, states)
+        self.hold(wanted, main, states)
 
-    def _present(self, g: int) -> tuple[str, ...]:
+    def _stepped(self, g: int) -> int:
+        state = self.optimizer.state.get(self.main[g])
+        if not state:
+            return 0
+        return 1 + (int(float(state["step"])) if self.scalar_keys else 0)
+
+    def drop(self) -> None:
+        """Hold nothing (a rank that rejoins: what it held is stale); its share comes when its group forms."""
+        self.hold([(0, 0)] * len(self.groups), [g.read(0, 0) for g in self.groups], [{} for _ in self.groups])
+
+    def present(self, g: int) -> tuple[str, ...]:
         """The per-element state keys the optimizer keeps for group ``g`` (from its hyperparameters)."""
         group = self.optimizer.param_groups[g]
         per_element, _ = self._keys
@@ -283,23 +353,23 @@ class OptimizerShards:
         out = torch.zeros(rows, end - start, dtype=torch.float32, device=self.main[g].device)
         step = torch.zeros(1, dtype=torch.float64)
         for n, piece in enumerate(pieces):
-            buf = self._rows(g, piece, keys) if piece.source == index else \
+            buf = self.rows(g, piece, keys) if piece.source == index else \
                 torch.empty(rows, piece.end - piece.start, dtype=torch.float32, device=self.main[g].device)
             self._broadcast(pg, buf, piece.source)
             a, b = max(start, piece.start), min(end, piece.end)
             if a < b:
                 out[:, a - start:b - start].copy_(buf[:, a - piece.start:b - piece.start])
             if n == 0 and keys is not None and self._keys[1]:
-                step = self._step_of(g) if piece.source == index else step
+                step = self.step_of(g) if piece.source == index else step
                 self._broadcast(pg, step, piece.source)
         state: dict[str, Any] = {}
         if keys is not None:
             state = {key: out[1 + k].clone() for k, key in enumerate(keys)}
             if self._keys[1]:
-                state["step"] = torch.tensor(float(step), dtype=_scalar_dtype())
+                state["step"] = torch.tensor(float(step), dtype=scalar_dtype())
         return out[0].clone(), state
 
-    def _rows(self, g: int, piece: Piece, keys: tuple[str, ...] | None) -> torch.Tensor:
+    def rows(self, g: int, piece: Piece, keys: tuple[str, ...] | None) -> torch.Tensor:
         """(The source) its main parameter and state over ``piece``, one row each."""
         first = self.held[g][0]
         a, b = piece.start - first, piece.end - first
@@ -307,7 +377,7 @@ class OptimizerShards:
         rows = [self.main[g].detach()[a:b]] + [state[key][a:b] for key in (keys or ())]
         return torch.stack(rows).to(torch.float32)
 
-    def _step_of(self, g: int) -> torch.Tensor:
+    def step_of(self, g: int) -> torch.Tensor:
         return torch.tensor([float(self.optimizer.state[self.main[g]]["step"])], dtype=torch.float64)
 
     def _gather(self, pg: dist.ProcessGroup, held: list[list[tuple[int, int, int]]]) -> None:
@@ -339,3 +409,40 @@ class OptimizerShards:
 def _empty_as_zero(held: tuple[int, int]) -> tuple[int, int]:
     """``(start, end)``, with every empty range written ``(0, 0)``."""
     return held if held[1] > held[0] else (0, 0)
+
+
+def share_of(shards: OptimizerShards, g: int, per_param: list[dict[str, Any]], start: int,
+              end: int) -> dict[str, Any]:
+    """Group ``g``'s optimizer state over ``[start, end)`` from its parameters' states (empty: none yet)."""
+    if not any(per_param):
+        return {}
+    state: dict[str, Any] = {}
+    for key in shards.present(g):
+        flat = torch.cat([s[key].reshape(-1).to(torch.float32) for s in per_param])
+        state[key] = flat[start:end].clone().to(shards.main_device(g))
+    if shards.scalar_keys:
+        state["step"] = torch.tensor(float(per_param[0]["step"]), dtype=scalar_dtype())
+    return state
+
+
+
+def share_format(shards: OptimizerShards, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A whole state dict (or one marked :data:`SHARED_ELSEWHERE`) as the sharded optimizer's own ``state_dict``:
+    one main parameter per group, the state of this rank's share (what torch's ``load_state_dict`` loads).
+
+    Raises:
+        ValueError: ``state_dict`` does not match the optimizer's parameter groups.
+    """
+    groups = state_dict["param_groups"]
+    if state_dict.get(SHARED_ELSEWHERE):
+        return {"state": {}, "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)]}
+    if [len(g["params"]) for g in groups] != [len(g.params) for g in shards.groups]:
+        raise ValueError(f"the optimizer state has groups of {[len(g['params']) for g in groups]} parameters, the "
+                         f"optimizer {[len(g.params) for g in shards.groups]}")
+    state = {}
+    for g, saved in enumerate(groups):
+        per_param = [state_dict["state"].get(i, state_dict["state"].get(str(i), {})) for i in saved["params"]]
+        share = share_of(shards, g, per_param, *shards.held[g])
+        if share:
+            state[g] = share
+    return {"state": state, "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)]}

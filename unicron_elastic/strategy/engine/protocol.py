@@ -1,19 +1,16 @@
 """The data-parallel recovery protocol as a pure state machine (sans-I/O).
 
 :class:`Protocol` holds one rank's view of the data-parallel group (members,
-generation, the step's deal) and runs the protocol of
-:mod:`~unicron_elastic.strategy.engine.elastic_dp` - one step's reduction, the regroup
-after a failure, a resize between steps, a join - as generators that *yield
-effects* (the frozen dataclasses of :mod:`~unicron_elastic.strategy.engine.effects`) and receive their results. They do no
-I/O and never read a clock: a *transport* executes each effect - the real one
-with gloo groups and the c10d store (:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel`),
-the tests' fake with in-process groups and a dict store (``tests/fake_dp.py``),
-so hundreds of failure combinations run through this very code in seconds.
+generation, the step's deal) and runs the protocol of :mod:`~unicron_elastic.strategy.engine.elastic_dp`
+(a step's reduction, the regroup after a failure, a resize, a join) as generators that
+*yield effects* (:mod:`~unicron_elastic.strategy.engine.effects`) and receive their results: no
+I/O, no clock. A *transport* executes each effect: the real one with gloo groups and the c10d store
+(:class:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel`), the tests' fake in one
+process (``tests/fake_dp.py``), so hundreds of failure combinations run through this very code.
 
-A transport runs a generator by sending each effect's result back
-(``gen.send(result)``) and *throwing* an exception an effect raised into it
-(``gen.throw(exc)``): a failed collective is a ``RuntimeError`` (as gloo's is),
-which the protocol handles; anything else ends the generator.
+A transport sends each effect's result back (``gen.send``) and throws an
+effect's exception into it (``gen.throw``): a failed collective is a
+``RuntimeError`` (as gloo's), which the protocol handles; anything else ends it.
 
 The decisions themselves are the pure functions of
 :mod:`~unicron_elastic.strategy.engine.membership` (who is in the next generation, who
@@ -106,18 +103,17 @@ class Protocol:
         checkin_timeout: How long (transport clock) a rank alive but not checked in is waited for.
         collective_timeout: Seconds a collective may take (bounds a declared pause).
         logger: Where the protocol logs (structlog-like).
-        authority: This rank decides for its replica what one rank must decide
-            alone (with tensor/pipeline parallelism: the replica's first shard):
-            the resume from the fallback state when no replica is left. The
-            other ranks of the replica fetch the same step's state of their shard.
-        compute_needs_group: Computing needs the group (the model's own
-            collectives, tensor/pipeline parallelism): a failed membership
-            sync regroups before computing instead of in the step's reduction.
-        ready_timeout: How long (transport clock) the members wait for newcomers
-            to build their model (:class:`MarkReady`) before sending them the state.
+        authority: This rank decides for its replica what one rank must decide alone (with TP/PP: the
+            replica's first shard): the resume from the fallback state when no replica is left. The other
+            ranks of the replica fetch the same step's state of their shard.
+        compute_needs_group: Computing needs the group (the model's own collectives, TP/PP): a failed
+            membership sync regroups before computing instead of in the step's reduction.
+        ready_timeout: How long (transport clock) the members wait for newcomers to build their model
+            (:class:`MarkReady`) before sending them the state.
         sharded: The optimizer is sharded (:mod:`~unicron_elastic.strategy.engine.optimizer_shards`): after
             an optimizer step the parameters are stale until a :class:`Refresh` (before the next step computes;
-            a failure there regroups first), and every group formed after a failure or a resize refreshes first.
+            a rank whose refresh failed computes its micro-batches after the step's regroup), and every group
+            formed after a failure or a resize refreshes first.
     """
 
     def __init__(self, rank: int, members: Sequence[int], micro_batches: int, buckets: int,
@@ -125,7 +121,7 @@ class Protocol:
                  collective_timeout: float = 30.0, logger: Any = None, authority: bool = True,
                  compute_needs_group: bool = False, ready_timeout: float = 300.0, sharded: bool = False) -> None:
         self.rank = rank
-        self.authority, self.compute_needs_group = authority, compute_needs_group or sharded
+        self.authority, self.compute_needs_group = authority, compute_needs_group
         self.sharded = sharded
         #: (Sharded) an optimizer step updated the shares since the parameters were last gathered.
         self.stale = False
@@ -172,25 +168,26 @@ class Protocol:
             Excluded: A failure's record (during a resize) left this rank out.
         """
         early = yield from self._sync_membership(step)
-        early = (yield from self.refresh(step)) or early
+        yield from self.refresh(step)
         yield Point("step", step)
         report = StepReport(step)
         if early is not None:  # the membership sync failed and the group re-formed before computing
             report.recoveries, report.dead = 1, list(early.dead)
         assignment = self.assignment(step)
         report.micro_batches = list(assignment[self.rank])
+        # Stale parameters (the refresh failed, the group is gone): computed after the reduction's regroup.
+        owed = tuple(report.micro_batches) if self.stale else ()
         try:
-            local = yield Compute(step, tuple(report.micro_batches))
+            local = yield Compute(step, () if owed else tuple(report.micro_batches))
         except ReplicaBroken as exc:
             yield from self._broken(step, 0, exc)
-        self._pending = (step, report, assignment, local)
+        self._pending = (step, report, assignment, local, owed)
         return report
 
     def _broken(self, step: int, done: int, exc: ReplicaBroken) -> Effects:
         """This rank's computation failed (its replica lost a peer): check in broken and rejoin.
 
-        The others do not wait for it and leave its replica out (a record
-        never keeps a broken rank; when only broken ranks are left it
+        The others leave its replica out (a record never keeps a broken rank; with only broken ranks left it
         dissolves the group); it rejoins with the state of another replica.
 
         Raises:
@@ -212,7 +209,7 @@ class Protocol:
         """
         if self._pending is None:
             raise RuntimeError("finish_gradients() without begin_step()")
-        step, report, assignment, local = self._pending
+        step, report, assignment, local, owed = self._pending
         self._pending = None
         reduced: list[Any] = [None] * self.buckets
         done = 0
@@ -231,13 +228,17 @@ class Protocol:
                 break
             except RuntimeError as exc:  # a collective failed (gloo's error) or the group was gone already
                 self.log.warning("dp_collective_failed", step=step, bucket=done, error=str(exc)[:200])
-                outcome = yield from self._refreshed(step, (yield from self._regroup(step, done)))
-                done = outcome.done
+                outcomes = yield from self._refreshed(step, (yield from self._regroup(step, done)))
+                done = outcomes[-1].done
                 report.recoveries += 1
-                report.dead += outcome.dead
                 report.kept_buckets = done
                 try:
-                    assignment, local = yield from self._reassign(step, report, assignment, local, outcome)
+                    for outcome in outcomes:  # one redistribution per regroup, as every member does
+                        report.dead += outcome.dead
+                        assignment, local = yield from self._reassign(step, report, assignment, local, outcome)
+                        owed = () if outcome.base is not None else owed  # (a resize recomputed the rank's share)
+                    if owed:
+                        local, owed = (yield Add(local, (yield Compute(step, owed, redo=True)))), ()
                 except ReplicaBroken as broken:  # a peer of this replica was lost while it recomputed
                     yield from self._broken(step, done, broken)
         yield SetGradients(step, tuple(reduced))
@@ -254,7 +255,7 @@ class Protocol:
         else:
             moved = redistribute(assignment, outcome.dead)
             extra = moved.get(self.rank, [])
-            assignment = {r: assignment[r] + moved[r] for r in self.members}
+            assignment = {r: assignment[r] + moved[r] for r in assignment if r not in outcome.dead}
             if extra:
                 local = yield Add(local, (yield Compute(step, tuple(extra), redo=True)))
                 report.micro_batches += extra
@@ -366,39 +367,39 @@ class Protocol:
         """After a regroup in a step's reduction: :meth:`_refresh` (sharded), regrouping again while it fails.
 
         Returns:
-            What every regroup changed, together.
+            What each regroup changed, in order (each redistributed on its own, as on members whose refresh
+            completed and who regroup in the reduction).
         """
+        outcomes = [outcome]
         while True:
             try:
                 yield from self._refresh(step)
-                return outcome
+                return outcomes
             except RuntimeError as exc:
                 self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
-                again = yield from self._regroup(step, outcome.done)
-                outcome = Regrouped(again.base if again.base is not None else outcome.base,
-                                    outcome.dead + again.dead, again.done)
+                outcomes.append((yield from self._regroup(step, outcomes[-1].done)))
 
-    def refresh(self, step: int) -> Effects:
-        """(Sharded, parameters stale) gather them before ``step`` computes or training ends; a failure regroups
-        first (no stale parameter computes).
+    def refresh(self, step: int, last: bool = False) -> Effects:
+        """(Sharded, parameters stale) gather them before ``step`` computes, or when training ends (``last``).
 
-        Returns:
-            What that regroup changed, else None.
+        A failure drops the group: the parameters stay stale and the step's reduction regroups (every member
+        then refreshes first); after the last step (``last``) the members regroup at once.
 
         Raises:
-            Retired: The record followed is a resize that leaves this rank out.
-            Excluded: A failure's record left this rank out.
+            Retired: (``last``) the record followed is a resize that leaves this rank out.
+            Excluded: (``last``) a failure's record left this rank out.
         """
         if not self.stale:
-            return None
+            return
         try:
             yield from self._refresh(step)
-            return None
         except RuntimeError as exc:
-            yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
             self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
-            dead = yield from self._follow_between_steps(step, list(self.members))
-            return Regrouped(None, dead, 0)
+            if not last:
+                yield DropGroup()  # peers blocked on us fail now; this step's reduction regroups
+                return
+            yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
+            yield from self._follow_between_steps(step, list(self.members))
 
     # -- membership between steps -------------------------------------------------------------------------
     def _proposal(self, step: int) -> Effects:
@@ -530,19 +531,18 @@ class Protocol:
     def _await_proposal(self, generation: int, previous: list[int]) -> Effects:
         """(A follower) before checking in for a resize, wait for the primary's record of ``generation``.
 
-        The primary writes it only while nobody checked in for ``generation``
-        (a check-in there means a failure's recovery): a follower that checked
-        in first made the primary defer the resize, and the joiners missed the
-        step (seen under load: they were never admitted before training ended).
-        The wait ends when the record is there, when some member checked in
-        (the primary deferred, or a failure is being recovered), or after
-        ``checkin_timeout`` (the primary is gone).
+        The primary writes it only while nobody checked in for ``generation`` (a
+        failure's recovery): a follower checking in first would make it defer, and
+        the joiners miss the step. The wait ends when the record is there, some
+        member checked in, the primary's liveness key is gone, or after ``checkin_timeout``.
         """
         yield Pause(True, self.checkin_timeout + self.collective_timeout)  # waiting for the primary: no hang
         start = yield Now()
         while (yield Now()) - start < self.checkin_timeout:
             if (yield ReadRecord(generation)) is not None or (yield AnyCheckedIn(generation, tuple(previous))):
                 return
+            if (alive := (yield ReadAlive(tuple(previous[:1]), exclude_waiting=False))) is not None and not alive:
+                return  # the primary died: the members regroup without it
             yield Sleep(0.002)
 
     def _propose_resize(self, generation: int, previous: list[int], wanted: list[int], step: int) -> Effects:

@@ -14,6 +14,7 @@ import torch
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.engine.engine_options import ModelReductions
+from unicron_elastic.strategy.engine.optimizer_shards import check_element_wise
 from unicron_elastic.strategy.engine.pipeline import SCHEDULES
 from unicron_elastic.strategy.lightning.forward import megatron_shape
 from unicron_elastic.strategy.lightning.megatron_checks import check_configs, check_wrappers
@@ -47,7 +48,7 @@ def check_arguments(sizes: dict[str, int | None], snapshot_every: int, checkpoin
 
 
 def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, device: torch.device,
-              sizes: tuple[int, int], trains: bool) -> None:
+              sizes: tuple[int, int], trains: bool, sharded: bool = False) -> None:
     """What the strategy cannot train, as clear errors.
 
     Args:
@@ -60,6 +61,7 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
         trains: Whether this rank trains the model: a rank that found training over when it came back
             built its model in a world of its own, and trains nothing (its megatron-core configs and
             groups are then not checked).
+        sharded: The optimizer's state is sharded (``distributed_optimizer=True``).
 
     Raises:
         ConfigError: Manual optimization, several optimizers, gradient accumulation; with PP > 1 a
@@ -67,7 +69,8 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
             precision on the CPU around megatron-core's layers; megatron-core's DDP wrappers or
             optimizers, configs the strategy would train wrongly, groups it cannot rebuild
             (:mod:`~unicron_elastic.strategy.lightning.megatron_checks`,
-            :mod:`~unicron_elastic.strategy.lightning.model_groups`).
+            :mod:`~unicron_elastic.strategy.lightning.model_groups`); sharded, an optimizer that is not
+            element-wise or a loss scaler.
     """
     tp, pp = sizes
     if not module.automatic_optimization:
@@ -85,6 +88,12 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
                           f"it has {stages or 'neither'}")
     check_module(precision, module, device)
     check_wrappers(module, optimizers)
+    if sharded:
+        check_element_wise(optimizers[0])
+        if loss_scaler(precision) is not None:
+            raise ConfigError("distributed_optimizer=True does not support a loss scaler (precision='16-mixed'): "
+                              "the scaler unscales the optimizer's gradients before its step, where each rank's "
+                              "share is loaded; use 'bf16-mixed' (Megatron-LM's recipes) or 32-bit")
     if trains:
         check_configs(module, tp, pp)
         check_groups(module)

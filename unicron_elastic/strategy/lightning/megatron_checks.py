@@ -56,7 +56,8 @@ def check_wrappers(module: torch.nn.Module, optimizers: list[Any]) -> None:
         if _is_megatron(optimizer, "megatron.core.optimizer"):
             raise ConfigError(f"megatron-core's {type(optimizer).__name__} is not supported under unicron_megatron: "
                               "the strategy reduces the gradients itself; return a torch.optim optimizer from "
-                              "configure_optimizers (megatron-core's distributed optimizer is not supported yet)")
+                              "configure_optimizers (for megatron-core's distributed optimizer: "
+                              "UnicronMegatronStrategy(distributed_optimizer=True, optimizer_instances=2))")
 
 
 def megatron_configs(module: torch.nn.Module) -> list[Any]:

@@ -20,12 +20,9 @@ micro-batch:
   megatron-core's ``parallel_state`` are rebuilt for the new members, so
   Lightning's own collectives (checkpoint saving, ``self.log(sync_dist=True)``)
   keep working;
-* SIGTERM (what ``unicron-run`` sends its workers when it stops) stops every
-  rank after the same step: the signal only marks this rank, the step's own
-  last exchange carries the mark to every member, and Lightning then ends
-  each rank's ``fit`` at the end of that step (``SIGTERMException``). This
-  replaces Lightning's broadcast of a SIGTERM flag before every batch (a
-  barrier of every rank each step) and the one in its signal handler;
+* SIGTERM stops every rank after the same step: the step's own last exchange
+  carries it to every member (no barrier per step as Lightning's broadcast of
+  a SIGTERM flag), and Lightning ends ``fit`` there (``SIGTERMException``);
 * a worker the agent restarted (``UNICRON_WORKER_RESTARTS`` > 0) joins at the
   next step boundary and receives the whole Lightning state (weights,
   optimizer, loop progress, callbacks, RNG) by broadcast from a replica; when
@@ -36,8 +33,7 @@ micro-batch:
 
 Registering: ``import unicron_elastic.strategy`` registers ``unicron_megatron``
 in Lightning's strategy registry; so does ``import unicron_elastic`` when
-Lightning was imported before it (Lightning has no plugin discovery for
-strategies).
+Lightning was imported first (Lightning has no plugin discovery for them).
 
 The strategy is the Lightning adapter; its parts are collaborators in this
 package: the rank's role (:mod:`.role`), the world rebuilt with each
@@ -155,6 +151,12 @@ class UnicronMegatronStrategy(DDPStrategy):
         report_keys: The keys of the ``report`` dict a Megatron-LM ``loss_func`` returns (``pretrain_gpt.py``:
             ``"lm loss"``); each is summed over the step's micro-batches and data-parallel ranks and logged as
             numerator / denominator, as Megatron-LM logs them.
+        distributed_optimizer: Shard the optimizer's state over the data-parallel ranks (Megatron-LM's
+            ``--use-distributed-optimizer``) around the element-wise torch optimizer ``configure_optimizers``
+            returns; see docs/strategy.md, "The distributed optimizer".
+        optimizer_instances: With it, the instances that each hold the whole state (Megatron-LM's
+            ``--num-distributed-optimizer-instances``): a lost rank's share is taken from another instance;
+            with 1 a lost rank costs a return to the newest snapshot or checkpoint.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``cluster_environment``
             defaults to :class:`UnicronEnvironment`, ``process_group_backend`` to gloo).
 
@@ -180,13 +182,17 @@ class UnicronMegatronStrategy(DDPStrategy):
         timeout: timedelta = timedelta(seconds=60), checkin_timeout: float = 10.0, join_timeout: float = 300.0,
         members: list[int] | None = None, member_schedule: dict[int, list[int]] | None = None,
         grad_dtype: torch.dtype = torch.float32, report_keys: tuple[str, ...] = ("lm loss",),
-        **kwargs: Any,
+        distributed_optimizer: bool = False, optimizer_instances: int = 1, **kwargs: Any,
     ) -> None:
         kwargs.setdefault("cluster_environment", UnicronEnvironment())
         kwargs.setdefault("process_group_backend", "gloo")
         super().__init__(timeout=timeout, **kwargs)
-        check_arguments({"global_batch": global_batch, "micro_batch": micro_batch, "bucket_numel": bucket_numel},
-                        snapshot_every, checkpoint_every, pipeline_schedule)
+        check_arguments({"global_batch": global_batch, "micro_batch": micro_batch, "bucket_numel": bucket_numel,
+                         "optimizer_instances": optimizer_instances}, snapshot_every, checkpoint_every, pipeline_schedule)
+        if optimizer_instances != 1 and not distributed_optimizer:
+            raise ConfigError("optimizer_instances needs distributed_optimizer=True (instances of a sharded state)")
+        #: With ``distributed_optimizer``: the optimizer instances (None: every rank keeps the whole state).
+        self.optimizer_instances = optimizer_instances if distributed_optimizer else None
         self.layout = ModelParallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
         self.bucket_numel, self.grad_dtype = bucket_numel, grad_dtype
@@ -328,7 +334,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             checkin_timeout=self.checkin_timeout, grad_dtype=self.grad_dtype,
             max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
             model_parallel=self.layout, pipeline_schedule=self.pipeline_schedule,
-            transport=transport_for(self.root_device),
+            transport=transport_for(self.root_device), optimizer_instances=self.optimizer_instances,
         )
         hooks = EngineHooks(
             fault_point=self._heartbeat.point, stage_fn=forward.stage_forward if self.pp > 1 else None,
@@ -344,6 +350,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             rank=rank, world_size=self.env.launch_world_size, joining=joining, members=members,
             member_schedule=self.member_schedule, options=options, hooks=hooks,
         )
+        self._state.shards = self.engine.optimizer_shards
 
     def _admit(self) -> None:
         """(A joiner, once) wait until the group admits this rank and its world is built.
@@ -425,7 +432,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             return
         module = self.lightning_module
         check_fit(trainer, module, self.optimizers, self.precision_plugin, self.root_device, (self.tp, self.pp),
-                  trains=self.role is not RankRole.FINISHED_BEFORE_JOIN)
+                  trains=self.role is not RankRole.FINISHED_BEFORE_JOIN, sharded=self.optimizer_instances is not None)
         if self.engine is None:
             raise ConfigError("unicron_megatron: fit() reached setup without the engine setup_distributed builds")
         self._sigterm.take_over(trainer)
@@ -549,12 +556,16 @@ class UnicronMegatronStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's optimizer step (a retired rank only runs the closure), then this step's heartbeat."""
-        if self.role is RankRole.RETIRED:  # no gradients to step with (nor to unscale: a loss scaler would refuse)
-            output = closure()
-        else:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        retired = self.role is RankRole.RETIRED  # no gradients to step with (nor to unscale: a scaler would refuse)
+        output = closure() if retired else super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.next_step
         self.engine.next_step = step + 1
+        try:
+            if not retired:
+                self.engine.refresh()  # (a sharded optimizer) the updated parameters in every model, now
+        except Retired:  # a resize followed after a loss in the gather leaves this rank out
+            self.retired_at, self.role = step + 1, RankRole.RETIRED
+            self.lightning_module.trainer.should_stop = True
         self._heartbeat.beat(step, self.engine.watch.waited)  # iteration to iteration, callbacks included
         self._heartbeat.point(self.env.launch_rank, step, at="after_optimizer_step")
         return output
@@ -612,6 +623,16 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     # -- Lightning's checkpoints ------------------------------------------------------
     @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state; sharded (``distributed_optimizer``), a checkpoint's gathers every share (a
+        collective of the members; after ``fit``, the one its teardown gathered) on replica 0's rank, which writes it."""
+        shards = self.engine.optimizer_shards if self.engine is not None else None
+        if shards is None or self._state.dumping or not self.engine.groups.held:
+            return super().optimizer_state(optimizer)
+        with shards.collected():
+            return super().optimizer_state(optimizer)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Lightning's checkpoint; with TP x PP > 1 a directory ``filepath`` of one file per shard.
 
@@ -653,6 +674,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         ended = self._fit_ended or self._sigterm.stopping
         if ended and self.engine is not None and self.engine.groups.held and self.role is not RankRole.RETIRED:
             self.engine.finish()
+            if self.engine.optimizer_shards is not None:  # for a checkpoint written after fit
+                self.engine.optimizer_shards.whole = self.engine.optimizer_shards.collector()
         if self._state is not None:
             self._state.close()  # (the snapshot in flight is sent first)
         for handle in self._progress_hooks:

@@ -6,6 +6,13 @@ callbacks) plus the random streams
 The shards of the primary replica save it to the in-memory snapshot and to
 disk checkpoints when they are due; a joiner with no replica left resumes
 from the newer of the two.
+
+With a sharded optimizer (:mod:`~unicron_elastic.strategy.engine.optimizer_shards`)
+a replica hands a joiner its state without the optimizer's per-element state
+(the joiner gets its share from the members when its group forms); the
+tiers hold the whole optimizer state, gathered from every member on the
+primary replica when a tier is due, and the rank that resumes from a tier
+holds all of it until its group reshards it.
 """
 
 from __future__ import annotations
@@ -14,12 +21,16 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from unicron_elastic.strategy.engine.optimizer_shards import SHARED_ELSEWHERE
+from unicron_elastic.strategy.engine.shard_checkpoint import collect
+from unicron_elastic.strategy.engine.shard_checkpoint import load as load_whole
 from unicron_elastic.strategy.snapshots.tiers import DiskCheckpoints, MemorySnapshot
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
     from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
+    from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards
     from unicron_elastic.strategy.engine.replicas import ModelParallel
     from unicron_elastic.strategy.lightning.random_streams import RandomStreams
     from unicron_elastic.strategy.snapshots.places import PeerServers
@@ -40,6 +51,10 @@ class ReplicaState:
     def __init__(self, module: Callable[[], Any], streams: RandomStreams, memory: MemorySnapshot,
                  disk: DiskCheckpoints | None) -> None:
         self.module, self.streams, self.memory, self.disk = module, streams, memory, disk
+        #: The engine's sharded optimizer (None: not sharded); set once the engine is built.
+        self.shards: OptimizerShards | None = None
+        #: Inside :meth:`get`: Lightning's checkpoint is dumped for a joiner or a tier, not for a user's checkpoint.
+        self.dumping = False
 
     @classmethod
     def open(cls, module: Callable[[], Any], streams: RandomStreams, store: dist.Store | PeerServers | None,
@@ -70,7 +85,11 @@ class ReplicaState:
 
     def get(self) -> dict[str, Any]:
         """The state a replica hands to a joiner: Lightning's checkpoint and the random streams."""
-        checkpoint = self.module().trainer._checkpoint_connector.dump_checkpoint()
+        self.dumping = True
+        try:
+            checkpoint = self.module().trainer._checkpoint_connector.dump_checkpoint()
+        finally:
+            self.dumping = False
         return {"lightning": checkpoint, "rng": self.streams.capture()}
 
     def load(self, state: dict[str, Any]) -> None:
@@ -89,6 +108,9 @@ class ReplicaState:
         connector.restore_datamodule()
         connector.restore_callbacks()
         self.streams.hold(state["rng"])
+        optimizer = (state["lightning"].get("optimizer_states") or [None])[0]
+        if self.shards is not None and optimizer is not None and not optimizer.get(SHARED_ELSEWHERE):
+            load_whole(self.shards, optimizer, everything=True)  # a tier's (no replica left): its group reshards it
 
     def fallback(self, step: int | None = None) -> dict[str, Any] | None:
         """No replica left: the newer of the in-memory snapshot and the newest disk checkpoint.
@@ -116,19 +138,28 @@ class ReplicaState:
     def save_if_due(self, step: int, engine: ElasticDataParallel, worker: Any) -> None:
         """Save the state of ``step`` to the tiers that are due, on every shard of the primary replica.
 
+        With a sharded optimizer every member calls it: the whole optimizer state is gathered on the primary.
+
         Args:
             step: The step about to run.
             engine: The elastic engine (its state and whether this rank is in the primary replica).
             worker: This worker's end of the agent channel (the save is declared to the agent).
         """
-        if not engine.in_primary_replica:
-            return
         memory_due = self.memory.due(step)
         disk_due = self.disk is not None and self.disk.due(step) and step > 0
         if not (memory_due or disk_due):
             return
+        shards = engine.optimizer_shards
         with worker.checkpointing():
-            state = engine.state()
+            if shards is not None:  # every member: the whole optimizer state, on the primary replica
+                shards.whole = collect(shards, engine.groups.shard, 0)
+            if not engine.in_primary_replica:
+                return
+            try:
+                state = engine.state()
+            finally:
+                if shards is not None:
+                    shards.whole = None
             if memory_due:
                 self.memory.save(state)
             if disk_due:
