@@ -240,3 +240,91 @@ def test_a_killed_rank_is_restarted_and_rejoins_with_its_share_from_the_other_in
     assert back[0]["state_from"] == "replica" and 2 <= back[0]["joined_at"] < steps
     for rank in range(4):  # the rejoiner too: its share came from instance 0 (rank 0), its parameters by the gather
         assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), _params(reference, 0))), f"rank {rank}"
+
+
+# -- under Lightning: UnicronMegatronStrategy(distributed_optimizer=True) -------------------------------
+GPT = os.path.join(EXAMPLES, "lightning_gpt.py")
+SHARDED = ("--distributed-optimizer", "--optimizer-instances", "2")
+
+
+def fit(out: Path, faults=(), *args: str, world: int = 4, steps: int = 8) -> subprocess.CompletedProcess:
+    """The examples' GPT (AdamW, float64 sums) under ``unicron-run`` on ``world`` ranks."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **faults_env(list(faults), str(out / "faults.log")))
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", f"--nproc-per-node={world}", "--monitor-interval=0.05",
+           GPT, "--steps", str(steps), "--out", str(out), *args]
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+
+
+def _optimizer_state(path: Path) -> dict:
+    return torch.load(path, weights_only=False)["optimizer_states"][0]
+
+
+def _same_optimizer_state(ours: dict, reference: dict) -> bool:
+    return ours["param_groups"] == reference["param_groups"] and ours["state"].keys() == reference["state"].keys() \
+        and all(torch.equal(ours["state"][i][k], v) for i, s in reference["state"].items() for k, v in s.items())
+
+
+@pytest.fixture(scope="session")
+def gpt_baseline(failure_free) -> Path:
+    """A failure-free unsharded fit of 8 steps on 4 ranks (its parameters and final checkpoint)."""
+    def reference_run(out: Path) -> Path:
+        proc = fit(out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+
+    return failure_free("test_optimizer_shards.gpt_baseline", reference_run)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_sharded_fit_equals_the_unsharded_one_checkpoint_included(tmp_path: Path, gpt_baseline) -> None:
+    proc = fit(tmp_path, (), *SHARDED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = _params(gpt_baseline, 0)
+    for rank in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), reference)), f"rank {rank}"
+    # trainer.save_checkpoint after fit: the whole optimizer state, in the unsharded optimizer's format
+    assert _same_optimizer_state(_optimizer_state(tmp_path / "final.ckpt"), _optimizer_state(gpt_baseline / "final.ckpt"))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_a_rank_killed_in_the_gather_rejoins_with_its_share(tmp_path: Path, gpt_baseline) -> None:
+    proc = fit(tmp_path, [fail_at(rank=2, step=2, at="gather")], *SHARDED, "--step-time", "0.3",
+               "--hold-for-joiner", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1
+    back = json.loads((tmp_path / "rank2.json").read_text())
+    assert back["state_from"] == "replica" and 3 <= back["joined_at"] < 8
+    for rank in range(4):  # survivors and the rejoiner: bit-identical to the failure-free unsharded fit
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), _params(gpt_baseline, 0))), rank
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_every_rank_lost_resumes_the_sharded_state_from_the_memory_snapshot(tmp_path: Path,
+                                                                                    gpt_baseline) -> None:
+    proc = fit(tmp_path, [fail_at(rank=r, step=3, micro_batch=r) for r in range(4)], *SHARDED,
+               "--snapshot-every", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 4
+    for rank in range(4):
+        summary = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert summary["state_from"] == "memory" and summary["global_step"] == 8
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), _params(gpt_baseline, 0))), rank
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_checkpoint_written_at_dp4_i2_resumes_at_dp2_i1_with_equal_parameters_and_state(tmp_path: Path,
+                                                                                      gpt_baseline) -> None:
+    first, second = tmp_path / "dp4", tmp_path / "dp2"
+    proc = fit(first, (), *SHARDED, steps=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = fit(second, (), "--distributed-optimizer", "--optimizer-instances", "1", "--ckpt-path",
+               str(first / "final.ckpt"), world=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):  # the global batch is the same at DP 2: float64 sums make the trajectory exact
+        assert all(torch.equal(a, b) for a, b in zip(_params(second, rank), _params(gpt_baseline, 0))), rank
+    assert _same_optimizer_state(_optimizer_state(second / "final.ckpt"), _optimizer_state(gpt_baseline / "final.ckpt"))
