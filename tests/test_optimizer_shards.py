@@ -328,3 +328,15 @@ def test_a_checkpoint_written_at_dp4_i2_resumes_at_dp2_i1_with_equal_parameters_
     for rank in range(2):  # the global batch is the same at DP 2: float64 sums make the trajectory exact
         assert all(torch.equal(a, b) for a, b in zip(_params(second, rank), _params(gpt_baseline, 0))), rank
     assert _same_optimizer_state(_optimizer_state(second / "final.ckpt"), _optimizer_state(gpt_baseline / "final.ckpt"))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(optimizer_instances=2), "optimizer_instances needs distributed_optimizer=True"),
+    (dict(distributed_optimizer=True, optimizer_instances=0), "optimizer_instances=0 must be >= 1"),
+    (dict(distributed_optimizer=True, tensor_model_parallel_size=2), "pipeline_model_parallel_size = 1 only"),
+])
+def test_the_strategy_refuses_a_distributed_optimizer_it_cannot_train(kwargs: dict, message: str) -> None:
+    from unicron_elastic.strategy.lightning import UnicronMegatronStrategy
+
+    with pytest.raises(ConfigError, match=message):
+        UnicronMegatronStrategy(**kwargs)

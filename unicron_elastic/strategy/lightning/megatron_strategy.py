@@ -70,7 +70,8 @@ from unicron_elastic.strategy.engine.transport import nccl_error_handling, trans
 from unicron_elastic.strategy.lightning.clipping import ReplicaNormClip, replica_grad_norm
 from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
 from unicron_elastic.strategy.lightning.feed import MicroBatchFeed
-from unicron_elastic.strategy.lightning.fit_checks import check_arguments, check_fit, reductions_of
+from unicron_elastic.strategy.lightning.fit_checks import (check_arguments, check_distributed_optimizer, check_fit,
+                                                           reductions_of)
 from unicron_elastic.strategy.lightning.forward import MicroBatchForward
 from unicron_elastic.strategy.lightning.heartbeat import Heartbeat
 from unicron_elastic.strategy.lightning.parallel import build_world, check_sizes, destroy_world
@@ -187,10 +188,10 @@ class UnicronMegatronStrategy(DDPStrategy):
         kwargs.setdefault("cluster_environment", UnicronEnvironment())
         kwargs.setdefault("process_group_backend", "gloo")
         super().__init__(timeout=timeout, **kwargs)
-        check_arguments({"global_batch": global_batch, "micro_batch": micro_batch, "bucket_numel": bucket_numel,
-                         "optimizer_instances": optimizer_instances}, snapshot_every, checkpoint_every, pipeline_schedule)
-        if optimizer_instances != 1 and not distributed_optimizer:
-            raise ConfigError("optimizer_instances needs distributed_optimizer=True (instances of a sharded state)")
+        check_arguments({"global_batch": global_batch, "micro_batch": micro_batch, "bucket_numel": bucket_numel},
+                        snapshot_every, checkpoint_every, pipeline_schedule)
+        check_distributed_optimizer(distributed_optimizer, optimizer_instances, tensor_model_parallel_size,
+                                    pipeline_model_parallel_size)
         #: With ``distributed_optimizer``: the optimizer instances (None: every rank keeps the whole state).
         self.optimizer_instances = optimizer_instances if distributed_optimizer else None
         self.layout = ModelParallel(tensor_model_parallel_size, pipeline_model_parallel_size)
