@@ -488,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer-instances", type=int, default=1,
                         help="--distributed-optimizer: instances that each hold the whole state")
     parser.add_argument("--ckpt-path", type=Path, default=None, help="resume from this checkpoint (Lightning's)")
+    parser.add_argument("--clip-grad", type=float, default=None, help="Lightning's gradient_clip_val (by norm)")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision (16-mixed: a CPU GradScaler)")
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="16-mixed: the GradScaler's initial scale")
     parser.add_argument("--inf-at", default=None, metavar="RANK:STEP:MB",
@@ -551,7 +552,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-        callbacks=callbacks, **precision,
+        callbacks=callbacks, gradient_clip_val=args.clip_grad, **precision,
     )
     deadlock_at = args.deadlock_load[1] if args.deadlock_load and args.deadlock_load[0] == rank else None
     data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None,

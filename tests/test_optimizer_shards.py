@@ -145,6 +145,24 @@ def _bytes(out: Path, rank: int) -> int:
     return json.loads((out / f"state{rank}.json").read_text())["optimizer_state_bytes"]
 
 
+def _unsharded_reference(out: Path, steps: int) -> list[torch.Tensor]:
+    """Rank 0's parameters after a failure-free unsharded run of ``steps`` (four ranks, AdamW, float64 sums)."""
+    results = run_workers(WORKER, 4, ["--steps", str(steps), "--out", str(out), "--grad-dtype", "float64",
+                                      "--optimizer", "adamw"], timeout=120)
+    assert [r.returncode for r in results] == [0] * 4
+    return _params(out, 0)
+
+
+def _unicron_run(out: Path, faults: list, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    """The sharded worker (two instances) under ``unicron-run --standalone`` on four ranks, with ``faults``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.update(faults_env(faults, str(out / "faults.log")))
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", "--log-format=json",
+           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--out", str(out), "--grad-dtype", "float64",
+           "--optimizer", "adamw", "--optimizer-instances", "2", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+
+
 @pytest.fixture(scope="session")
 def sharded_baseline(failure_free) -> list[torch.Tensor]:
     """A failure-free sharded run (DP 4, 2 instances), checked against the unsharded engine's."""
@@ -223,23 +241,15 @@ def test_scale_in_4_3_and_out_to_4_reshards_and_keeps_the_trajectory(tmp_path: P
 @pytest.mark.timeout(300)
 def test_a_killed_rank_is_restarted_and_rejoins_with_its_share_from_the_other_instance(tmp_path: Path) -> None:
     steps = 8
-    reference = tmp_path / "reference"
-    assert [r.returncode for r in run_workers(WORKER, 4, ["--steps", str(steps), "--out", str(reference),
-                                                          "--grad-dtype", "float64", "--optimizer", "adamw"],
-                                              timeout=120)] == [0] * 4
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=BIN + os.pathsep + os.environ["PATH"])
-    env.update(faults_env([fail_at(rank=2, step=1, micro_batch=2)], str(tmp_path / "faults.log")))
-    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=4", "--log-format=json",
-           "--monitor-interval=0.05", WORKER, "--steps", str(steps), "--step-time", "0.3", "--out", str(tmp_path),
-           "--grad-dtype", "float64", "--optimizer", "adamw", "--optimizer-instances", "2",
-           "--hold-for-joiner", str(steps - 2)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    reference = _unsharded_reference(tmp_path / "reference", steps)
+    result = _unicron_run(tmp_path, [fail_at(rank=2, step=1, micro_batch=2)], steps, "--step-time", "0.3",
+                          "--hold-for-joiner", str(steps - 2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert len((tmp_path / "faults.log").read_text().splitlines()) == 1
     back = json.loads((tmp_path / "rank2.json").read_text())
     assert back[0]["state_from"] == "replica" and 2 <= back[0]["joined_at"] < steps
     for rank in range(4):  # the rejoiner too: its share came from instance 0 (rank 0), its parameters by the gather
-        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), _params(reference, 0))), f"rank {rank}"
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), reference)), f"rank {rank}"
 
 
 # -- under Lightning: UnicronMegatronStrategy(distributed_optimizer=True) -------------------------------
@@ -290,12 +300,16 @@ def test_lightning_sharded_fit_equals_the_unsharded_one_checkpoint_included(tmp_
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_lightning_a_rank_killed_in_the_gather_rejoins_with_its_share(tmp_path: Path, gpt_baseline) -> None:
-    proc = fit(tmp_path, [fail_at(rank=2, step=2, at="gather")], *SHARDED, "--step-time", "0.3",
+@pytest.mark.parametrize("victim", [1, 2], ids=["instance0", "instance1"])
+def test_lightning_a_rank_killed_in_the_gather_rejoins_with_its_share(tmp_path: Path, gpt_baseline,
+                                                                     victim: int) -> None:
+    # Rank 1's share is the one the others gather from afterwards (the lowest holder): a rejoiner that lost
+    # its optimizer state when Lightning restored it would make every rank diverge.
+    proc = fit(tmp_path, [fail_at(rank=victim, step=2, at="gather")], *SHARDED, "--step-time", "0.3",
                "--hold-for-joiner", "6")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len((tmp_path / "faults.log").read_text().splitlines()) == 1
-    back = json.loads((tmp_path / "rank2.json").read_text())
+    back = json.loads((tmp_path / f"rank{victim}.json").read_text())
     assert back["state_from"] == "replica" and 3 <= back["joined_at"] < 8
     for rank in range(4):  # survivors and the rejoiner: bit-identical to the failure-free unsharded fit
         assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), _params(gpt_baseline, 0))), rank
@@ -340,3 +354,34 @@ def test_the_strategy_refuses_a_distributed_optimizer_it_cannot_train(kwargs: di
 
     with pytest.raises(ConfigError, match=message):
         UnicronMegatronStrategy(**kwargs)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_sharded_clipping_by_norm_equals_the_unsharded_one(tmp_path: Path) -> None:
+    # Lightning clips the optimizer's parameters; sharded, those are the shares, loaded after the clipping:
+    # the strategy clips the model's reduced gradients by the whole norm instead.
+    unsharded, sharded = tmp_path / "unsharded", tmp_path / "sharded"
+    for out, extra in ((unsharded, ()), (sharded, SHARDED)):
+        proc = fit(out, (), *extra, "--clip-grad", "0.05", steps=4)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    clipped_unclipped = fit(tmp_path / "free", (), steps=4)
+    assert clipped_unclipped.returncode == 0
+    assert not all(torch.equal(a, b) for a, b in zip(_params(unsharded, 0), _params(tmp_path / "free", 0)))  # it clips
+    for rank in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(_params(sharded, rank), _params(unsharded, 0))), rank
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_every_rank_lost_and_nothing_saved_restarts_the_sharded_state_from_step_0(tmp_path: Path) -> None:
+    steps = 6
+    reference = _unsharded_reference(tmp_path / "reference", steps)
+    result = _unicron_run(tmp_path, [fail_at(rank=r, step=2, micro_batch=r) for r in range(4)], steps,
+                          "--step-time", "0.2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 4
+    for rank in range(4):  # the lowest restarted rank holds all of the fresh state; its group reshards it
+        back = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert back[0] == {"joined_at": 0, "state_from": "step0"}
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), reference)), rank

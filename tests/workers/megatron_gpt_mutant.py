@@ -41,9 +41,9 @@ def _keep_lightnings_clipping() -> None:
 def _count_recomputed_twice() -> None:
     compute = ElasticDataParallel._compute
 
-    def twice(self, step, micro_batches, redo=False):  # type: ignore[no-untyped-def]
-        total = compute(self, step, micro_batches, redo)
-        if redo and self.gradients.extras:
+    def twice(self, effect):  # type: ignore[no-untyped-def]
+        total = compute(self, effect)
+        if effect.redo and self.gradients.extras:
             self.gradients.extras_of(total).mul_(2)
         return total
 

@@ -286,6 +286,7 @@ class ElasticDataParallel:
         if self.optimizer_shards is not None:
             self.optimizer_shards.bind(optimizer, self.gradients.params, self.members, self.replica)
             # A checkpoint's optimizer state: every share, on the rank of replica 0 (the one Lightning writes with).
+            self.handout.on_fresh = self.optimizer_shards.hold_fresh
             self.optimizer_shards.collector = lambda: collect(
                 self.optimizer_shards, self.groups.shard, self.members.index(0) if 0 in self.members else 0)
         self.protocol.buckets = len(self.gradients.bounds) + committed

@@ -64,6 +64,8 @@ class StateHandout:
         self.state_source: str | None = None
         self._resume_state: Any = None
         self._resume_applied = False
+        #: Called when the group starts again from this rank's fresh state (a sharded optimizer holds all of it).
+        self.on_fresh: Callable[[], None] = lambda: None
 
     def state(self) -> dict[str, Any]:
         """This replica's state at the current step boundary (what a joiner receives).
@@ -73,7 +75,8 @@ class StateHandout:
         state being only partly restored until it trained a step.
         """
         if self._resume_state is STEP0:
-            # Nothing was persisted: the fresh state is step 0's.
+            # Nothing was persisted: the fresh state is step 0's (a sharded optimizer's too: all of it, here).
+            self.on_fresh()
             self._resume_state, self._resume_applied = {**self.get_state(), "step": 0, "source": "step0"}, True
         if self._resume_state is not None:
             if not self._resume_applied:

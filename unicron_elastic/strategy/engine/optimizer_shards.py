@@ -42,7 +42,7 @@ import torch.distributed as dist
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.engine.shard_layout import Piece, ShardLayout, plan_pieces
 
-__all__ = ["ELEMENT_WISE", "SHARED_ELSEWHERE", "OptimizerShards", "check_element_wise", "scalar_dtype", "share_format",
+__all__ = ["ELEMENT_WISE", "SHARED_ELSEWHERE", "OptimizerShards", "check_element_wise", "same_step", "scalar_dtype", "share_format",
            "share_of"]
 
 #: Marks an optimizer state dict that holds no per-element state because each rank holds its own share (what a
@@ -282,6 +282,7 @@ class OptimizerShards:
             raise RuntimeError("the group failed before the parameters were gathered")
         layout = self.layout(members)
         held = self.exchange(pg)
+        same_step(held)
         shares = [[_empty_as_zero(layout.range_of(m, g.numel)) for g in self.groups] for m in layout.members]
         if [[_empty_as_zero(h[:2]) for h in rank] for rank in held] != shares:
             self._reshard(pg, held, shares[layout.members.index(member)])
@@ -325,6 +326,12 @@ class OptimizerShards:
         if not state:
             return 0
         return 1 + (int(float(state["step"])) if self.scalar_keys else 0)
+
+    def hold_fresh(self) -> None:
+        """Hold all of the state, from this rank's own parameters, with no optimizer state yet (the group starts
+        again from step 0: nothing was saved)."""
+        everything = [(0, g.numel) for g in self.groups]
+        self.hold(everything, [g.read(*r) for g, r in zip(self.groups, everything)], [{} for _ in self.groups])
 
     def drop(self) -> None:
         """Hold nothing (a rank that rejoins: what it held is stale); its share comes when its group forms."""
@@ -434,8 +441,9 @@ def share_format(shards: OptimizerShards, state_dict: dict[str, Any]) -> dict[st
         ValueError: ``state_dict`` does not match the optimizer's parameter groups.
     """
     groups = state_dict["param_groups"]
-    if state_dict.get(SHARED_ELSEWHERE):
-        return {"state": {}, "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)]}
+    if state_dict.get(SHARED_ELSEWHERE):  # its hyperparameters only: this rank keeps the share it holds
+        state = {g: shards.optimizer.state[main] for g, main in enumerate(shards.main) if shards.optimizer.state.get(main)}
+        return {"state": state, "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)]}
     if [len(g["params"]) for g in groups] != [len(g.params) for g in shards.groups]:
         raise ValueError(f"the optimizer state has groups of {[len(g['params']) for g in groups]} parameters, the "
                          f"optimizer {[len(g.params) for g in shards.groups]}")
@@ -446,3 +454,15 @@ def share_format(shards: OptimizerShards, state_dict: dict[str, Any]) -> dict[st
         if share:
             state[g] = share
     return {"state": state, "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)]}
+
+
+def same_step(held: list[list[tuple[int, int, int]]]) -> None:
+    """Refuse holdings (what :meth:`OptimizerShards.exchange` returns) whose optimizer states are at different steps.
+
+    Raises:
+        ValueError: Two ranks hold optimizer state of one group at different steps (never mixed silently).
+    """
+    for g in range(len(held[0]) if held else 0):
+        stepped = {rank[g][2] for rank in held if rank[g][1] > rank[g][0] and rank[g][2]}
+        if len(stepped) > 1:
+            raise ValueError(f"the holders of the optimizer state are at different steps: {sorted(stepped)}")

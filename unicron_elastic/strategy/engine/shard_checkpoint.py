@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards, scalar_dtype, share_of
+from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards, same_step, scalar_dtype, share_of
 from unicron_elastic.strategy.engine.shard_layout import plan_pieces
 
 __all__ = ["collect", "load"]
@@ -40,6 +40,7 @@ def collect(shards: OptimizerShards, pg: dist.ProcessGroup, root: int) -> dict[s
         ShardLostError: Part of the state is held by no member any more.
     """
     held = shards.exchange(pg)
+    same_step(held)
     index = pg.rank()
     flats: list[dict[str, torch.Tensor]] = []
     steps: list[float | None] = []

@@ -75,3 +75,18 @@ class ReplicaNormClip:
         params = [p for p in self.precision.main_params(optimizer) if p.grad is not None]
         device = params[0].grad.device if params else self.device
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.tensor(norm, dtype=torch.float32, device=device))
+
+
+def clip_model_gradients(precision: Any, params: list[torch.nn.Parameter]) -> None:
+    """(A sharded optimizer) Lightning's clipping applied to the model's reduced gradients, for a fit.
+
+    Lightning clips the gradients of the optimizer's parameters, which with a sharded optimizer are this
+    rank's shares, whose gradients are loaded from the model's only after the clipping. Every rank holds the
+    whole reduced gradient, so clipping the model's by the whole norm is what the unsharded optimizer does.
+
+    Args:
+        precision: Lightning's precision plugin (its ``clip_grad_by_norm`` and ``clip_grad_by_value`` are set).
+        params: The model's parameters whose gradients the engine reduces.
+    """
+    precision.clip_grad_by_norm = lambda optimizer, clip_val: torch.nn.utils.clip_grad_norm_(params, clip_val)
+    precision.clip_grad_by_value = lambda optimizer, clip_val: torch.nn.utils.clip_grad_value_(params, clip_val)

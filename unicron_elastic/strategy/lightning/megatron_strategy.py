@@ -67,7 +67,7 @@ from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.strategy.engine.transport import nccl_error_handling, transport_for
-from unicron_elastic.strategy.lightning.clipping import ReplicaNormClip, replica_grad_norm
+from unicron_elastic.strategy.lightning.clipping import ReplicaNormClip, clip_model_gradients, replica_grad_norm
 from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
 from unicron_elastic.strategy.lightning.feed import MicroBatchFeed
 from unicron_elastic.strategy.lightning.fit_checks import (check_arguments, check_distributed_optimizer, check_fit,
@@ -479,6 +479,8 @@ class UnicronMegatronStrategy(DDPStrategy):
             self.engine.reduction.measure_norm = True
             plugin = self.precision_plugin
             plugin.clip_grad_by_norm = ReplicaNormClip(lambda: self.grad_norm, plugin, self.root_device)
+        elif self.optimizer_instances is not None:  # the optimizer's parameters are shares: clip the model's
+            clip_model_gradients(self.precision_plugin, self.engine.params)
 
     @property
     def grad_norm(self) -> float | None:
@@ -526,11 +528,12 @@ class UnicronMegatronStrategy(DDPStrategy):
         engine = self.engine
         step = self.lightning_module.trainer.global_step
         self._streams.restore()
-        if self.role is RankRole.JOINED:  # a joiner's first step: Lightning's collectives span the world now
+        joined, engine.next_step = self.role is RankRole.JOINED, step
+        if joined:  # a joiner's first step: Lightning's collectives span the world now
             self.role = RankRole.MEMBER
         self._heartbeat.start(engine.watch.waited)
-        engine.next_step = step
-        self._state.save_if_due(step, engine, self.worker)
+        if not joined:  # (the members saved this step's state before admitting it)
+            self._state.save_if_due(step, engine, self.worker)
         self._forward.begin_step()
         try:
             engine.begin_step(step)
@@ -625,13 +628,10 @@ class UnicronMegatronStrategy(DDPStrategy):
     # -- Lightning's checkpoints ------------------------------------------------------
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state; sharded (``distributed_optimizer``), a checkpoint's gathers every share (a
-        collective of the members; after ``fit``, the one its teardown gathered) on replica 0's rank, which writes it."""
-        shards = self.engine.optimizer_shards if self.engine is not None else None
-        if shards is None or self._state.dumping or not self.engine.groups.held:
-            return super().optimizer_state(optimizer)
-        with shards.collected():
-            return super().optimizer_state(optimizer)
+        """The optimizer's state; sharded, a checkpoint's gathers every share (:meth:`ReplicaState.optimizer_state
+        <unicron_elastic.strategy.lightning.replica_state.ReplicaState.optimizer_state>`)."""
+        unsharded = lambda: super(UnicronMegatronStrategy, self).optimizer_state(optimizer)  # noqa: E731
+        return unsharded() if self._state is None else self._state.optimizer_state(self.engine, unsharded)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

@@ -21,6 +21,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from unicron_elastic.strategy.engine.optimizer_shards import SHARED_ELSEWHERE
 from unicron_elastic.strategy.engine.shard_checkpoint import collect
 from unicron_elastic.strategy.engine.shard_checkpoint import load as load_whole
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from unicron_elastic.strategy.snapshots.places import PeerServers
 
 __all__ = ["ReplicaState"]
+
+log = structlog.get_logger(__name__)
 
 
 class ReplicaState:
@@ -135,6 +139,25 @@ class ReplicaState:
             candidates.append((disk["step"], 0, {**disk, "source": "disk"}))
         return max(candidates, key=lambda c: c[:2])[2] if candidates else None
 
+    def optimizer_state(self, engine: ElasticDataParallel | None,
+                        unsharded: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The optimizer's state Lightning's checkpoint holds (``unsharded()``: Lightning's own).
+
+        With a sharded optimizer, a checkpoint's (not a joiner's or a tier's: :attr:`dumping`) gathers every
+        share, a collective of the members, on replica 0's rank, which writes it; after ``fit`` it is the one
+        the teardown gathered.
+
+        Raises:
+            RuntimeError: This rank's parameters were not gathered (its gather failed; a later step regroups).
+        """
+        shards = engine.optimizer_shards if engine is not None else None
+        if shards is not None and engine.protocol.stale:
+            raise RuntimeError("unicron_megatron: no checkpoint now: this rank's parameters were not gathered")
+        if shards is None or self.dumping or not engine.groups.held:
+            return unsharded()
+        with shards.collected():
+            return unsharded()
+
     def save_if_due(self, step: int, engine: ElasticDataParallel, worker: Any) -> None:
         """Save the state of ``step`` to the tiers that are due, on every shard of the primary replica.
 
@@ -152,7 +175,12 @@ class ReplicaState:
         shards = engine.optimizer_shards
         with worker.checkpointing():
             if shards is not None:  # every member: the whole optimizer state, on the primary replica
-                shards.whole = collect(shards, engine.groups.shard, 0)
+                try:
+                    shards.whole = collect(shards, engine.groups.shard, 0)
+                except (RuntimeError, AttributeError) as exc:  # a member lost (or this rank's group dropped)
+                    log.warning("tiers_not_saved", step=step, reason="the optimizer's shares could not be "
+                                "gathered (the step's reduction regroups)", error=str(exc)[:200])
+                    return
             if not engine.in_primary_replica:
                 return
             try:
