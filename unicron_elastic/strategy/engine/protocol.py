@@ -137,7 +137,7 @@ class Protocol:
         self.next_step = 0
         self.synced_step = -1  # the last step whose membership this rank agreed on
         self.agreed: dict[int, list[int]] = {}  # members of the next step, agreed in this step's all-reduce
-        self.deal_base: tuple[int, list[int], list[int]] | None = None  # (step, dealt over, lost since)
+        self.deal_base: tuple[int, list[int], list[list[int]]] | None = None  # (step, dealt over, lost per regroup)
         self._pending: tuple[int, StepReport, dict[int, list[int]], Any] | None = None
 
     @property
@@ -153,12 +153,14 @@ class Protocol:
     # -- one step ----------------------------------------------------------------------------------------
     def assignment(self, step: int) -> dict[int, list[int]]:
         """Who computes which micro-batch of ``step``: dealt over the step's base, the ranks lost since redistributed."""
-        base, dead = self.members, []
+        base, rounds = self.members, []
         if self.deal_base is not None and self.deal_base[0] == step:
-            _, base, dead = self.deal_base
+            _, base, rounds = self.deal_base
         dealt = deal(self.micro_batches, list(base))
-        moved = redistribute(dealt, dead) if dead else {}
-        return {r: dealt.get(r, []) + moved.get(r, []) for r in self.members}
+        for dead in rounds:  # one redistribution per regroup, as a member that regrouped in the reduction does
+            moved = redistribute(dealt, dead)
+            dealt = {r: dealt[r] + moved[r] for r in dealt if r not in dead}
+        return {r: dealt.get(r, []) for r in self.members}
 
     def begin_step(self, step: int) -> Effects:
         """Agree on the members of ``step`` and compute this rank's micro-batches; returns the :class:`StepReport`.
@@ -235,7 +237,8 @@ class Protocol:
                 try:
                     for outcome in outcomes:  # one redistribution per regroup, as every member does
                         report.dead += outcome.dead
-                        assignment, local = yield from self._reassign(step, report, assignment, local, outcome)
+                        assignment, local = yield from self._reassign(step, report, assignment, local, outcome,
+                                                                      announce=outcome is outcomes[-1])
                         owed = () if outcome.base is not None else owed  # (a resize recomputed the rank's share)
                     if owed:
                         local, owed = (yield Add(local, (yield Compute(step, owed, redo=True)))), ()
@@ -245,10 +248,10 @@ class Protocol:
         return report
 
     def _reassign(self, step: int, report: StepReport, assignment: dict[int, list[int]], local: Any,
-                  outcome: Regrouped) -> Effects:
-        """After a regroup: the lost ranks' micro-batches to the members, or the whole step dealt afresh (a resize)."""
+                  outcome: Regrouped, announce: bool = True) -> Effects:
+        """After a regroup: the lost ranks' micro-batches to the members, or the step dealt afresh (a resize)."""
         if outcome.base is not None:  # the primary's resize record: this step starts over, dealt afresh
-            self.deal_base = (step, outcome.base, outcome.dead)
+            self.deal_base = (step, outcome.base, [outcome.dead] if outcome.dead else [])
             assignment = self.assignment(step)
             report.micro_batches = list(assignment[self.rank])
             local = yield Compute(step, tuple(report.micro_batches), redo=True)
@@ -259,7 +262,8 @@ class Protocol:
             if extra:
                 local = yield Add(local, (yield Compute(step, tuple(extra), redo=True)))
                 report.micro_batches += extra
-        yield Reassigned(step, self.generation, {r: tuple(sorted(js)) for r, js in assignment.items()})
+        if announce:
+            yield Reassigned(step, self.generation, {r: tuple(sorted(js)) for r, js in assignment.items()})
         return assignment, local
 
     # -- regroup ---------------------------------------------------------------------------------------
@@ -412,17 +416,14 @@ class Protocol:
     def _sync_membership(self, step: int) -> Effects:
         """Agree on this step's members; resize if they changed.
 
-        Usually the members were agreed during the previous step's all-reduce
-        (the primary's proposal rides in the last bucket, so it costs no extra
-        collective). Otherwise (first step, after a join) a small all-reduce of
-        the primary's proposal agrees on them. Both are collectives, not store
-        keys, so a primary that died between steps cannot leave the others
-        waiting: the collective fails, the members stay as they were, and the
-        failure is handled in this step's reduction like any other (scenario 1).
+        Usually the members were agreed in the previous step's last bucket (the
+        primary's proposal rides in it: no extra collective); otherwise (first
+        step, after a join) a small all-reduce of the primary's proposal. Both are
+        collectives, so a primary that died between steps cannot leave the others
+        waiting: the collective fails and this step's reduction handles it.
 
-        With ``compute_needs_group`` a failed sync regroups at once (the
-        model cannot compute without its group): the step is then dealt over
-        the members of the record followed.
+        With ``compute_needs_group`` a failed sync regroups at once (the model cannot compute without its
+        group): the step is then dealt over the members of the record followed.
 
         Returns:
             What that early regroup changed, else None.
@@ -476,9 +477,9 @@ class Protocol:
         self.log.info("dp_resized", step=step, members=self.members, generation=self.generation)
 
     def _follow_between_steps(self, step: int, previous: list[int]) -> Effects:
-        """Regroup before ``step`` is computed (a resize, or a failed membership sync) and finish what the record
-        followed asks: the step dealt over a resize's members (a replica sends the state to newcomers once
-        they are ready) or over ``previous`` less the lost ranks.
+        """Regroup before ``step`` is computed (a resize, a failed membership sync) and finish what the record
+        followed asks: the step dealt over a resize's members (a replica sends newcomers the state once they
+        are ready) or over ``previous`` less the lost ranks (redistributed regroup by regroup).
 
         Returns:
             The ranks lost since ``previous``.
@@ -487,7 +488,7 @@ class Protocol:
             Retired: The record followed is a resize that leaves this rank out.
             Excluded: A failure's record left this rank out.
         """
-        base, dead = previous, []
+        base, dead, rounds = previous, [], []
         while True:
             try:
                 outcome = yield from self._regroup(step, 0)
@@ -497,9 +498,10 @@ class Protocol:
                     raise Retired(f"rank {self.rank} leaves the data-parallel group at step {step}") from exc
                 raise
             if outcome.base is not None:
-                base, dead = outcome.base, []
+                base, dead, rounds = outcome.base, [], []
             dead += outcome.dead
-            self.deal_base = (step, base, dead)
+            rounds += [list(outcome.dead)] if outcome.dead else []
+            self.deal_base = (step, base, rounds)
             # A resize's newcomers get the state from a replica (a failure's record has none).
             newcomers = sorted(set(self.members) - set(previous)) if outcome.base is not None else []
             try:
@@ -515,9 +517,8 @@ class Protocol:
     def _await_ready(self, newcomers: list[int]) -> Effects:
         """Wait (at most :attr:`ready_timeout`, a declared pause) until the newcomers built their model.
 
-        A joiner is admitted, and its world built, before its model exists
-        (megatron-core's layers need the world); the state broadcast would
-        otherwise wait in a collective, bounded by the collective timeout.
+        A joiner is admitted, and its world built, before its model exists (megatron-core's layers need
+        the world): the state broadcast would otherwise wait in a collective.
         """
         yield Pause(True, self.ready_timeout + self.collective_timeout)
         start = yield Now()
@@ -657,12 +658,9 @@ class Protocol:
         replica's :attr:`authority` decides; the other ranks of it fetch the
         same step's state of their shard when they form the group.
 
-        A resume announced after the last group formed is under way (its
-        group may take a while to form: every rank of its replica must
-        arrive): while its replica is alive nobody else resumes - another
-        replica that became the lowest waiting one meanwhile would start a
-        second group - and only that replica resumes again if its group did
-        not form.
+        A resume announced after the last group formed is under way (every rank of its replica must
+        arrive): while its replica is alive nobody else resumes (another replica, the lowest waiting one
+        meanwhile, would start a second group), and only that replica resumes again if its group did not form.
         """
         last = yield ReadMembers()
         latest = yield ReadLatest()
