@@ -143,6 +143,8 @@ class OptimizerShards:
         self.instances, self.device, self.waiting, self.point = instances, device, waiting, point
         self.updated, self.holds = updated, holds
         self._hooks: list[Any] = []
+        #: ``(generation, layout)`` of the last refresh that completed here (its members held their shares).
+        self._refreshed: tuple[int, ShardLayout] | None = None
         #: Set by the engine: the whole state, a collective of the members, on the rank that writes checkpoints
         #: (None on the others).
         self.collector: Callable[[], dict[str, Any] | None] | None = None
@@ -243,6 +245,7 @@ class OptimizerShards:
         """Hold ``main`` (fp32, per group) over ``held`` and its optimizer state; the optimizer's groups point at
         them."""
         optimizer = self.optimizer
+        self._refreshed = None  # (what this rank holds changed)
         for old in self.main:
             optimizer.state.pop(old, None)
         self.held, self.main = list(held), [torch.nn.Parameter(m, requires_grad=True) for m in main]
@@ -266,13 +269,14 @@ class OptimizerShards:
         return total
 
     # -- the moves ---------------------------------------------------------------------------------------
-    def refresh(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int) -> None:
+    def refresh(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int, generation: int) -> None:
         """Reshard when what the ranks hold is not their share of ``members``' layout, then gather the parameters.
 
         A collective over ``pg`` (the shard's data-parallel group of
         ``members``, in their order): every rank calls it. First the ranks
-        tell each other what they hold; the plan of the moves is then the same
-        on every rank.
+        tell each other what they hold (unless a refresh of this generation
+        completed here: then each holds its share of the layout); the plan of
+        the moves is then the same on every rank.
 
         Raises:
             RuntimeError: The group failed (a member was lost), or was gone already.
@@ -281,6 +285,10 @@ class OptimizerShards:
         if pg is None:
             raise RuntimeError("the group failed before the parameters were gathered")
         layout = self.layout(members)
+        if self._refreshed == (generation, layout):  # (every member's holdings are its share: nothing moved since)
+            self._gather(pg, [[(*layout.range_of(m, g.numel), 0) for g in self.groups] for m in layout.members])
+            return
+        self._refreshed = None
         held = self.exchange(pg)
         same_step(held)
         shares = [[_empty_as_zero(layout.range_of(m, g.numel)) for g in self.groups] for m in layout.members]
@@ -288,6 +296,7 @@ class OptimizerShards:
             self._reshard(pg, held, shares[layout.members.index(member)])
             held = [[(*share_, 0) for share_ in rank] for rank in shares]
         self._gather(pg, held)
+        self._refreshed = (generation, layout)
 
     def exchange(self, pg: dist.ProcessGroup) -> list[list[tuple[int, int, int]]]:
         """What every rank of ``pg`` holds: per rank, per group ``(start, end, stepped)``.
