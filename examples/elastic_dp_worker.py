@@ -6,8 +6,9 @@ etcd (``UNICRON_MEETING``), else a TCPStore that outlives workers at
 ``unicron-run`` the worker declares itself resumable: when it dies the agent
 restarts it alone and it rejoins the group with state from a replica.
 Each rank writes ``OUT/rank<R>.json`` (per-step reports) and, if it trained to the end (or
-until the plan retired it), ``OUT/params<R>.pt``; a rank admitted after training ended, or left
-out until then, writes none (its ``rank<R>.json`` ends with ``{"trained": false}``).
+until the plan retired it), ``OUT/params<R>.pt`` and ``OUT/state<R>.json`` (the optimizer-state
+bytes it holds: with ``--optimizer-instances``, its share); a rank admitted after training ended, or
+left out until then, writes none (its ``rank<R>.json`` ends with ``{"trained": false}``).
 """
 
 from __future__ import annotations

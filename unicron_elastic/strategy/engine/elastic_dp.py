@@ -93,6 +93,13 @@ collective runs per step. A rank that saw it sends it on; one that stops
 records it (:meth:`~ElasticDataParallel.stopping`), so ranks that regroup
 because that exchange failed on them learn it when their group forms.
 
+With ``optimizer_instances`` the optimizer's state is sharded over the
+members (:mod:`~unicron_elastic.strategy.engine.optimizer_shards`): the
+optimizer steps this rank's share, and the protocol's ``Refresh`` reshards
+(a lost rank's share from another instance) and gathers the updated
+parameters before the next step computes, after every regroup and in
+:meth:`ElasticDataParallel.finish`.
+
 The sequencing is :class:`~unicron_elastic.strategy.engine.protocol.Protocol`'s, a
 state machine that yields effects. This class composes the parts that
 execute them, in :func:`~unicron_elastic.strategy.engine.effect_loop.run`:
@@ -285,8 +292,8 @@ class ElasticDataParallel:
         self.model, self.optimizer = model, optimizer
         if self.optimizer_shards is not None:
             self.optimizer_shards.bind(optimizer, self.gradients.params, self.members, self.replica)
+            self.handout.on_fresh = self.optimizer_shards.hold_fresh  # (a group restarting from step 0)
             # A checkpoint's optimizer state: every share, on the rank of replica 0 (the one Lightning writes with).
-            self.handout.on_fresh = self.optimizer_shards.hold_fresh
             self.optimizer_shards.collector = lambda: collect(
                 self.optimizer_shards, self.groups.shard, self.members.index(0) if 0 in self.members else 0)
         self.protocol.buckets = len(self.gradients.bounds) + committed
