@@ -675,8 +675,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         ended = self._fit_ended or self._sigterm.stopping
         if ended and self.engine is not None and self.engine.groups.held and self.role is not RankRole.RETIRED:
             self.engine.finish()
-            if self.engine.optimizer_shards is not None:  # for a checkpoint written after fit
-                self.engine.optimizer_shards.whole = self.engine.optimizer_shards.collector()
+            self._state.keep_for_checkpoints(self.engine)  # (a sharded optimizer's, for one written after fit)
         if self._state is not None:
             self._state.close()  # (the snapshot in flight is sent first)
         for handle in self._progress_hooks:

@@ -153,10 +153,25 @@ class ReplicaState:
         shards = engine.optimizer_shards if engine is not None else None
         if shards is not None and engine.protocol.stale:
             raise RuntimeError("unicron_megatron: no checkpoint now: this rank's parameters were not gathered")
+        if shards is not None and not self.dumping and not engine.groups.held and shards.whole is None and \
+                engine.in_primary_replica and 0 in engine.members:
+            raise RuntimeError("unicron_megatron: no checkpoint: the optimizer's shares were not gathered when fit "
+                               "ended (a member was lost then)")
         if shards is None or self.dumping or not engine.groups.held:
             return unsharded()
         with shards.collected():
             return unsharded()
+
+    def keep_for_checkpoints(self, engine: ElasticDataParallel) -> None:
+        """(A sharded optimizer, ``fit`` ended) gather the whole optimizer state on replica 0's rank and keep it,
+        for a checkpoint written after ``fit`` (the groups are gone then); a member lost meanwhile: none kept."""
+        shards = engine.optimizer_shards
+        if shards is None:
+            return
+        try:
+            shards.whole = shards.collector()
+        except (RuntimeError, ValueError) as exc:
+            log.warning("optimizer_state_not_kept", reason="a member was lost as fit ended", error=str(exc)[:200])
 
     def save_if_due(self, step: int, engine: ElasticDataParallel, worker: Any) -> None:
         """Save the state of ``step`` to the tiers that are due, on every shard of the primary replica.
