@@ -43,7 +43,7 @@ from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.engine.shard_layout import Piece, ShardLayout, plan_pieces
 
 __all__ = ["ELEMENT_WISE", "SHARED_ELSEWHERE", "OptimizerShards", "check_element_wise", "same_step", "scalar_dtype", "share_format",
-           "share_of"]
+           "share_of", "states_per_group"]
 
 #: Marks an optimizer state dict that holds no per-element state because each rank holds its own share (what a
 #: replica hands a joiner: the joiner gets its share from the members when its group forms).
@@ -184,9 +184,8 @@ class OptimizerShards:
                 raise ConfigError("the optimizer steps a parameter the engine does not reduce (not in the model)")
             self.groups.append(_Group(params))
         layout = self.layout(members)
-        ranges = [layout.range_of(member, g.numel) if self.holds else (0, 0) for g in self.groups]
         self.whole = None
-        self.hold(ranges, [g.read(*r) for g, r in zip(self.groups, ranges)], [{} for _ in self.groups])
+        self._hold_own([layout.range_of(member, g.numel) if self.holds else (0, 0) for g in self.groups])
         for handle in self._hooks:
             handle.remove()
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
@@ -339,12 +338,15 @@ class OptimizerShards:
     def hold_fresh(self) -> None:
         """Hold all of the state, from this rank's own parameters, with no optimizer state yet (the group starts
         again from step 0: nothing was saved)."""
-        everything = [(0, g.numel) for g in self.groups]
-        self.hold(everything, [g.read(*r) for g, r in zip(self.groups, everything)], [{} for _ in self.groups])
+        self._hold_own([(0, g.numel) for g in self.groups])
 
     def drop(self) -> None:
         """Hold nothing (a rank that rejoins: what it held is stale); its share comes when its group forms."""
-        self.hold([(0, 0)] * len(self.groups), [g.read(0, 0) for g in self.groups], [{} for _ in self.groups])
+        self._hold_own([(0, 0)] * len(self.groups))
+
+    def _hold_own(self, ranges: list[tuple[int, int]]) -> None:
+        """Hold ``ranges`` (per group) from this rank's own parameters, with no optimizer state."""
+        self.hold(ranges, [g.read(*r) for g, r in zip(self.groups, ranges)], [{} for _ in self.groups])
 
     def present(self, g: int) -> tuple[str, ...]:
         """The per-element state keys the optimizer keeps for group ``g`` (from its hyperparameters)."""
@@ -375,13 +377,13 @@ class OptimizerShards:
             a, b = max(start, piece.start), min(end, piece.end)
             if a < b:
                 out[:, a - start:b - start].copy_(buf[:, a - piece.start:b - piece.start])
-            if n == 0 and keys is not None and self._keys[1]:
+            if n == 0 and keys is not None and self.scalar_keys:
                 step = self.step_of(g) if piece.source == index else step
                 self._broadcast(pg, step, piece.source)
         state: dict[str, Any] = {}
         if keys is not None:
             state = {key: out[1 + k].clone() for k, key in enumerate(keys)}
-            if self._keys[1]:
+            if self.scalar_keys:
                 state["step"] = torch.tensor(float(step), dtype=scalar_dtype())
         return out[0].clone(), state
 
@@ -442,6 +444,20 @@ def share_of(shards: OptimizerShards, g: int, per_param: list[dict[str, Any]], s
 
 
 
+def states_per_group(shards: OptimizerShards, state_dict: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """A whole state dict's per-parameter states, group by group (``{}`` for a parameter without state).
+
+    Raises:
+        ValueError: ``state_dict`` does not match the optimizer's parameter groups.
+    """
+    groups = state_dict["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g.params) for g in shards.groups]:
+        raise ValueError(f"the optimizer state has groups of {[len(g['params']) for g in groups]} parameters, the "
+                         f"optimizer {[len(g.params) for g in shards.groups]}")
+    saved = state_dict["state"]
+    return [[saved.get(i, saved.get(str(i), {})) for i in group["params"]] for group in groups]
+
+
 def share_format(shards: OptimizerShards, state_dict: dict[str, Any]) -> dict[str, Any]:
     """A whole state dict (or one marked :data:`SHARED_ELSEWHERE`) as the sharded optimizer's own ``state_dict``:
     one main parameter per group, the state of this rank's share (what torch's ``load_state_dict`` loads).
@@ -453,12 +469,8 @@ def share_format(shards: OptimizerShards, state_dict: dict[str, Any]) -> dict[st
     if state_dict.get(SHARED_ELSEWHERE):  # its hyperparameters only: this rank keeps the share it holds
         state = {g: shards.optimizer.state[main] for g, main in enumerate(shards.main) if shards.optimizer.state.get(main)}
         return {"state": state, "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)]}
-    if [len(g["params"]) for g in groups] != [len(g.params) for g in shards.groups]:
-        raise ValueError(f"the optimizer state has groups of {[len(g['params']) for g in groups]} parameters, the "
-                         f"optimizer {[len(g.params) for g in shards.groups]}")
     state = {}
-    for g, saved in enumerate(groups):
-        per_param = [state_dict["state"].get(i, state_dict["state"].get(str(i), {})) for i in saved["params"]]
+    for g, per_param in enumerate(states_per_group(shards, state_dict)):
         share = share_of(shards, g, per_param, *shards.held[g])
         if share:
             state[g] = share

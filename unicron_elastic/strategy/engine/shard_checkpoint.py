@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards, same_step, scalar_dtype, share_of
+from unicron_elastic.strategy.engine.optimizer_shards import (OptimizerShards, same_step, scalar_dtype, share_of,
+                                                              states_per_group)
 from unicron_elastic.strategy.engine.shard_layout import plan_pieces
 
 __all__ = ["collect", "load"]
@@ -115,18 +116,11 @@ def load(shards: OptimizerShards, state_dict: dict[str, Any], everything: bool =
     Raises:
         ValueError: ``state_dict`` does not match the optimizer's parameter groups.
     """
-    groups = state_dict["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(g.params) for g in shards.groups]:
-        raise ValueError(f"the optimizer state has groups of {[len(g['params']) for g in groups]} parameters, the "
-                         f"optimizer {[len(g.params) for g in shards.groups]}")
+    per_group = states_per_group(shards, state_dict)
     held = [(0, g.numel) for g in shards.groups] if everything else list(shards.held)
-    main, states = [], []
-    for g, (group, saved) in enumerate(zip(shards.groups, groups)):
-        start, end = held[g]
-        main.append(group.read(start, end))
-        per_param = [state_dict["state"].get(i, state_dict["state"].get(str(i), {})) for i in saved["params"]]
-        states.append(share_of(shards, g, per_param, start, end))
-    for options, saved in zip(shards.optimizer.param_groups, groups):
+    main = [group.read(start, end) for group, (start, end) in zip(shards.groups, held)]
+    states = [share_of(shards, g, per_param, *held[g]) for g, per_param in enumerate(per_group)]
+    for options, saved in zip(shards.optimizer.param_groups, state_dict["param_groups"]):
         options.update({k: v for k, v in saved.items() if k != "params"})
     shards.hold(held, main, states)
 
