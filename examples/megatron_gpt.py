@@ -333,6 +333,10 @@ class GPTModule(pl.LightningModule):
         """PP = 1 (and other strategies): the same ``forward_step``, its loss as the strategy takes it."""
         return run_forward_step(self.forward_step, batch, self.model)
 
+    def model_numel(self) -> int:
+        """The number of parameters this rank holds (its tensor-parallel and pipeline shard of the model)."""
+        return sum(p.numel() for p in self.model.parameters())
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """SGD with momentum, or AdamW without weight decay on norms and biases (Megatron-LM's rule: 1-D
         parameters are not decayed)."""
@@ -368,6 +372,16 @@ class NormRecord(pl.Callback):
         if norm is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None])
         self.norms[trainer.global_step] = float(norm)
+
+
+def optimizer_state_bytes(strategy: UnicronMegatronStrategy, trainer: pl.Trainer) -> int:
+    """Bytes of optimizer state this rank holds, from the tensors (sharded: its shares' fp32 main parameters and
+    their state; else the optimizer's state of the whole model's parameters)."""
+    shards = strategy.engine.optimizer_shards
+    if shards is not None:
+        return shards.state_bytes()
+    return sum(v.numel() * v.element_size() for state in trainer.optimizers[0].state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def shard_parameters(module: GPTModule) -> dict[str, dict[str, Any]]:
@@ -409,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     llama.add_argument("--mask-fraction", type=float, default=0.0, help="mask about this fraction of the tokens")
     llama.add_argument("--masked-micro-batch", type=int, nargs=2, default=None, metavar=("STEP", "J"),
                        help="mask every token of micro-batch J of STEP")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="shard the optimizer's state over the data-parallel ranks (--use-distributed-optimizer)")
+    parser.add_argument("--optimizer-instances", type=int, default=1,
+                        help="--distributed-optimizer: instances that each hold the whole state")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--precision", default=None, help="Lightning's precision (default: 32-true; bf16-mixed on a "
                         "GPU with --llama)")
@@ -475,7 +493,8 @@ def main() -> None:
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=SEED,
         snapshot_every=args.snapshot_every, grad_dtype=getattr(torch, args.grad_dtype),
         checkin_timeout=args.checkin_timeout,
-        tensor_model_parallel_size=args.tensor_parallel, pipeline_model_parallel_size=args.pipeline_parallel)
+        tensor_model_parallel_size=args.tensor_parallel, pipeline_model_parallel_size=args.pipeline_parallel,
+        distributed_optimizer=args.distributed_optimizer, optimizer_instances=args.optimizer_instances)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=1, max_steps=args.steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
@@ -491,7 +510,8 @@ def main() -> None:
                "pid": os.getpid(), "error": None if error is None else str(error),
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "losses": losses.losses, "grad_norms": norms.norms, "logged": logged.logged, "device": logged.device,
-               "micro_batch_losses": module.micro_batch_losses}
+               "micro_batch_losses": module.micro_batch_losses, "parameters": module.model_numel(),
+               "optimizer_state_bytes": optimizer_state_bytes(strategy, trainer) if trained else None}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     if trained:
         torch.save(shard_parameters(module), args.out / f"shards{rank}.pt")

@@ -362,8 +362,9 @@ class ElasticDataParallel:
             E.TransferState: handout.transfer, E.Fallback: handout.resume, E.Admitted: self._admitted,
             E.BuildGroup: self._build, E.Formed: self._formed, E.DropGroup: lambda e: self.groups.abort(),
             E.Point: self._point, E.Pause: lambda e: self.pause(e.paused, e.bound),
-            E.Refresh: lambda e: self.optimizer_shards.refresh(self.groups.shard, self.members, self.replica,
-                                                               self.generation),
+            E.Refresh: lambda e: self.optimizer_shards.refresh(  # (TP x PP > 1: the shards agree it completed)
+                self.groups.shard, self.members, self.replica, self.generation,
+                self.groups.every_rank if self.layout.size > 1 else None),
             E.Now: lambda e: time.monotonic(), E.Sleep: lambda e: time.sleep(e.seconds),
             # What the protocol decided, for observers (the in-process fake records them).
             E.Abandon: _nothing, E.Decided: _nothing, E.Followed: _nothing, E.Reassigned: _nothing,

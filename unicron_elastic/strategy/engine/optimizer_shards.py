@@ -268,7 +268,8 @@ class OptimizerShards:
         return total
 
     # -- the moves ---------------------------------------------------------------------------------------
-    def refresh(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int, generation: int) -> None:
+    def refresh(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int, generation: int,
+                every_rank: dist.ProcessGroup | None = None) -> None:
         """Reshard when what the ranks hold is not their share of ``members``' layout, then gather the parameters.
 
         A collective over ``pg`` (the shard's data-parallel group of
@@ -276,6 +277,38 @@ class OptimizerShards:
         tell each other what they hold (unless a refresh of this generation
         completed here: then each holds its share of the layout); the plan of
         the moves is then the same on every rank.
+
+        With TP x PP > 1 (``every_rank``: the group of every rank) each shard
+        of the model refreshes in its own data-parallel group, and a lost rank
+        fails only its shard's: the ranks then agree over ``every_rank`` whether
+        every shard's refresh completed, so that no replica computes with a
+        shard whose parameters are stale (its model's collectives would not
+        match).
+
+        Raises:
+            RuntimeError: The group failed (a member was lost), or was gone already; with ``every_rank``, also
+                another shard's refresh failed.
+            ShardLostError: Part of the state is held by no member any more.
+        """
+        if every_rank is None:
+            self._refresh_shard(pg, members, member, generation)
+            return
+        try:
+            self._refresh_shard(pg, members, member, generation)
+            failed = 0.0
+        except RuntimeError as exc:
+            self._refreshed, failed = None, 1.0
+            log.warning("dp_refresh_failed_in_shard", error=str(exc)[:200])
+        flag = torch.tensor([failed], device=self.device)
+        with self.waiting("shards"):
+            every_rank.allreduce([flag]).wait()
+        if flag.item():
+            self._refreshed = None
+            raise RuntimeError("a shard of the model failed to gather its parameters")
+
+    def _refresh_shard(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int,
+                       generation: int) -> None:
+        """:meth:`refresh` in this shard's data-parallel group ``pg``.
 
         Raises:
             RuntimeError: The group failed (a member was lost), or was gone already.

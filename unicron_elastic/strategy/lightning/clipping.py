@@ -51,10 +51,13 @@ class ReplicaNormClip:
         norm: Returns the replica's norm of this step (:func:`replica_grad_norm`).
         precision: Lightning's precision plugin (its ``main_params``).
         device: The strategy's root device (where the norm goes when no parameter has a gradient).
+        params: The parameters whose gradients are clipped (a sharded optimizer: the model's, whose reduced
+            gradients the shares load after the clipping); None: the optimizer's main parameters.
     """
 
-    def __init__(self, norm: Callable[[], float | None], precision: Any, device: torch.device) -> None:
-        self.norm, self.precision, self.device = norm, precision, device
+    def __init__(self, norm: Callable[[], float | None], precision: Any, device: torch.device,
+                 params: list[torch.nn.Parameter] | None = None) -> None:
+        self.norm, self.precision, self.device, self.params = norm, precision, device, params
 
     def __call__(self, optimizer: Any, clip_val: float) -> None:
         """Scale the gradients of ``optimizer``'s parameters so that the replica's norm is at most ``clip_val``.
@@ -72,7 +75,8 @@ class ReplicaNormClip:
         # torch clamps the coefficient at 1, so there is nothing to scale; older releases' docs do not say they clamp.
         if norm + 1e-6 <= clip_val:
             return
-        params = [p for p in self.precision.main_params(optimizer) if p.grad is not None]
+        chosen = self.params if self.params is not None else self.precision.main_params(optimizer)
+        params = [p for p in chosen if p.grad is not None]
         device = params[0].grad.device if params else self.device
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.tensor(norm, dtype=torch.float32, device=device))
 

@@ -47,21 +47,16 @@ def check_arguments(sizes: dict[str, int | None], snapshot_every: int, checkpoin
         raise ConfigError(f"unknown pipeline_schedule {pipeline_schedule!r}; choose one of {sorted(SCHEDULES)}")
 
 
-def check_distributed_optimizer(distributed: bool, instances: int, tensor_parallel: int, pipeline_parallel: int) -> None:
-    """Refuse a distributed optimizer the strategy cannot train correctly yet.
+def check_distributed_optimizer(distributed: bool, instances: int) -> None:
+    """Refuse optimizer instances without a distributed optimizer.
 
     Raises:
-        ConfigError: ``optimizer_instances`` below 1, or given without ``distributed_optimizer``; with
-            ``distributed_optimizer``, TP x PP > 1 (the shares of a model-parallel position are not tested there).
+        ConfigError: ``optimizer_instances`` below 1, or other than 1 without ``distributed_optimizer``.
     """
     if instances < 1:
         raise ConfigError(f"optimizer_instances={instances} must be >= 1")
     if instances != 1 and not distributed:
         raise ConfigError("optimizer_instances needs distributed_optimizer=True (instances of a sharded state)")
-    if distributed and tensor_parallel * pipeline_parallel > 1:
-        raise ConfigError("distributed_optimizer=True is supported with tensor_model_parallel_size = "
-                          "pipeline_model_parallel_size = 1 only for now (got TP "
-                          f"{tensor_parallel} x PP {pipeline_parallel}): shard the optimizer over data parallelism alone")
 
 
 def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, device: torch.device,

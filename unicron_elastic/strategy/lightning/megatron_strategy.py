@@ -190,8 +190,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         super().__init__(timeout=timeout, **kwargs)
         check_arguments({"global_batch": global_batch, "micro_batch": micro_batch, "bucket_numel": bucket_numel},
                         snapshot_every, checkpoint_every, pipeline_schedule)
-        check_distributed_optimizer(distributed_optimizer, optimizer_instances, tensor_model_parallel_size,
-                                    pipeline_model_parallel_size)
+        check_distributed_optimizer(distributed_optimizer, optimizer_instances)
         #: With ``distributed_optimizer``: the optimizer instances (None: every rank keeps the whole state).
         self.optimizer_instances = optimizer_instances if distributed_optimizer else None
         self.layout = ModelParallel(tensor_model_parallel_size, pipeline_model_parallel_size)
@@ -474,13 +473,16 @@ class UnicronMegatronStrategy(DDPStrategy):
         if not self._progress_hooks:  # the forward and backward of its modules and layers: progress within a step
             self._progress_hooks = watch_progress(module, lambda: self.worker.progress(self.engine.next_step))
         self._forward.bind_stage(module)
+        # Sharded, the optimizer's parameters are shares whose gradients are loaded after Lightning clips: the
+        # model's reduced gradients are clipped instead.
+        params = self.engine.params if self.optimizer_instances is not None else None
+        if params is not None:
+            clip_model_gradients(self.precision_plugin, params)
         if self.layout.size > 1:
             # One pass over this shard's reduced sums, on the primary replica.
             self.engine.reduction.measure_norm = True
             plugin = self.precision_plugin
-            plugin.clip_grad_by_norm = ReplicaNormClip(lambda: self.grad_norm, plugin, self.root_device)
-        elif self.optimizer_instances is not None:  # the optimizer's parameters are shares: clip the model's
-            clip_model_gradients(self.precision_plugin, self.engine.params)
+            plugin.clip_grad_by_norm = ReplicaNormClip(lambda: self.grad_norm, plugin, self.root_device, params)
 
     @property
     def grad_norm(self) -> float | None:
