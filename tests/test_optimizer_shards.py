@@ -26,7 +26,7 @@ from conftest import BIN, EXAMPLES
 from unicron_elastic.api import ConfigError, ShardLostError
 from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards, check_element_wise
 from unicron_elastic.strategy.engine.shard_layout import ShardLayout, plan_pieces, share
-from unicron_elastic.testing import fail_at, faults_env, run_workers
+from unicron_elastic.testing import Fault, fail_at, faults_env, run_workers
 
 WORKER = os.path.join(EXAMPLES, "elastic_dp_worker.py")
 B = 6  # micro-batches per step (global batch 24 in micro-batches of 4)
@@ -197,12 +197,17 @@ def _cases() -> list:
             for point in POINTS for victim in (1, 2)]
 
 
+def _fault(point: str, victim: int, step: int) -> Fault:
+    """A kill of ``victim`` at ``point`` of ``step`` (at a micro-batch: one of its own, B = 6 over 4 ranks)."""
+    return fail_at(rank=victim, step=step, **(dict(POINTS[point]) or dict(micro_batch=victim + 4 if victim < 2
+                                                                             else victim)))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("point", "victim"), _cases())
 def test_a_rank_killed_anywhere_in_the_sharded_step_costs_no_other_rank_a_restart(tmp_path: Path, sharded_baseline,
                                                                                   point: str, victim: int) -> None:
-    where = dict(POINTS[point]) or dict(micro_batch=victim + 4 if victim < 2 else victim)
-    results = train(tmp_path, "--optimizer-instances", "2", faults=[fail_at(rank=victim, step=1, **where)])
+    results = train(tmp_path, "--optimizer-instances", "2", faults=[_fault(point, victim, 1)])
     assert len((tmp_path / "faults.log").read_text().splitlines()) == 1, "the fault did not fire"
     assert results[victim].returncode == -9
     for rank in (r for r in range(4) if r != victim):  # none left out, none restarted: each finished every step
@@ -211,6 +216,38 @@ def test_a_rank_killed_anywhere_in_the_sharded_step_costs_no_other_rank_a_restar
         assert [rep["step"] for rep in reports] == [0, 1, 2]
         assert sorted(d for rep in reports for d in rep["dead"]) == [victim]
         assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
+
+
+REJOIN_STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def unsharded_8_steps(failure_free) -> list[torch.Tensor]:
+    """Rank 0's parameters after a failure-free unsharded run of 8 steps (four ranks, AdamW, float64 sums)."""
+    return failure_free("test_optimizer_shards.unsharded_8_steps",
+                        lambda out: _unsharded_reference(out, REJOIN_STEPS))
+
+
+def _restarted(log: str) -> list[int]:
+    """The ranks the agent restarted, from its JSON log (``--log-format=json``)."""
+    events = (json.loads(line) for line in log.splitlines() if line.startswith("{"))
+    return sorted(e["rank"] for e in events if e.get("event") == "worker_restarted")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("point", "victim"), [pytest.param(p, v, id=f"{p}-{v}") for p in POINTS for v in (1, 2)])
+def test_a_killed_rank_is_restarted_and_rejoins_with_its_share_from_the_other_instance(
+        tmp_path: Path, unsharded_8_steps, point: str, victim: int) -> None:
+    result = _unicron_run(tmp_path, [_fault(point, victim, 1)], REJOIN_STEPS, "--step-time", "0.3",
+                          "--hold-for-joiner", str(REJOIN_STEPS - 2), "--bucket-numel", "64")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1, "the fault did not fire"
+    assert _restarted(result.stdout + result.stderr) == [victim]  # nobody else restarted
+    back = json.loads((tmp_path / f"rank{victim}.json").read_text())
+    assert back[0]["state_from"] == "replica" and 2 <= back[0]["joined_at"] < REJOIN_STEPS
+    for rank in range(4):  # the rejoiner too: its share came from the other instance, its parameters by the gather
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), unsharded_8_steps)), f"rank {rank}"
 
 
 @pytest.mark.e2e
@@ -235,21 +272,6 @@ def test_scale_in_4_3_and_out_to_4_reshards_and_keeps_the_trajectory(tmp_path: P
     for rank in range(3):  # the global batch is the same at every size: float64 sums make it exact
         assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
     assert len(json.loads((tmp_path / "rank0.json").read_text())[1]["micro_batches"]) == 2  # B = 6 over 3
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(300)
-def test_a_killed_rank_is_restarted_and_rejoins_with_its_share_from_the_other_instance(tmp_path: Path) -> None:
-    steps = 8
-    reference = _unsharded_reference(tmp_path / "reference", steps)
-    result = _unicron_run(tmp_path, [fail_at(rank=2, step=1, micro_batch=2)], steps, "--step-time", "0.3",
-                          "--hold-for-joiner", str(steps - 2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1
-    back = json.loads((tmp_path / "rank2.json").read_text())
-    assert back[0]["state_from"] == "replica" and 2 <= back[0]["joined_at"] < steps
-    for rank in range(4):  # the rejoiner too: its share came from instance 0 (rank 0), its parameters by the gather
-        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), reference)), f"rank {rank}"
 
 
 # -- under Lightning: UnicronMegatronStrategy(distributed_optimizer=True) -------------------------------
@@ -347,7 +369,6 @@ def test_a_checkpoint_written_at_dp4_i2_resumes_at_dp2_i1_with_equal_parameters_
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(optimizer_instances=2), "optimizer_instances needs distributed_optimizer=True"),
     (dict(distributed_optimizer=True, optimizer_instances=0), "optimizer_instances=0 must be >= 1"),
-    (dict(distributed_optimizer=True, tensor_model_parallel_size=2), "pipeline_model_parallel_size = 1 only"),
 ])
 def test_the_strategy_refuses_a_distributed_optimizer_it_cannot_train(kwargs: dict, message: str) -> None:
     from unicron_elastic.strategy.lightning import UnicronMegatronStrategy
