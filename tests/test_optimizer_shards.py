@@ -352,6 +352,24 @@ def test_lightning_every_rank_lost_resumes_the_sharded_state_from_the_memory_sna
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_one_instance_a_lost_rank_returns_every_rank_to_the_newest_snapshots_step(tmp_path: Path,
+                                                                                         gpt_baseline) -> None:
+    proc = fit(tmp_path, [fail_at(rank=3, step=5, micro_batch=3)], "--distributed-optimizer",
+               "--optimizer-instances", "1", "--snapshot-every", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1
+    log = proc.stdout + proc.stderr
+    assert "optimizer_state_without_copy" in log and "a lost rank costs every rank a return to the newest " \
+        "snapshot or checkpoint (in-memory snapshots every 2 steps; none saved in this run yet)" in log  # at fit
+    assert "optimizer_state_lost" in log and "returns_to='step 4, the newest snapshot or checkpoint saved" in log
+    for rank in range(4):  # every rank went back to step 4 and trained on: the failure-free fit's parameters
+        summary = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert summary["state_from"] == "memory" and summary["joined_at"] == 4 and summary["global_step"] == 8
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), _params(gpt_baseline, 0))), rank
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_a_checkpoint_written_at_dp4_i2_resumes_at_dp2_i1_with_equal_parameters_and_state(tmp_path: Path,
                                                                                       gpt_baseline) -> None:

@@ -39,7 +39,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.api import ConfigError
+from unicron_elastic.api import ConfigError, ShardLostError
 from unicron_elastic.strategy.engine.shard_layout import Piece, ShardLayout, plan_pieces
 
 __all__ = ["ELEMENT_WISE", "SHARED_ELSEWHERE", "OptimizerShards", "check_element_wise", "same_step", "scalar_dtype", "share_format",
@@ -151,6 +151,9 @@ class OptimizerShards:
         #: A whole state collected for the dump in progress (a checkpoint, the snapshot tiers): what the
         #: optimizer's ``state_dict()`` returns; None: its share marked :data:`SHARED_ELSEWHERE`.
         self.whole: dict[str, Any] | None = None
+        #: Set by a trainer that keeps snapshots: where a lost share sends the run back (for the warning at
+        #: :meth:`bind` and the error when a share is lost).
+        self.returns_to: Callable[[], str] = lambda: "the newest snapshot or checkpoint"
         self.optimizer: torch.optim.Optimizer | None = None
         self.groups: list[_Group] = []
         #: Per parameter group: the ``(start, end)`` this rank holds.
@@ -194,7 +197,7 @@ class OptimizerShards:
                        optimizer.register_load_state_dict_pre_hook(lambda opt, state: share_format(self, state))]
         if layout.copies == 1 and len(layout.members) > 1:
             log.warning("optimizer_state_without_copy", instances=self.instances,
-                        consequence="a lost rank costs a return to the newest snapshot or checkpoint")
+                        consequence=f"a lost rank costs every rank a return to {self.returns_to()}")
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Load this share's gradients before the optimizer's step computes: after its closure, when it has one
@@ -290,15 +293,19 @@ class OptimizerShards:
                 another shard's refresh failed.
             ShardLostError: Part of the state is held by no member any more.
         """
-        if every_rank is None:
-            self._refresh_shard(pg, members, member, generation)
-            return
         try:
             self._refresh_shard(pg, members, member, generation)
             failed = 0.0
+        except ShardLostError as exc:
+            log.error("optimizer_state_lost", elements=[exc.start, exc.end], returns_to=self.returns_to())
+            raise
         except RuntimeError as exc:
+            if every_rank is None:
+                raise
             self._refreshed, failed = None, 1.0
             log.warning("dp_refresh_failed_in_shard", error=str(exc)[:200])
+        if every_rank is None:
+            return
         flag = torch.tensor([failed], device=self.device)
         with self.waiting("shards"):
             every_rank.allreduce([flag]).wait()

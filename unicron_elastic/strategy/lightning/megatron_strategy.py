@@ -350,7 +350,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             rank=rank, world_size=self.env.launch_world_size, joining=joining, members=members,
             member_schedule=self.member_schedule, options=options, hooks=hooks,
         )
-        self._state.shards = self.engine.optimizer_shards
+        self._state.attach(self.engine.optimizer_shards)
 
     def _admit(self) -> None:
         """(A joiner, once) wait until the group admits this rank and its world is built.

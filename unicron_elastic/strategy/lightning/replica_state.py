@@ -59,6 +59,23 @@ class ReplicaState:
         self.shards: OptimizerShards | None = None
         #: Inside :meth:`get`: Lightning's checkpoint is dumped for a joiner or a tier, not for a user's checkpoint.
         self.dumping = False
+        #: (A sharded optimizer) the newest step whose whole state was gathered for the tiers (every member
+        #: takes part, so every member knows it); None: none yet.
+        self.newest_saved: int | None = None
+
+    def attach(self, shards: OptimizerShards | None) -> None:
+        """The engine's sharded optimizer (None: not sharded), told where a lost share sends the run back."""
+        self.shards = shards
+        if shards is not None:
+            shards.returns_to = self.returns_to
+
+    def returns_to(self) -> str:
+        """(One optimizer instance) where a lost rank's share sends the run back, for the warning and the error."""
+        tiers = (f"in-memory snapshots every {self.memory.every} steps" if self.memory.every else "no in-memory "
+                 "snapshots") + (f", disk checkpoints every {self.disk.every} steps" if self.disk else "")
+        if self.newest_saved is None:
+            return f"the newest snapshot or checkpoint ({tiers}; none saved in this run yet)"
+        return f"step {self.newest_saved}, the newest snapshot or checkpoint saved ({tiers})"
 
     @classmethod
     def open(cls, module: Callable[[], Any], streams: RandomStreams, store: dist.Store | PeerServers | None,
@@ -196,6 +213,7 @@ class ReplicaState:
                     log.warning("tiers_not_saved", step=step, reason="the optimizer's shares could not be "
                                 "gathered (the step's reduction regroups)", error=str(exc)[:200])
                     return
+                self.newest_saved = step
             if not engine.in_primary_replica:
                 return
             try:
