@@ -166,6 +166,7 @@ class TinyGPT(pl.LightningModule):
         block = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab)
+        self.validated: dict[str, float] = {}  # (--val-every) step -> the parameters' float64 sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         length = x.shape[1]
@@ -181,6 +182,12 @@ class TinyGPT(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """(``--val-every``) The parameters validated with, as a float64 sum per step, and the loss."""
+        self.validated[str(self.global_step)] = float(sum(p.detach().double().sum() for p in self.parameters()))
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten()))
 
 
 class ParallelBlock(nn.Module):
@@ -488,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer-instances", type=int, default=1,
                         help="--distributed-optimizer: instances that each hold the whole state")
     parser.add_argument("--ckpt-path", type=Path, default=None, help="resume from this checkpoint (Lightning's)")
+    parser.add_argument("--val-every", type=int, default=None, metavar="STEPS",
+                        help="validate on one batch every STEPS steps (TinyGPT; the summary's \"validated\")")
     parser.add_argument("--clip-grad", type=float, default=None, help="Lightning's gradient_clip_val (by norm)")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision (16-mixed: a CPU GradScaler)")
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="16-mixed: the GradScaler's initial scale")
@@ -553,12 +562,15 @@ def main() -> None:
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
         callbacks=callbacks, gradient_clip_val=args.clip_grad, **precision,
+        **({} if args.val_every is None else dict(val_check_interval=args.val_every, check_val_every_n_epoch=None,
+                                                   limit_val_batches=1)),
     )
     deadlock_at = args.deadlock_load[1] if args.deadlock_load and args.deadlock_load[0] == rank else None
     data = Tokens(delay=args.load_delay, record=args.out / f"loads{rank}.txt" if args.record_loads else None,
                   deadlock_at=deadlock_at)
+    validation = None if args.val_every is None else DataLoader(Tokens(samples=8), batch_size=args.micro_batch)
     trainer.fit(model, DataLoader(data, batch_size=args.micro_batch, num_workers=args.num_workers,
-                                  persistent_workers=args.num_workers > 0),
+                                  persistent_workers=args.num_workers > 0), validation,
                 ckpt_path=preempted.resume_path if preempted is not None else args.ckpt_path)
     trainer.save_checkpoint(args.out / "final.ckpt")  # (the strategy writes none for a rank that trained nothing)
     trained = not strategy.finished_before_join  # a rank that came back after training ended holds no result
@@ -569,7 +581,7 @@ def main() -> None:
                "global_step": trainer.global_step, "reports": [vars(r) for r in strategy.reports],
                "forward_only": strategy.engine.computation.forward_only if strategy.engine else [],
                "scales": scales.scales, "precision_state": trainer.precision_plugin.state_dict(),
-               "losses": losses.losses, "environment": type(trainer.strategy.cluster_environment).__name__}
+               "losses": losses.losses, "validated": getattr(model, "validated", {}), "environment": type(trainer.strategy.cluster_environment).__name__}
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     if not trained:
         return  # its parameters are untrained: not a result

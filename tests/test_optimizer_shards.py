@@ -352,6 +352,24 @@ def test_lightning_every_rank_lost_resumes_the_sharded_state_from_the_memory_sna
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_lightning_validation_after_a_failed_gather_sees_the_gathered_parameters(tmp_path: Path, gpt_baseline) -> None:
+    # Validation runs between the optimizer step (whose gather failed: the parameters are stale) and the next
+    # step's regroup: the members regroup and gather first.
+    reference, faulty = tmp_path / "reference", tmp_path / "faulty"
+    assert fit(reference, (), "--val-every", "1").returncode == 0
+    proc = fit(faulty, [fail_at(rank=2, step=2, at="gather")], *SHARDED, "--val-every", "1", "--step-time", "0.3",
+               "--hold-for-joiner", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((faulty / "faults.log").read_text().splitlines()) == 1
+    validated = json.loads((reference / "rank0.json").read_text())["validated"]
+    assert sorted(validated, key=int) == [str(s) for s in range(1, 9)]
+    for rank in (0, 1, 3):  # the survivors validated after every step with the failure-free run's parameters
+        assert json.loads((faulty / f"rank{rank}.json").read_text())["validated"] == validated, rank
+        assert all(torch.equal(a, b) for a, b in zip(_params(faulty, rank), _params(gpt_baseline, 0))), rank
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_lightning_one_instance_a_lost_rank_returns_every_rank_to_the_newest_snapshots_step(tmp_path: Path,
                                                                                          gpt_baseline) -> None:

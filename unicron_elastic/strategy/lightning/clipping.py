@@ -18,7 +18,7 @@ from unicron_elastic.strategy.lightning.precision import loss_scaler
 if TYPE_CHECKING:
     from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
 
-__all__ = ["ReplicaNormClip", "replica_grad_norm"]
+__all__ = ["ReplicaNormClip", "install_clipping", "replica_grad_norm"]
 
 
 def replica_grad_norm(engine: ElasticDataParallel | None, precision: Any) -> float | None:
@@ -94,3 +94,27 @@ def clip_model_gradients(precision: Any, params: list[torch.nn.Parameter]) -> No
     """
     precision.clip_grad_by_norm = lambda optimizer, clip_val: torch.nn.utils.clip_grad_norm_(params, clip_val)
     precision.clip_grad_by_value = lambda optimizer, clip_val: torch.nn.utils.clip_grad_value_(params, clip_val)
+
+
+def install_clipping(precision: Any, engine: ElasticDataParallel, sharded: bool, norm: Callable[[], float | None],
+                     device: torch.device) -> None:
+    """Lightning's clipping, for a fit, where the plugin's own would be wrong.
+
+    With TP x PP > 1 the plugin would clip each shard by its own norm: :class:`ReplicaNormClip` clips by the
+    replica's (the engine measures it in the step's commit, on the primary replica). With a sharded optimizer
+    the optimizer's parameters are shares whose gradients are loaded after Lightning clips: the model's reduced
+    gradients are clipped instead (:func:`clip_model_gradients`).
+
+    Args:
+        precision: Lightning's precision plugin.
+        engine: The elastic engine, its model bound.
+        sharded: The optimizer is sharded.
+        norm: Returns the replica's norm of this step (:func:`replica_grad_norm`).
+        device: The strategy's root device.
+    """
+    params = engine.params if sharded else None
+    if params is not None:
+        clip_model_gradients(precision, params)
+    if engine.layout.size > 1:
+        engine.reduction.measure_norm = True
+        precision.clip_grad_by_norm = ReplicaNormClip(norm, precision, device, params)

@@ -67,7 +67,7 @@ from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.strategy.engine.transport import nccl_error_handling, transport_for
-from unicron_elastic.strategy.lightning.clipping import ReplicaNormClip, clip_model_gradients, replica_grad_norm
+from unicron_elastic.strategy.lightning.clipping import install_clipping, replica_grad_norm
 from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
 from unicron_elastic.strategy.lightning.feed import MicroBatchFeed
 from unicron_elastic.strategy.lightning.fit_checks import (check_arguments, check_distributed_optimizer, check_fit,
@@ -473,16 +473,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         if not self._progress_hooks:  # the forward and backward of its modules and layers: progress within a step
             self._progress_hooks = watch_progress(module, lambda: self.worker.progress(self.engine.next_step))
         self._forward.bind_stage(module)
-        # Sharded, the optimizer's parameters are shares whose gradients are loaded after Lightning clips: the
-        # model's reduced gradients are clipped instead.
-        params = self.engine.params if self.optimizer_instances is not None else None
-        if params is not None:
-            clip_model_gradients(self.precision_plugin, params)
-        if self.layout.size > 1:
-            # One pass over this shard's reduced sums, on the primary replica.
-            self.engine.reduction.measure_norm = True
-            plugin = self.precision_plugin
-            plugin.clip_grad_by_norm = ReplicaNormClip(lambda: self.grad_norm, plugin, self.root_device, params)
+        install_clipping(self.precision_plugin, self.engine, self.optimizer_instances is not None,
+                         lambda: self.grad_norm, self.root_device)
 
     @property
     def grad_norm(self) -> float | None:
@@ -566,12 +558,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         output = closure() if retired else super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.next_step
         self.engine.next_step = step + 1
-        try:
-            if not retired:
-                self.engine.refresh()  # (a sharded optimizer) the updated parameters in every model, now
-        except Retired:  # a resize followed after a loss in the gather leaves this rank out
-            self.retired_at, self.role = step + 1, RankRole.RETIRED
-            self.lightning_module.trainer.should_stop = True
+        if not retired:
+            self._refresh()
         self._heartbeat.beat(step, self.engine.watch.waited)  # iteration to iteration, callbacks included
         self._heartbeat.point(self.env.launch_rank, step, at="after_optimizer_step")
         return output
@@ -586,9 +574,21 @@ class UnicronMegatronStrategy(DDPStrategy):
         if self.role is RankRole.MEMBER:
             self.role = RankRole.TRAINED
 
+    def _refresh(self, last: bool = False) -> None:
+        """(A sharded optimizer) the updated parameters into every model (:meth:`ElasticDataParallel.refresh`); a
+        resize followed after a loss in the gather that leaves this rank out retires it."""
+        try:
+            self.engine.refresh(last)
+        except Retired:
+            self.retired_at, self.role = self.engine.next_step, RankRole.RETIRED
+            self.lightning_module.trainer.should_stop = True
+
     @override
     def on_validation_start(self) -> None:
-        """Validation between steps is a declared pause, not a hang."""
+        """Validation between steps is a declared pause, not a hang. A sharded optimizer's parameters are gathered
+        first: after a gather that failed they are stale, and the members regroup now to gather them."""
+        if self.engine is not None and self.role in (RankRole.MEMBER, RankRole.JOINED):
+            self._refresh(last=True)
         self.worker.set_paused(True)
 
     @override
