@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from conftest import BIN, EXAMPLES
 from unicron_elastic.api import ConfigError, ShardLostError
 from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards, check_element_wise
 from unicron_elastic.strategy.engine.shard_layout import ShardLayout, plan_pieces, share
-from unicron_elastic.testing import Fault, fail_at, faults_env, run_workers
+from unicron_elastic.testing import Fault, fail_at, faults_env, kill_node, process_tree, run_workers
 
 WORKER = os.path.join(EXAMPLES, "elastic_dp_worker.py")
 B = 6  # micro-batches per step (global batch 24 in micro-batches of 4)
@@ -272,6 +273,55 @@ def test_scale_in_4_3_and_out_to_4_reshards_and_keeps_the_trajectory(tmp_path: P
     for rank in range(3):  # the global batch is the same at every size: float64 sums make it exact
         assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
     assert len(json.loads((tmp_path / "rank0.json").read_text())[1]["micro_batches"]) == 2  # B = 6 over 3
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_node_lost_for_good_shrinks_dp_4_to_3_and_its_return_grows_it_to_4_on_the_trajectory(
+        etcd, tmp_path: Path, unsharded_8_steps) -> None:
+    """Four one-rank nodes, ``--nnodes=3:4``: rank 3's node is SIGKILLed (launcher and worker); the three others
+    go on at DP 3 (the shares resharded in memory, rank 3's from the other instance); the node started again joins
+    and the shares are resharded over 4. Every rank ends bit-identical to the failure-free run (float64 sums: the
+    trajectory does not depend on the DP size)."""
+    from test_node_loss import _start, _wait_for_fault
+
+    run_id = "sharded-node-loss"
+    cmd = [os.path.join(BIN, "unicron-run"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+           "--nnodes=3:4", "--nproc-per-node=1", "--monitor-interval=0.05", "--log-format=json",
+           f"--rdzv-conf=cluster={run_id},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
+           WORKER, "--steps", str(REJOIN_STEPS), "--grad-dtype", "float64", "--optimizer", "adamw",
+           "--optimizer-instances", "2", "--step-time", "0.2", "--hold-for-joiner", str(REJOIN_STEPS - 2),
+           "--progress", "--out", str(tmp_path)]
+    fault = fail_at(rank=3, step=1, micro_batch=3, kind="hang")  # parked in its micro-batch, then its node is lost
+    launchers = _start(cmd, tmp_path, [fault], 4)
+    again: list[subprocess.Popen] = []
+    try:
+        fired = _wait_for_fault(tmp_path, launchers)
+        victim = next(i for i, p in enumerate(launchers) if fired["pid"] in process_tree(p.pid))
+        kill_node(launchers[victim].pid)
+        progress, deadline = tmp_path / "progress0", time.monotonic() + 120
+        while not (progress.exists() and int(progress.read_text()) >= 2):  # a step at DP 3 after the failed one
+            assert time.monotonic() < deadline, "the survivors did not train a step at DP 3"
+            assert all(p.poll() is None for i, p in enumerate(launchers) if i != victim)
+            time.sleep(0.05)
+        again = _start(cmd, tmp_path, [fault], 1, first=4)  # the node comes back, same flags
+        survivors = [p for i, p in enumerate(launchers) if i != victim]
+        codes = [p.wait(timeout=240) for p in [*survivors, *again]]
+    finally:
+        for p in [*launchers, *again]:
+            if p.poll() is None:
+                kill_node(p.pid)
+    assert codes == [0, 0, 0, 0], (tmp_path / "node4.log").read_text()[-3000:]
+    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+    for r in (0, 1, 2):  # one process each, every step; the lost rank's share taken from the other instance
+        assert [rep["step"] for rep in ranks[r]] == list(range(REJOIN_STEPS))
+        assert len({rep["pid"] for rep in ranks[r]}) == 1
+        assert ranks[r][1]["dead"] == [3]
+    sizes = [len(rep["micro_batches"]) for rep in ranks[0]]  # B = 6: 2 a rank at DP 3, [2, 2, 1, 1] at DP 4
+    assert sizes[2] == 2 and ranks[0][-1]["micro_batches"] == [0, 4], sizes
+    assert ranks[3][0]["state_from"] == "replica" and 2 <= ranks[3][0]["joined_at"] < REJOIN_STEPS
+    for rank in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), unsharded_8_steps)), f"rank {rank}"
 
 
 # -- under Lightning: UnicronMegatronStrategy(distributed_optimizer=True) -------------------------------
