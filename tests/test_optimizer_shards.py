@@ -452,6 +452,22 @@ def test_a_checkpoint_written_at_dp4_i2_resumes_at_dp2_i1_with_equal_parameters_
     assert _same_optimizer_state(_optimizer_state(second / "final.ckpt"), _optimizer_state(gpt_baseline / "final.ckpt"))
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_parameters_that_are_not_float32_are_refused_with_the_precision_to_use(precision: str) -> None:
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from unicron_elastic.strategy.lightning.fit_checks import check_float32_parameters
+
+    def plugin(precision: str):
+        return _AcceleratorConnector(accelerator="cpu", precision=precision).precision_plugin
+
+    with pytest.raises(ConfigError, match="use precision='bf16-mixed'"):
+        check_float32_parameters(torch.nn.Linear(2, 2), plugin(precision))  # (the plugin converts them later)
+    with pytest.raises(ConfigError, match=r"weight is torch.bfloat16"):
+        check_float32_parameters(torch.nn.Linear(2, 2).bfloat16(), plugin("32-true"))
+    check_float32_parameters(torch.nn.Linear(2, 2), plugin("bf16-mixed"))
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(optimizer_instances=2), "optimizer_instances needs distributed_optimizer=True"),
     (dict(distributed_optimizer=True, optimizer_instances=0), "optimizer_instances=0 must be >= 1"),

@@ -82,7 +82,7 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
             optimizers, configs the strategy would train wrongly, groups it cannot rebuild
             (:mod:`~unicron_elastic.strategy.lightning.megatron_checks`,
             :mod:`~unicron_elastic.strategy.lightning.model_groups`); sharded, an optimizer that is not
-            element-wise or a loss scaler.
+            element-wise, a loss scaler or parameters that are not float32 (:func:`check_float32_parameters`).
     """
     tp, pp = sizes
     if not module.automatic_optimization:
@@ -102,6 +102,7 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
     check_wrappers(module, optimizers)
     if sharded:
         check_element_wise(optimizers[0])
+        check_float32_parameters(module, precision)
         if loss_scaler(precision) is not None:
             raise ConfigError("distributed_optimizer=True does not support a loss scaler (precision='16-mixed'): "
                               "the scaler unscales the optimizer's gradients before its step, where each rank's "
@@ -109,6 +110,25 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
     if trains:
         check_configs(module, tp, pp)
         check_groups(module)
+
+
+def check_float32_parameters(module: Any, precision: Any) -> None:
+    """(A sharded optimizer) refuse parameters that are not float32.
+
+    The shares are float32 main parameters: with bfloat16 or float16 parameters (``precision="bf16-true"``)
+    checkpoints would hold the parameters rounded to them; with float64 ones (``"64-true"``) every step would
+    round them to float32.
+
+    Raises:
+        ConfigError: A ``*-true`` precision other than 32-bit, or a parameter that is not float32.
+    """
+    kind = type(precision).__name__
+    wrong = next(((name, p.dtype) for name, p in module.named_parameters() if p.dtype != torch.float32), None)
+    if kind in ("HalfPrecision", "DoublePrecision") or wrong is not None:
+        found = f"{wrong[0]} is {wrong[1]}" if wrong else f"Lightning's {kind} plugin converts them"
+        raise ConfigError("distributed_optimizer=True steps float32 main parameters of float32 model parameters "
+                          f"({found}): use precision='bf16-mixed' (float32 parameters, bfloat16 compute, as "
+                          "Megatron-LM's recipes) or '32-true'")
 
 
 def reductions_of(module: Any, precision: Any, report_keys: tuple[str, ...]) -> ModelReductions:
