@@ -15,7 +15,9 @@ compute at that step) is refused when the run starts. Each rank writes
 ``OUT/rank<R>.json`` (what each step did; ``"trained": false`` for a rank that
 came back after training ended) and, if it trained, ``OUT/params<R>.pt``;
 rank 0 also saves ``OUT/final.ckpt`` with ``trainer.save_checkpoint`` and logs
-to ``OUT/logs`` (CSV).
+to ``OUT/logs`` (CSV). ``--val-every N`` validates on one batch every N steps
+and records, per step, the float64 sum of the parameters it validated with
+(``"validated"``).
 
 With ``--tensor-parallel T`` / ``--pipeline-parallel P`` the model is
 :class:`MegatronGPT`, built from megatron-core's parallel layers and split

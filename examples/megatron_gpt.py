@@ -24,6 +24,11 @@ about that fraction of the tokens (``loss_mask``) and ``--masked-micro-batch STE
     unicron-run --standalone --nproc-per-node=8 examples/megatron_gpt.py --llama --qk-layernorm \\
         --tensor-parallel 2 --pipeline-parallel 2 --dropout 0.1 --mask-fraction 0.33 --out /tmp/llama
 
+``--distributed-optimizer`` shards the optimizer's state over the data-parallel ranks of each model-parallel
+position (``--optimizer-instances I`` instances, each holding the whole state: a lost rank's share comes from
+another one); the summary then also holds ``optimizer_state_bytes`` (this rank's, from the tensors) and
+``parameters`` (those of its shard of the model).
+
 What runs only on a GPU gets a CPU stand-in here, the rest is megatron-core's own code:
 
 * the layer spec's core attention is :class:`SdpaCoreAttention` (the stock ``DotProductAttention`` takes its
