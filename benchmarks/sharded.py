@@ -8,7 +8,10 @@ every rank. The two sides alternate, ``--runs`` times each:
   moments when sharded; the two moments when not), against 12 x P / (DP / I);
 * the median step time (wall time between a rank's consecutive steps, steps 2 and later);
 * kill -> next step: rank 2 SIGKILLed in the gather of the parameters (sharded) or after the optimizer step
-  (unsharded) of step 5; what the survivors' next step costs beyond a median step.
+  (unsharded) of step 5; what the survivors' next step costs beyond a median step;
+* megatron-core's own ``DistributedOptimizer`` in its ``DistributedDataParallel`` (``_megatron_do_worker.py``:
+  the same MLP, data and global batch; reduce-scatter, AdamW on the shard, all-gather; one instance, as
+  megatron-core needs einops for more), a third side in the same alternation: its state bytes and step time.
 
     python benchmarks/sharded.py --runs 3 --width 256
 """
@@ -45,6 +48,18 @@ def _run(out: Path, sharded: bool, width: int, fault: dict | None = None) -> lis
     return [json.loads((out / f"rank{r}.json").read_text()) if r != victim else [] for r in range(DP)]
 
 
+def _run_megatron(out: Path, width: int) -> list[list[dict]]:
+    """megatron-core's DistributedOptimizer on the same MLP: per-rank step reports."""
+    from unicron_elastic.testing import run_workers
+
+    worker = str(REPO / "benchmarks" / "_megatron_do_worker.py")
+    results = run_workers(worker, DP, ["--steps", str(STEPS), "--width", str(width), "--out", str(out)],
+                          timeout=600)
+    if any(res.returncode for res in results):
+        raise SystemExit(f"megatron-core's DistributedOptimizer failed:\n{results[0].stderr[-3000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(DP)]
+
+
 def _step_times(reports: list[list[dict]]) -> list[float]:
     times = []
     for rank in reports:
@@ -72,8 +87,12 @@ def main() -> int:
     times: dict[bool, list[float]] = {False: [], True: []}
     kills: dict[bool, list[float]] = {False: [], True: []}
     state: dict[bool, list[int]] = {}
+    megatron_times: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
+            megatron = Path(tmp, f"{run}-megatron")
+            if run % 2:  # the third side goes first on odd runs, last on even ones
+                megatron_times += _step_times(_run_megatron(megatron, args.width))
             for sharded in (run % 2 == 0, run % 2 != 0):  # alternate which side goes first
                 out = Path(tmp, f"{run}-{int(sharded)}")
                 reports = _run(out, sharded, args.width)
@@ -83,11 +102,16 @@ def main() -> int:
                 fault = dict(rank=2, step=5, at="gather" if sharded else "after_optimizer_step")
                 killed = _run(Path(tmp, f"{run}-{int(sharded)}-kill"), sharded, args.width, fault)
                 kills[sharded].append(_kill_cost(killed, statistics.median(_step_times(reports))))
+            if not run % 2:
+                megatron_times += _step_times(_run_megatron(megatron, args.width))
+            megatron_state = [json.loads((megatron / f"state{r}.json").read_text())["optimizer_state_bytes"]
+                              for r in range(DP)]
     verdicts = Verdicts()
     share = 12 * numel / (DP / INSTANCES)
     print(f"== optimizer state per rank (DP {DP}, MLP width {args.width}: P = {numel} parameters, AdamW) ==")
     print(f"sharded, {INSTANCES} instances : {state[True]} bytes")
     print(f"unsharded           : {state[False]} bytes")
+    print(f"megatron-core, 1 instance: {megatron_state} bytes (12 x P / DP = {12 * numel / DP:.0f})")
     worst = max(abs(b - share) / share for b in state[True])
     print(f"12 x P / (DP / I)   : {share:.0f} bytes; worst rank off by {100 * worst:.1f} %   target <= 5 %: "
           f"{verdicts.note('state bytes', at_most(worst, 0.05))}")
@@ -97,14 +121,16 @@ def main() -> int:
     print(f"sharded   : {1000 * step[True]:8.2f} ms")
     print(f"unsharded : {1000 * step[False]:8.2f} ms")
     print(f"ratio     : {ratio:8.2f}x   target <= 1.5x: {verdicts.note('step time', at_most(ratio, 1.5))}")
+    mega = statistics.median(megatron_times)
+    print(f"megatron-core's DistributedOptimizer (its DDP, 1 instance): {1000 * mega:8.2f} ms "
+          f"({len(megatron_times)} steps); sharded / megatron-core: {step[True] / mega:.2f}x (no target: "
+          "megatron-core's step has no membership, recovery or float64 sums)")
     kill = {side: statistics.median(values) for side, values in kills.items()}
     print(f"\n== rank 2 killed at step 5, what the survivors' next step costs beyond a median step ({args.runs} runs) ==")
     print(f"sharded (killed in the gather)           : {1000 * kill[True]:8.1f} ms")
     print(f"unsharded (killed after the optimizer step): {1000 * kill[False]:8.1f} ms")
     print(f"sharded - unsharded                      : {1000 * (kill[True] - kill[False]):8.1f} ms   "
           f"target <= 500 ms: {verdicts.note('kill', at_most(kill[True] - kill[False], 0.5))}")
-    print("\nmegatron-core's DistributedOptimizer: not measured (it runs inside megatron-core's own DDP wrapper, "
-          "which this benchmark does not build on a CPU)")
     return verdicts.exit_code()
 
 

@@ -104,6 +104,16 @@ class _Steps:
         return iter(range(self.steps))
 
 
+def _refresh(strategy: UnicronMegatronStrategy, last: bool = False) -> None:
+    """(A sharded optimizer) the updated parameters into every model (:meth:`ElasticDataParallel.refresh`); a
+    resize followed after a loss in the gather that leaves this rank out retires it."""
+    try:
+        strategy.engine.refresh(last)
+    except Retired:
+        strategy.retired_at, strategy.role = strategy.engine.next_step, RankRole.RETIRED
+        strategy.lightning_module.trainer.should_stop = True
+
+
 class UnicronMegatronStrategy(DDPStrategy):
     """Self-healing data parallelism over tensor x pipeline parallel megatron-core models, for Lightning.
 
@@ -559,7 +569,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         step = self.engine.next_step
         self.engine.next_step = step + 1
         if not retired:
-            self._refresh()
+            _refresh(self)
         self._heartbeat.beat(step, self.engine.watch.waited)  # iteration to iteration, callbacks included
         self._heartbeat.point(self.env.launch_rank, step, at="after_optimizer_step")
         return output
@@ -574,21 +584,11 @@ class UnicronMegatronStrategy(DDPStrategy):
         if self.role is RankRole.MEMBER:
             self.role = RankRole.TRAINED
 
-    def _refresh(self, last: bool = False) -> None:
-        """(A sharded optimizer) the updated parameters into every model (:meth:`ElasticDataParallel.refresh`); a
-        resize followed after a loss in the gather that leaves this rank out retires it."""
-        try:
-            self.engine.refresh(last)
-        except Retired:
-            self.retired_at, self.role = self.engine.next_step, RankRole.RETIRED
-            self.lightning_module.trainer.should_stop = True
-
     @override
     def on_validation_start(self) -> None:
-        """Validation between steps is a declared pause, not a hang. A sharded optimizer's parameters are gathered
-        first: after a gather that failed they are stale, and the members regroup now to gather them."""
+        """A declared pause, not a hang; a sharded optimizer's stale parameters (a failed gather) gathered first."""
         if self.engine is not None and self.role in (RankRole.MEMBER, RankRole.JOINED):
-            self._refresh(last=True)
+            _refresh(self, last=True)
         self.worker.set_paused(True)
 
     @override
