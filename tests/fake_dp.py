@@ -163,6 +163,9 @@ class Scenario:
             a rank that computes with stale parameters violates the protocol.
         eager_refresh: (sharded) each rank refreshes right after its optimizer step (the Lightning strategy's
             order), not when the next step begins (the engine's ``train_step``).
+        validate: (sharded, ``eager_refresh``) after that refresh every rank validates (the Lightning
+            strategy's ``on_validation_start``: :meth:`Protocol.before_validation`); a rank that validates
+            stale parameters violates the protocol.
     """
 
     world: int
@@ -186,6 +189,7 @@ class Scenario:
     restart_after: int | None = None
     sharded: bool = False
     eager_refresh: bool = False
+    validate: bool = False
 
 
 @dataclass(frozen=True)
@@ -421,6 +425,10 @@ class _Rank:
                 self.protocol.next_step = s + 1
                 if sc.sharded and sc.eager_refresh:
                     yield from self.run(self.protocol.refresh(s + 1))
+                if sc.sharded and sc.eager_refresh and sc.validate:
+                    yield from self.run(self.protocol.before_validation(s + 1))
+                    if self.protocol.stale:
+                        raise ProtocolViolation(f"rank {self.rank} validates after step {s} with stale parameters")
             except E.Retired:  # asked to leave: out at a step boundary, exits 0
                 self.store_effects.withdraw_leave_request()  # (as ElasticDataParallel.begin_step)
                 self.sim.retired.append((s, self.rank))

@@ -463,18 +463,23 @@ class ElasticDataParallel:
         if self.replica in self.members and self.groups.held:
             self.store_effects.record_finished(self.next_step)
 
-    def refresh(self, last: bool = False) -> None:
+    def refresh(self, last: bool = False, validation: bool = False) -> None:
         """(A sharded optimizer) the parameters its last step updated, gathered into every model (between steps).
 
         The next :meth:`begin_step` does it otherwise. Nothing happens without a sharded optimizer, or when
         nothing changed. When it fails the parameters stay stale until the next step's regroup; with ``last``
-        (no next step: :meth:`finish`) the members regroup at once.
+        (no next step: :meth:`finish`) the members regroup at once. With ``validation`` (every member calls
+        it before validating between steps: :meth:`Protocol.before_validation`) the members check in a small
+        collective that every one's parameters are gathered, and regroup together at once if not.
 
         Raises:
-            Retired: (``last``) a member was lost meanwhile and a resize record leaves this rank out.
-            Excluded: (``last``) a member was lost meanwhile and a record left this rank out.
+            Retired: (``last``, ``validation``) a member was lost meanwhile and a resize record leaves this
+                rank out.
+            Excluded: (``last``, ``validation``) a member was lost meanwhile and a record left this rank out.
         """
-        run(self.protocol.refresh(self.next_step, last), self._handlers)
+        step = self.next_step
+        run(self.protocol.before_validation(step) if validation else self.protocol.refresh(step, last),
+            self._handlers)
 
     def close(self) -> None:
         """Destroy this rank's groups; call before the process exits.

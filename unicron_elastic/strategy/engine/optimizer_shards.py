@@ -296,22 +296,31 @@ class OptimizerShards:
         try:
             self._refresh_shard(pg, members, member, generation)
             failed = 0.0
-        except ShardLostError as exc:
-            log.error("optimizer_state_lost", elements=[exc.start, exc.end], returns_to=self.returns_to())
-            raise
         except RuntimeError as exc:
             if every_rank is None:
                 raise
             self._refreshed, failed = None, 1.0
             log.warning("dp_refresh_failed_in_shard", error=str(exc)[:200])
-        if every_rank is None:
-            return
+        except (ShardLostError, ValueError) as exc:  # (the other shards are told before this rank stops)
+            if isinstance(exc, ShardLostError):
+                log.error("optimizer_state_lost", elements=[exc.start, exc.end], returns_to=self.returns_to())
+            if every_rank is not None:
+                self._agree(every_rank, 2.0)
+            raise
+        if every_rank is not None and self._agree(every_rank, failed):
+            self._refreshed = None
+            raise RuntimeError("a shard of the model failed to gather its parameters")
+
+    def _agree(self, every_rank: dist.ProcessGroup, failed: float) -> bool:
+        """(TP x PP > 1) whether any rank's refresh failed (``failed``: this rank's, 0 or more), over every rank.
+
+        Raises:
+            RuntimeError: The collective failed (a rank was lost).
+        """
         flag = torch.tensor([failed], device=self.device)
         with self.waiting("shards"):
             every_rank.allreduce([flag]).wait()
-        if flag.item():
-            self._refreshed = None
-            raise RuntimeError("a shard of the model failed to gather its parameters")
+        return bool(flag.item())
 
     def _refresh_shard(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int,
                        generation: int) -> None:

@@ -25,57 +25,13 @@ from typing import Any
 
 import structlog
 
-from unicron_elastic.strategy.engine.membership import (
-    CheckIn,
-    MembershipError,
-    MembershipRecord,
-    decide_record,
-    formation,
-    proposal,
-    resize_record,
-    role,
-)
+from unicron_elastic.strategy.engine.membership import (CheckIn, MembershipError, MembershipRecord, decide_record,
+                                                         formation, proposal, resize_record, role)
 from unicron_elastic.strategy.engine.effects import (
-    Abandon,
-    Add,
-    Admitted,
-    AgreeMembers,
-    Announce,
-    AnyCheckedIn,
-    BuildGroup,
-    CheckInFor,
-    Compute,
-    Decided,
-    DropGroup,
-    Excluded,
-    Fallback,
-    Followed,
-    Formed,
-    FreeGeneration,
-    MarkReady,
-    Now,
-    Pause,
-    Point,
-    ReadAlive,
-    ReadCheckIns,
-    ReadFinished,
-    ReadLatest,
-    ReadMembers,
-    ReadReady,
-    ReadRecord,
-    ReadRequests,
-    ReadWaiting,
-    Reassigned,
-    Reduce,
-    Refresh,
-    Regrouped,
-    ReplicaBroken,
-    RequestJoin,
-    Retired,
-    SetGradients,
-    Sleep,
-    StepReport,
-    TransferState,
+    Abandon, Add, Admitted, AgreeMembers, Announce, AnyCheckedIn, BuildGroup, CheckInFor, Compute, Decided, DropGroup,
+    Excluded, Fallback, Followed, Formed, FreeGeneration, MarkReady, Now, Pause, Point, ReadAlive, ReadCheckIns,
+    ReadFinished, ReadLatest, ReadMembers, ReadReady, ReadRecord, ReadRequests, ReadWaiting, Reassigned, Reduce,
+    Refresh, Regrouped, ReplicaBroken, RequestJoin, Retired, SetGradients, Sleep, StepReport, TransferState,
     WriteRecord,
 )
 from unicron_elastic.strategy.engine.microbatch import deal, redistribute
@@ -137,6 +93,7 @@ class Protocol:
         self.next_step = 0
         self.synced_step = -1  # the last step whose membership this rank agreed on
         self.agreed: dict[int, list[int]] = {}  # members of the next step, agreed in this step's all-reduce
+        self.early: Regrouped | None = None  # a regroup before the next step began (:meth:`before_validation`)
         self.deal_base: tuple[int, list[int], list[list[int]]] | None = None  # (step, dealt over, lost per regroup)
         self._pending: tuple[int, StepReport, dict[int, list[int]], Any] | None = None
 
@@ -169,7 +126,8 @@ class Protocol:
             Retired: The member schedule removed this rank from the group at ``step``.
             Excluded: A failure's record (during a resize) left this rank out.
         """
-        early = yield from self._sync_membership(step)
+        early = (yield from self._sync_membership(step)) or self.early
+        self.early = None
         yield from self.refresh(step)
         yield Point("step", step)
         report = StepReport(step)
@@ -404,6 +362,30 @@ class Protocol:
                 return
             yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
             yield from self._follow_between_steps(step, list(self.members))
+
+    def before_validation(self, step: int) -> Effects:
+        """(Sharded, between steps) make sure every member's parameters are gathered before it validates.
+
+        Every member calls it at the same point (Lightning validates them all after the same step): a small
+        collective of the members. A member whose gather failed dropped its group and a lost one is gone, so
+        it then fails on every member, and they regroup and gather together now, as after a failed membership
+        sync with ``compute_needs_group``; ``step`` is then dealt over the record followed. A one-sided
+        regroup (the stale rank alone) would leave the others' agreed members and deal behind.
+
+        Raises:
+            Retired: The record followed is a resize that leaves this rank out.
+            Excluded: A failure's record left this rank out.
+        """
+        if not self.sharded or step == self.synced_step:
+            return
+        try:
+            yield AgreeMembers(step, tuple(self.members) if self.is_primary else None)  # (a probe: no change)
+        except RuntimeError as exc:
+            yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
+            self.log.warning("dp_validation_sync_failed", step=step, error=str(exc)[:200])
+            self.agreed.clear()  # (agreed in the last bucket, before the loss)
+            self.synced_step = step
+            self.early = Regrouped(None, (yield from self._follow_between_steps(step, list(self.members))), 0)
 
     # -- membership between steps -------------------------------------------------------------------------
     def _proposal(self, step: int) -> Effects:

@@ -120,10 +120,11 @@ def check_float32_parameters(module: Any, precision: Any) -> None:
     round them to float32.
 
     Raises:
-        ConfigError: A ``*-true`` precision other than 32-bit, or a parameter that is not float32.
+        ConfigError: A ``*-true`` precision other than 32-bit, or a trainable parameter that is not float32.
     """
     kind = type(precision).__name__
-    wrong = next(((name, p.dtype) for name, p in module.named_parameters() if p.dtype != torch.float32), None)
+    wrong = next(((name, p.dtype) for name, p in module.named_parameters()
+                  if p.requires_grad and p.dtype != torch.float32), None)  # (frozen ones are not sharded)
     if kind in ("HalfPrecision", "DoublePrecision") or wrong is not None:
         found = f"{wrong[0]} is {wrong[1]}" if wrong else f"Lightning's {kind} plugin converts them"
         raise ConfigError("distributed_optimizer=True steps float32 main parameters of float32 model parameters "

@@ -104,11 +104,10 @@ class _Steps:
         return iter(range(self.steps))
 
 
-def _refresh(strategy: UnicronMegatronStrategy, last: bool = False) -> None:
-    """(A sharded optimizer) the updated parameters into every model (:meth:`ElasticDataParallel.refresh`); a
-    resize followed after a loss in the gather that leaves this rank out retires it."""
+def _refresh(strategy: UnicronMegatronStrategy, validation: bool = False) -> None:
+    """(Sharded) :meth:`ElasticDataParallel.refresh`; a resize that leaves this rank out retires it."""
     try:
-        strategy.engine.refresh(last)
+        strategy.engine.refresh(validation=validation)
     except Retired:
         strategy.retired_at, strategy.role = strategy.engine.next_step, RankRole.RETIRED
         strategy.lightning_module.trainer.should_stop = True
@@ -587,8 +586,9 @@ class UnicronMegatronStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         """A declared pause, not a hang; a sharded optimizer's stale parameters (a failed gather) gathered first."""
-        if self.engine is not None and self.role in (RankRole.MEMBER, RankRole.JOINED):
-            _refresh(self, last=True)
+        trainer = self.lightning_module.trainer  # (the sanity check runs before any step: nothing is stale)
+        if self.engine is not None and self.role in (RankRole.MEMBER, RankRole.JOINED) and not trainer.sanity_checking:
+            _refresh(self, validation=True)
         self.worker.set_paused(True)
 
     @override
