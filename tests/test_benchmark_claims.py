@@ -222,8 +222,7 @@ CLAIMS: tuple[Claim, ...] = (
             cell("width", command="`python benchmarks/transition.py --only-tp --runs 3`"),
             line(r"\| command \| width \| strategy \| plain loop \| overhead \| target ≤ (\d+) % \|")),
     _readme("distributed optimizer", rf"state per rank off its share by {NUMBER_S} %; step {NUMBER_S}x the replicated "
-            rf"engine's, {NUMBER_S}x megatron-core's `DistributedOptimizer`'s; a kill costs the next step "
-            rf"{NUMBER_S} ms more than the replicated engine's", "sharded.py",
+            rf"engine's, {NUMBER_S}x megatron-core's; a kill costs the next step {NUMBER_S} ms more", "sharded.py",
             line(r"12 x P / \(DP / I\)\s+: \d+ bytes; worst rank off by ([\d.]+) %"), line(r"ratio\s+:\s+([\d.]+)x"),
             line(r"megatron-core's DistributedOptimizer .*; sharded / megatron-core: ([\d.]+)x"),
             line(r"sharded - unsharded\s+:\s+([\d.]+) ms")),
