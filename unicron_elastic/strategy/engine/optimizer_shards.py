@@ -32,7 +32,7 @@ parameters equal the unsharded engine's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import structlog
@@ -305,7 +305,8 @@ class OptimizerShards:
             if isinstance(exc, ShardLostError):
                 log.error("optimizer_state_lost", elements=[exc.start, exc.end], returns_to=self.returns_to())
             if every_rank is not None:
-                self._agree(every_rank, 2.0)
+                with suppress(RuntimeError):  # (this error, not the collective's, is what stops it)
+                    self._agree(every_rank, 2.0)
             raise
         if every_rank is not None and self._agree(every_rank, failed):
             self._refreshed = None
