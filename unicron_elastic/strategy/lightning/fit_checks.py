@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.engine.engine_options import ModelReductions
@@ -122,11 +123,10 @@ def check_float32_parameters(module: Any, precision: Any) -> None:
     Raises:
         ConfigError: A ``*-true`` precision other than 32-bit, or a trainable parameter that is not float32.
     """
-    kind = type(precision).__name__
     wrong = next(((name, p.dtype) for name, p in module.named_parameters()
                   if p.requires_grad and p.dtype != torch.float32), None)  # (frozen ones are not sharded)
-    if kind in ("HalfPrecision", "DoublePrecision") or wrong is not None:
-        found = f"{wrong[0]} is {wrong[1]}" if wrong else f"Lightning's {kind} plugin converts them"
+    if isinstance(precision, (HalfPrecision, DoublePrecision)) or wrong is not None:
+        found = f"{wrong[0]} is {wrong[1]}" if wrong else f"Lightning's {type(precision).__name__} plugin converts them"
         raise ConfigError("distributed_optimizer=True steps float32 main parameters of float32 model parameters "
                           f"({found}): use precision='bf16-mixed' (float32 parameters, bfloat16 compute, as "
                           "Megatron-LM's recipes) or '32-true'")
