@@ -48,12 +48,12 @@ def trainer(tmp_path: Path, steps: int, strategy: object = "unicron_megatron", *
                       enable_model_summary=False, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1, **kwargs)
 
 
-def reference(steps: int, global_batch: int = 4) -> list[torch.Tensor]:
+def reference(steps: int, global_batch: int = 4, shuffle: bool = True) -> list[torch.Tensor]:
     """Plain torch: the same global batches (GlobalBatchPlan), mean loss, SGD."""
     model = Regression()
     optimizer = model.configure_optimizers()
     xs, ys = toy_data()
-    plan = GlobalBatchPlan(len(xs), global_batch, 4, seed=0)
+    plan = GlobalBatchPlan(len(xs), global_batch, 4, seed=0, shuffle=shuffle)
     for step in range(steps):
         optimizer.zero_grad()
         for j in range(plan.num_micro_batches):
@@ -77,6 +77,18 @@ def test_string_strategy_with_callbacks_loggers_and_save_checkpoint(tmp_path: Pa
     assert torch.load(tmp_path / "final.ckpt", weights_only=False)["global_step"] == 4
     rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
     assert len([r for r in rows if r.get("train_loss")]) == 4
+
+
+@pytest.mark.timeout(120)
+def test_without_shuffling_the_steps_take_the_dataset_in_its_order(tmp_path: Path) -> None:
+    model = Regression()
+    t = trainer(tmp_path, 3, strategy=UnicronMegatronStrategy(global_batch=8, micro_batch=4, shuffle=False))
+    t.fit(model, loader())
+    assert t.strategy.engine.batch_plan.indices(1, 0) == [8, 9, 10, 11]
+    for ours, ref in zip(model.parameters(), reference(3, global_batch=8, shuffle=False)):
+        torch.testing.assert_close(ours.detach(), ref)
+    unshuffled = reference(3, global_batch=8, shuffle=False)
+    assert any(not torch.equal(a, b) for a, b in zip(unshuffled, reference(3, global_batch=8)))
 
 
 @pytest.mark.timeout(120)

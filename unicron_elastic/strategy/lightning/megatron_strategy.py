@@ -134,6 +134,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             launch data-parallel size).
         micro_batch: Samples per micro-batch (default: the dataloader's batch size).
         seed: Seed of the global-batch shuffle and of each micro-batch's RNG.
+        shuffle: Shuffle the samples each epoch (False: the dataset's own order, for one shuffled already).
         bucket_numel: Gradient elements per all-reduce bucket (None: one bucket per shard).
         tensor_model_parallel_size: megatron-core TP size.
         pipeline_model_parallel_size: megatron-core PP size.
@@ -185,7 +186,7 @@ class UnicronMegatronStrategy(DDPStrategy):
 
     def __init__(
         self,
-        global_batch: int | None = None, micro_batch: int | None = None, seed: int = 0,
+        global_batch: int | None = None, micro_batch: int | None = None, seed: int = 0, shuffle: bool = True,
         bucket_numel: int | None = None,
         tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, pipeline_schedule: str = "1f1b",
         snapshot_every: int = 50, checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 100,
@@ -203,7 +204,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         #: With ``distributed_optimizer``: the optimizer instances (None: every rank keeps the whole state).
         self.optimizer_instances = optimizer_instances if distributed_optimizer else None
         self.layout = ModelParallel(tensor_model_parallel_size, pipeline_model_parallel_size)
-        self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
+        self.global_batch, self.micro_batch, self.seed, self.shuffle = global_batch, micro_batch, seed, shuffle
         self.bucket_numel, self.grad_dtype = bucket_numel, grad_dtype
         self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
         self.pipeline_schedule, self.checkpoint_dir = pipeline_schedule, checkpoint_dir
@@ -247,10 +248,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         """``cuda:LOCAL_RANK`` when Lightning's accelerator is CUDA, else the CPU.
 
         (Not Lightning's ``parallel_devices[local_rank]``: under ``unicron-run`` the
-        launcher, not ``devices=``, decides how many ranks a node runs.) On CUDA
-        the world and the engine's groups are NCCL's
-        (:class:`~unicron_elastic.strategy.engine.transport.NcclTransport`); that path
-        is untested here (no GPU).
+        launcher, not ``devices=``, decides how many ranks a node runs.) On CUDA the world and the engine's
+        groups are NCCL's (:class:`~unicron_elastic.strategy.engine.transport.NcclTransport`; untested: no GPU).
         """
         if isinstance(self.accelerator, CUDAAccelerator):
             return torch.device("cuda", self.env.local_rank())
@@ -514,8 +513,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise ConfigError("unicron_megatron needs a DataLoader over a map-style dataset (len and [])")
         micro = self.micro_batch or dataloader.batch_size or 1
-        replicas = self.layout.replicas(self.env.launch_world_size)
-        batch_plan = GlobalBatchPlan(len(dataset), self.global_batch or micro * replicas, micro, self.seed)
+        global_batch = self.global_batch or micro * self.layout.replicas(self.env.launch_world_size)
+        batch_plan = GlobalBatchPlan(len(dataset), global_batch, micro, self.seed, self.shuffle)
         self.engine.batch_plan = batch_plan
         self._forward.use(dataloader, batch_plan, self.layout.replica(self.env.launch_rank))
         if self.role is RankRole.FINISHED_BEFORE_JOIN:  # the others finished while this rank restarted
