@@ -46,13 +46,14 @@ def engine(grad_dtype: torch.dtype, loss_fn=None, bucket_numel: int | None = Non
 
 
 def reference_sum(e: ElasticDataParallel, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """The sum as the engine computed it before binding: a fresh .grad per micro-batch, added to a zeroed sum."""
-    parts = [torch.zeros(p.numel(), dtype=dtype) for p in e.params]
+    """The sum as the engine computed it before binding: a fresh .grad per micro-batch, added to a zeroed sum
+    (laid out as the engine's flat sum: in ``gradients.params``' order, the model's reversed)."""
+    parts = [torch.zeros(p.numel(), dtype=dtype) for p in e.gradients.params]
     for j in range(MICRO):
         for p in e.params:
             p.grad = None
         e.computation.loss_fn(e.model, e.computation.batch(e.batch_plan.indices(step, j))).backward()
-        for part, p in zip(parts, e.params):
+        for part, p in zip(parts, e.gradients.params):
             if p.grad is not None:
                 part.add_(p.grad.reshape(-1))
     for p in e.params:
@@ -72,7 +73,7 @@ def test_the_sum_of_a_step_is_the_one_added_micro_batch_by_micro_batch_and_grads
             assert all(p.grad is None for p in e.params)  # nothing points into the sum after the computation
             assert torch.equal(total, reference_sum(e, step, dtype))
             offset = 0
-            for p in e.params:
+            for p in e.gradients.params:
                 if p is e.model.unused:  # never in a graph: zeros
                     assert torch.equal(total[offset:offset + 3], torch.zeros(3, dtype=dtype))
                 offset += p.numel()
@@ -124,7 +125,7 @@ def test_the_buckets_are_reduced_in_one_buffer_kept_between_steps_and_grads_are_
         for step in range(3):
             expected = reference_sum(e, step, dtype) / e.batch_plan.num_micro_batches  # (one rank: the reduction is the sum)
             e.train_step(step)
-            assert torch.equal(torch.cat([p.grad.reshape(-1) for p in e.params]), expected.to(torch.float32))
+            assert torch.equal(torch.cat([p.grad.reshape(-1) for p in e.gradients.params]), expected.to(torch.float32))
             buffers.add(e.gradients.reduced.data_ptr())
             if dtype == torch.float32:  # p.grad are views of that buffer: no concatenation or copy per step
                 assert all(p.grad.untyped_storage().data_ptr() == e.gradients.reduced.untyped_storage().data_ptr()

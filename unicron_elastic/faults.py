@@ -32,7 +32,8 @@ from unicron_elastic.env import FAULT_LOG, FAULTS, fault_log_path, faults_text, 
 FAULTS_ENV = FAULTS.name  # (the variables are env.FAULTS and env.FAULT_LOG)
 FAULT_LOG_ENV = FAULT_LOG.name
 FAULT_KINDS = ("kill", "exit", "raise", "hang", "spin", "stuck_collective", "stop", "stop_node", "throttle")
-FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step", "before_first_group", "optimizer_step", "gather")
+FAULT_POINTS = (None, "before_optimizer_step", "after_optimizer_step", "before_first_group", "optimizer_step", "gather",
+                "backward")
 #: Appended to ``$UNICRON_FAULT_LOG``'s path: where the faults that did not fire are reported (JSON lines).
 UNFIRED_SUFFIX = ".unfired"
 
@@ -50,7 +51,10 @@ class Fault:
             buckets reduced) or ``after_optimizer_step``; or ``before_first_group``
             (step -1: the engine is about to build the run's first group); with a
             sharded optimizer ``optimizer_step`` (inside the optimizer's step) or
-            ``gather`` (inside the gather of the parameters that step updated).
+            ``gather`` (inside the gather of the parameters that step updated);
+            ``backward``: inside the backward of the rank's last micro-batch,
+            right after its first bucket's all-reduce started from it (a bucket
+            in flight while backward still runs).
         kind: ``kill`` (SIGKILL itself), ``exit`` (exit code 3), ``raise``
             (raise ``RuntimeError(message)``), ``hang`` (sleep forever),
             ``spin`` (a Python infinite loop: busy, no progress),

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from unicron_elastic.strategy.engine.engine_options import FaultPoint, StageFn
 from unicron_elastic.strategy.engine.gradients import GradientBuffer
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.overlap import BucketLauncher
 from unicron_elastic.strategy.engine.pipeline import StageLinks, forward_only, run_pipeline, schedule_for
 from unicron_elastic.strategy.engine.replicas import ModelParallel
 
@@ -52,15 +53,17 @@ class Computation:
         self.device = device
         self.model: torch.nn.Module | None = None
         self.gradients: GradientBuffer | None = None
+        self.launcher: BucketLauncher | None = None
         #: ``(step, j)``: the micro-batch whose forward runs now (``batch``, ``loss_fn`` and ``stage_fn`` may read it).
         self.current_micro_batch: tuple[int, int] | None = None
         #: Steps whose recomputation ran this stage forward only (PP, after a failure in the reduction).
         self.forward_only: list[int] = []
         self._extras: torch.Tensor | None = None
 
-    def bind(self, model: torch.nn.Module, gradients: GradientBuffer) -> None:
-        """The model whose micro-batches run, and the buffer its gradients sum into."""
-        self.model, self.gradients = model, gradients
+    def bind(self, model: torch.nn.Module, gradients: GradientBuffer, launcher: BucketLauncher | None = None) -> None:
+        """The model whose micro-batches run, the buffer its gradients sum into and what starts its buckets from
+        the last micro-batch's backward (None: nothing)."""
+        self.model, self.gradients, self.launcher = model, gradients, launcher
 
     def run(self, step: int, micro_batches: list[int], redo: bool, batch_plan: GlobalBatchPlan, backward: set[int],
             every_rank: dist.ProcessGroup | None, members: list[int]) -> torch.Tensor:
@@ -87,7 +90,12 @@ class Computation:
             if self.layout.pipeline > 1:
                 self._pipeline(step, micro_batches, batch_plan, views, bound, backward, every_rank, members)
             else:
+                # (not beside megatron's float32 main_grad buffers, which are added to a float64 sum afterwards)
+                hooks = self.launcher is not None and not redo and (bound or not gradients.main_grad)
+                last = micro_batches[-1] if micro_batches and hooks else None
                 for j in self._each(step, micro_batches):
+                    if j == last:  # its backward starts each bucket once summed
+                        self.launcher.arm(step, total, views, adds=not bound)
                     self.loss_fn(self.model, self.batch(batch_plan.indices(step, j))).backward()
                     if not bound:
                         gradients.accumulate(views)
@@ -95,6 +103,8 @@ class Computation:
                 # A .grad that is not its view (a hook set it to None) is added here.
                 gradients.accumulate(views)
         finally:
+            if self.launcher is not None:
+                self.launcher.disarm()
             gradients.release()
             self._extras = None
         return total

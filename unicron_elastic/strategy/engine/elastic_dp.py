@@ -134,6 +134,7 @@ from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.joining import StateHandout, default_state, load_default_state
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards
+from unicron_elastic.strategy.engine.overlap import BucketLauncher
 from unicron_elastic.strategy.engine.protocol import Protocol
 from unicron_elastic.strategy.engine.reduction import StepReduction
 from unicron_elastic.strategy.engine.replicas import ModelParallel, stages_to_backpropagate
@@ -208,6 +209,9 @@ class ElasticDataParallel:
         self.rank, self.replica, self.shard = rank, layout.replica(rank), layout.shard(rank)
         self.model, self.optimizer, self._batch_plan = model, optimizer, batch_plan
         self.grad_dtype, self.bucket_numel = options.grad_dtype, options.bucket_numel
+        self.overlap_grad_reduce = options.overlap_grad_reduce
+        #: Starts buckets from backward (made by :meth:`bind`; None without ``overlap_grad_reduce``, or with PP > 1).
+        self.launcher: BucketLauncher | None = None
         self.fault_point = hooks.fault_point or _nothing
         self.pause = hooks.pause or _nothing
         max_replicas = max((options.max_world or world_size) // layout.size, layout.replicas(world_size))
@@ -233,7 +237,7 @@ class ElasticDataParallel:
         self.optimizer_shards = None if options.optimizer_instances is None else OptimizerShards(
             options.optimizer_instances, self.groups.transport.device, self.watch.waiting,
             lambda kind: self.fault_point(self.rank, self.next_step - (kind == "gather"), at=kind),
-            updated=lambda: setattr(self.protocol, "stale", True), holds=not joining)
+            updated=lambda: setattr(self.protocol, "stale", True), holds=not joining, wait=self.groups.transport.wait)
         self._joining: tuple[Any, Any] | None = None
         self._handlers = self._effect_handlers()
         if model is not None:
@@ -280,15 +284,23 @@ class ElasticDataParallel:
                 pipeline stages that cannot be kept tied.
         """
         reductions = reductions or ModelReductions()
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # The flat sum in the reverse of the registration order (as torch's and megatron-core's DDP bucket):
+        # backward computes the last layers' gradients first, and they fill bucket 0.
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad][::-1]
         extras = reductions.totals.size if reductions.totals is not None else 0
         self.gradients = GradientBuffer([p for _, p in named], self.grad_dtype, self.bucket_numel, extras=extras,
                                         main_grad=reductions.main_grad)
         committed = self.reduction.committed
         sums = ReplicaSums(self.gradients.params, [name for name, _ in named], self.layout, self.rank,
-                           reductions.tensor_reduced) if committed else None
+                           reductions.tensor_reduced.reversed_in(len(named))) if committed else None
         self.reduction.bind(self.gradients, sums, reductions)
-        self.computation.bind(model, self.gradients)
+        if self.launcher is not None:
+            self.launcher.remove()
+        self.launcher = BucketLauncher(
+            self.gradients, self.reduction.launchable, self.reduction.start,
+            lambda step, bucket: self.fault_point(self.rank, step, at="backward") if bucket == 0 else None,
+        ) if self.overlap_grad_reduce and self.layout.pipeline == 1 else None
+        self.computation.bind(model, self.gradients, self.launcher)
         self.model, self.optimizer = model, optimizer
         if self.optimizer_shards is not None:
             self.optimizer_shards.bind(optimizer, self.gradients.params, self.members, self.replica)
@@ -302,8 +314,8 @@ class ElasticDataParallel:
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        """The parameters whose gradients the engine sums (none before :meth:`bind`)."""
-        return [] if self.gradients is None else self.gradients.params
+        """The parameters whose gradients the engine sums, in the model's order (none before :meth:`bind`)."""
+        return [] if self.gradients is None else self.gradients.params[::-1]
 
     @property
     def reductions(self) -> ModelReductions:
@@ -491,6 +503,8 @@ class ElasticDataParallel:
         self.groups.abort()
         self.watch.close()
         self.store_effects.close()
+        if self.launcher is not None:
+            self.launcher.remove()
 
     # -- joining -------------------------------------------------------------------------
     def start_join(self, timeout: float = 120.0) -> bool:

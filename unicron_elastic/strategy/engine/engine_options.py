@@ -80,6 +80,9 @@ class EngineOptions:
             instances that each hold all of it (Megatron-LM's distributed optimizer with
             ``num_distributed_optimizer_instances``; :mod:`~unicron_elastic.strategy.engine.optimizer_shards`).
             None: every member keeps the whole state.
+        overlap_grad_reduce: Start each bucket's all-reduce from backward as soon as its gradients are summed
+            (Megatron-LM's ``--overlap-grad-reduce``; :mod:`~unicron_elastic.strategy.engine.overlap`).
+            False: the buckets start when the reduction begins (still without waiting for each other).
     """
 
     bucket_numel: int | None = None
@@ -92,6 +95,7 @@ class EngineOptions:
     transport: CollectiveTransport | None = None
     watch_times: WatchTimes | None = None
     optimizer_instances: int | None = None
+    overlap_grad_reduce: bool = True
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ class EngineHooks:
         fault_point: Called as ``fault_point(rank, step, micro_batch=j)`` before each
             micro-batch (its forward, with PP), ``fault_point(rank, step, bucket=k)``
             before each bucket's reduction, ``fault_point(rank, -1, at="before_first_group")``
-            before the first group is built, and ``at="before_optimizer_step"`` / ``"after_optimizer_step"``
+            before the first group is built, ``at="backward"`` right after bucket 0's all-reduce started
+            from the last micro-batch's backward, and ``at="before_optimizer_step"`` / ``"after_optimizer_step"``
             around :meth:`train_step`'s optimizer step (fault injection: ``unicron_elastic.faults.maybe_fail``).
         stage_fn: With ``pipeline > 1``: ``stage_fn(model, batch, input)``, this
             stage's output for one micro-batch (``input`` is None on the first
@@ -157,6 +162,10 @@ class TensorReduced:
 
     def __bool__(self) -> bool:
         return bool(self.summed or self.averaged)
+
+    def reversed_in(self, count: int) -> TensorReduced:
+        """The same parameters as positions among ``count`` taken in the reverse order."""
+        return TensorReduced(tuple(count - 1 - i for i in self.summed), tuple(count - 1 - i for i in self.averaged))
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,11 @@ class GradientBuffer:
         cached[0].zero_()
         return cached
 
+    def spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each parameter's gradient in the flat sum, in the order of :attr:`params`."""
+        ends = torch.tensor([p.numel() for p in self.params]).cumsum(0).tolist()
+        return [(end - p.numel(), end) for p, end in zip(self.params, ends)]
+
     def extras_of(self, total: torch.Tensor) -> torch.Tensor:
         """The extra elements of a flat sum (a view: adding to it adds to the sum)."""
         return total[self.numel : self.numel + self.extras]

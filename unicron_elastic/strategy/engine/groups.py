@@ -55,6 +55,9 @@ class GenerationGroups:
         #: Where each generation's groups bootstrapped. Gloo calls the Python store while a group lives,
         #: so each one is kept for the life of the process (one small object a generation).
         self.bootstrap_stores: list[dist.Store] = []
+        #: Counts the generations built: work started under another count was started on groups gone since.
+        self.built = 0
+        self._started: list[dist.Work] = []  # work started on these groups that nobody waited for yet
 
     @property
     def held(self) -> bool:
@@ -75,6 +78,7 @@ class GenerationGroups:
         """
         store = watch_members(self.store, self.layout.ranks_of(members))
         self.bootstrap_stores.append(store)
+        self.built += 1
         if self.data_parallel:
             self._build(store, generation, members)
         if self.listener is not None:
@@ -92,12 +96,25 @@ class GenerationGroups:
         self.every_rank = self.transport.new_group(every_rank, layout.world_rank(members, self.rank),
                                                    len(members) * layout.size, self.timeout)
 
+    def started(self, work: dist.Work) -> dist.Work:
+        """Note ``work`` started on these groups and not waited for (an overlapped bucket): it is settled,
+        failed or done, before :meth:`abort` returns."""
+        self._started.append(work)
+        return work
+
+    def waited(self, work: dist.Work) -> None:
+        """``work`` was waited for (it is not settled at :meth:`abort` any more)."""
+        self._started = [w for w in self._started if w is not work]
+
     def abort(self) -> None:
         """Abort the listener's groups, then this rank's groups, and release them; nothing held: nothing happens.
 
         Dropping them at once makes every survivor blocked on this rank see
         the failure within milliseconds instead of after a timeout. The last
         reference goes here, since gloo's destructor is what closes the sockets.
+        Work started and not waited for (:meth:`started`) ends first: once
+        the groups are interrupted it fails at once, and no operation of a
+        group gone writes into a buffer the next generation reduces in.
         """
         if not self.held:
             return
@@ -112,9 +129,19 @@ class GenerationGroups:
             self.transport.abort(pg)
             held_elsewhere |= sys.getrefcount(pg) > 2  # This name and getrefcount's argument.
             del pg
+        self._settle()
         if held_elsewhere:
             # A frame kept by a traceback still holds a group: a full collection (slow with big models) frees it.
             gc.collect()
+
+    def _settle(self) -> None:
+        """Wait for the work started and not waited for (after the abort: it fails at once, or it was done)."""
+        started, self._started = self._started, []
+        for work in started:
+            try:
+                work.wait()
+            except RuntimeError:  # (the group's failure: the step's reduction saw it, or will regroup anyway)
+                pass
 
     def interrupt(self) -> None:
         """Make this rank's operations in flight on its groups fail now (called from the group watch's thread)."""

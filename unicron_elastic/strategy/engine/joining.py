@@ -140,7 +140,8 @@ class StateHandout:
             raise RuntimeError("no group to send the state in")
         index = self.protocol.members.index(self.groups.layout.replica(self.rank))
         sent = self.state() if index == effect.root else None
-        state = broadcast_state(group, effect.root, index, sent, device=self.groups.transport.device)
+        state = broadcast_state(group, effect.root, index, sent, device=self.groups.transport.device,
+                                wait=self.groups.transport.wait)
         if not effect.apply:
             return None
         if index != effect.root:

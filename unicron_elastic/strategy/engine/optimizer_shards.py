@@ -131,16 +131,21 @@ class OptimizerShards:
             optimizer's step; ``"gather"``: the parameters' gather begun).
         updated: Called after each optimizer step (the parameters are stale until the next refresh).
         holds: This rank holds its share from the start (False: a joiner, which gets it when admitted).
+        wait: ``wait(pg, work)``: waits for a collective's result and raises when it failed
+            (:meth:`~unicron_elastic.strategy.engine.transport.CollectiveTransport.wait`; NCCL's ``wait()``
+            alone orders the streams and raises nothing).
 
     Raises:
         ConfigError: ``instances`` is below 1.
     """
 
     def __init__(self, instances: int, device: torch.device, waiting: Callable[[str], Any],
-                 point: Callable[[str], None], updated: Callable[[], None], holds: bool = True) -> None:
+                 point: Callable[[str], None], updated: Callable[[], None], holds: bool = True,
+                 wait: Callable[[dist.ProcessGroup, Any], None] = lambda pg, work: work.wait()) -> None:
         if instances < 1:
             raise ConfigError(f"optimizer_instances must be >= 1, got {instances}")
         self.instances, self.device, self.waiting, self.point = instances, device, waiting, point
+        self.wait = wait
         self.updated, self.holds = updated, holds
         self._hooks: list[Any] = []
         #: ``(generation, layout)`` of the last refresh that completed here (its members held their shares).
@@ -320,7 +325,7 @@ class OptimizerShards:
         """
         flag = torch.tensor([failed], device=self.device)
         with self.waiting("shards"):
-            every_rank.allreduce([flag]).wait()
+            self.wait(every_rank, every_rank.allreduce([flag]))
         return bool(flag.item())
 
     def _refresh_shard(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int,
@@ -358,7 +363,7 @@ class OptimizerShards:
                             dtype=torch.int64).to(self.device)
         outs = [torch.empty_like(mine) for _ in range(pg.size())]
         with self.waiting("shards"):
-            pg.allgather([outs], [mine]).wait()
+            self.wait(pg, pg.allgather([outs], [mine]))
         return [[tuple(int(x) for x in out[3 * g:3 * g + 3].tolist()) for g in range(len(self.groups))]
                 for out in outs]
 
@@ -469,7 +474,7 @@ class OptimizerShards:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         with self.waiting("shards"):
-            pg.broadcast([staged], opts).wait()
+            self.wait(pg, pg.broadcast([staged], opts))
         if staged is not tensor:
             tensor.copy_(staged)
 

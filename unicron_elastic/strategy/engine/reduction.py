@@ -7,6 +7,11 @@ and ``SetGradients`` effects over the groups of the generation held
 * each bucket is all-reduced on a copy, so the local sum survives a failure;
   the last bucket carries the slots (next members, stop request, NaN verdict:
   :class:`~unicron_elastic.strategy.engine.exchange.ExchangeSlots`);
+* the buckets before it are started without waiting (:meth:`StepReduction.start`):
+  from backward as their gradients are summed
+  (:class:`~unicron_elastic.strategy.engine.overlap.BucketLauncher`), else all
+  at once when the reduction begins; each ``Reduce`` waits for its bucket, so a
+  failure is decided where it was before, bucket by bucket;
 * with TP x PP > 1 a last, small all-reduce over every rank *commits* the
   step: it carries the slots, the shards' overflow verdicts, the primary
   replica's squared gradient norm and the step's totals; before it, the
@@ -26,6 +31,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from unicron_elastic.api import NonFiniteError
 from unicron_elastic.strategy.engine import effects as E
@@ -83,6 +89,8 @@ class StepReduction:
         self.non_finite: NonFiniteError | None = None
         self._squared_norm: float | None = None
         self._committed_totals: torch.Tensor | None = None
+        #: Buckets started and not waited for: ``bucket -> (groups built, step, local sum's address, work, buffer)``.
+        self._in_flight: dict[int, tuple[int, int, int, dist.Work, torch.Tensor]] = {}
 
     def bind(self, gradients: GradientBuffer, sums: ReplicaSums | None, reductions: ModelReductions) -> None:
         """The gradient sums to reduce, the replica's sums (TP x PP > 1) and what the model asks of each step."""
@@ -127,11 +135,37 @@ class StepReduction:
             raise RuntimeError("no group to agree on the members in")
         payload = self._encode(self._offer(effect.offer), torch.int64).to(self.groups.transport.device)
         with self.watch.waiting("agree"):
-            group.allreduce([payload]).wait()  # The primary's proposal plus zeros from the others.
+            self.groups.transport.wait(group, group.allreduce([payload]))  # The primary's offer, zeros elsewhere.
         return self._exchanged(payload.cpu()).members
 
+    @property
+    def launchable(self) -> int:
+        """How many buckets, from bucket 0, start without waiting: all but the one carrying the slots (TP x PP
+        > 1: all, the commit carries them)."""
+        buckets = len(self.gradients.bounds) if self.gradients is not None else 0
+        return buckets if self.committed else max(buckets - 1, 0)
+
+    def start(self, step: int, bucket: int, local: torch.Tensor) -> None:
+        """Copy ``bucket`` out of the local sum and start its all-reduce, without waiting (its ``Reduce`` waits).
+
+        Buckets start in their order on every member (the caller's duty). Nothing starts without a group: the
+        ``Reduce`` then fails as it would have.
+        """
+        self._forget_stale(step, local)
+        if self.groups.shard is None or bucket in self._in_flight or bucket >= self.launchable:
+            return
+        start, end = self.gradients.bounds[bucket]
+        buf = self.gradients.reduce_buffer(local, self.slots.size)[start:end]
+        buf.copy_(local[start:end])  # a copy: the local sum survives a failure
+        try:  # (no local name holds the group: see _commit)
+            work = self.groups.started(self.groups.shard.allreduce([buf]))
+        except RuntimeError:  # the group failed already: the bucket's Reduce starts it again, and fails there
+            return
+        self._in_flight[bucket] = (self.groups.built, step, local.data_ptr(), work, buf)
+
     def reduce(self, effect: E.Reduce) -> tuple[torch.Tensor, list[int] | None]:
-        """All-reduce one bucket (the last carries the slots), or the commit (TP x PP > 1).
+        """Wait for one bucket's all-reduce, started before or now (the last carries the slots), or the commit
+        (TP x PP > 1). The buckets after it that start without waiting are started first, in their order.
 
         Raises:
             RuntimeError: The group failed (gloo's error), or was gone already.
@@ -141,18 +175,32 @@ class StepReduction:
             return local.new_zeros(0), self._commit(effect)
         if self.groups.shard is None:
             raise RuntimeError("the group failed before this reduction (membership sync)")
+        for k in range(effect.bucket, self.launchable):
+            self.start(effect.step, k, local)
+        self._forget_stale(effect.step, local)
+        if effect.bucket in self._in_flight:
+            *_, work, buf = self._in_flight.pop(effect.bucket)
+            with self.watch.waiting("reduce"):
+                self.groups.transport.wait(self.groups.shard, work)
+            self.groups.waited(work)
+            return buf, None
         start, end = gradients.bounds[effect.bucket]
-        # A copy: the local sum survives a failure. The last bucket's slots follow it.
         whole = gradients.reduce_buffer(local, self.slots.size)
         buf = whole[start:] if effect.last else whole[start:end]
-        buf[: end - start].copy_(local[start:end])
-        if effect.last:
+        buf[: end - start].copy_(local[start:end])  # a copy: the local sum survives a failure
+        if effect.last:  # the slots follow it
             slots = self._encode(effect.offer, local.dtype, non_finite=self._finds_non_finite(effect.step, local))
             buf[end - start :].copy_(slots)
         with self.watch.waiting("reduce"):
-            self.groups.shard.allreduce([buf]).wait()
+            self.groups.transport.wait(self.groups.shard, self.groups.shard.allreduce([buf]))
         members = self._exchanged(buf[end - start :], effect.step).members if effect.last else None
         return buf[: end - start], members
+
+    def _forget_stale(self, step: int, local: torch.Tensor) -> None:
+        """Forget buckets started on groups gone since, for another step or from another local sum (the groups'
+        abort settled their work)."""
+        now = (self.groups.built, step, local.data_ptr())
+        self._in_flight = {k: v for k, v in self._in_flight.items() if v[:3] == now}
 
     def _finds_non_finite(self, step: int, local: torch.Tensor) -> bool:
         """(No loss scaler) whether this rank's own sum (gradients and totals) holds a NaN or Inf.
@@ -216,7 +264,7 @@ class StepReduction:
         payload = torch.cat([slots, torch.tensor([squared], dtype=torch.float64), self._totals_offered()])
         payload = payload.to(self.groups.transport.device)
         with self.watch.waiting("commit"):
-            self.groups.every_rank.allreduce([payload]).wait()
+            self.groups.transport.wait(self.groups.every_rank, self.groups.every_rank.allreduce([payload]))
         payload = payload.cpu()
         said = self._exchanged(payload[: self.slots.size], effect.step)
         self.overflow_agreed = said.overflow

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,8 @@ Array = torch.Tensor | np.ndarray
 
 def broadcast_state(pg: dist.ProcessGroup, root: int, rank_index: int, state: Any = None, *,
                     max_bytes: int | None = None, max_header_bytes: int = MAX_HEADER_BYTES,
-                    device: torch.device = torch.device("cpu")) -> Any:
+                    device: torch.device = torch.device("cpu"),
+                    wait: Callable[[dist.ProcessGroup, Any], None] | None = None) -> Any:
     """Send ``state`` from the member ``root`` of ``pg`` to every other member, array by array.
 
     Every member of ``pg`` must call this with the same ``root``. Received
@@ -68,6 +70,9 @@ def broadcast_state(pg: dist.ProcessGroup, root: int, rank_index: int, state: An
         max_header_bytes: The largest skeleton the root sends and the receivers accept.
         device: Where ``pg`` takes its tensors (NCCL: the GPU): each array is
             staged there for its broadcast; what is received still lands on the CPU.
+        wait: With ``device``: waits for a broadcast before its result is copied back, and raises when it
+            failed (:meth:`~unicron_elastic.strategy.engine.transport.CollectiveTransport.wait`; default
+            ``work.wait()``).
 
     Returns:
         On the root, ``state`` itself (not a copy); on the others, the state received.
@@ -86,7 +91,7 @@ def broadcast_state(pg: dist.ProcessGroup, root: int, rank_index: int, state: An
         RuntimeError: The broadcast itself failed (a member left, the group's timeout).
     """
     if device.type != "cpu":
-        pg = _Staged(pg, device)
+        pg = _Staged(pg, device, wait or (lambda group, work: work.wait()))
     if rank_index == root:
         _send(pg, root, state, max_header_bytes)
         return state
@@ -222,21 +227,22 @@ def _is_bool(buffer: Array) -> bool:
 class _Staged:
     """A group that takes its tensors on ``device`` (NCCL): broadcasts a copy there and copies the result back."""
 
-    def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
-        self.pg, self.device = pg, device
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device,
+                 wait: Callable[[dist.ProcessGroup, Any], None]) -> None:
+        self.pg, self.device, self.settle = pg, device, wait
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         staged = [t.to(self.device) for t in tensors]
         work = self.pg.broadcast(staged, opts)
-        return _CopyBack(work, tensors, staged)
+        return _CopyBack(lambda: self.settle(self.pg, work), tensors, staged)
 
 
 class _CopyBack:
-    def __init__(self, work: Any, tensors: list[torch.Tensor], staged: list[torch.Tensor]) -> None:
-        self.work, self.tensors, self.staged = work, tensors, staged
+    def __init__(self, settle: Callable[[], None], tensors: list[torch.Tensor], staged: list[torch.Tensor]) -> None:
+        self.settle, self.tensors, self.staged = settle, tensors, staged
 
     def wait(self) -> None:
-        self.work.wait()
+        self.settle()  # (raises when the broadcast failed: nothing failed is copied back)
         for tensor, staged in zip(self.tensors, self.staged):
             tensor.copy_(staged)
 

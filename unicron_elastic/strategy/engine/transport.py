@@ -21,8 +21,11 @@ once so that peers blocked on it fail within milliseconds. A
   key gone (:mod:`~unicron_elastic.strategy.engine.group_watch`: the agent deleted it, or
   the node's lease expired) and aborts its communicators (:meth:`interrupt`),
   else at its collective ``timeout``; as an error rather than a killed
-  process (:func:`nccl_error_handling`: blocking wait, no asynchronous error
-  handling). The state a replica sends is
+  process (:func:`nccl_error_handling`: torch's watchdog aborts the
+  communicators and the process lives on; no blocking wait, so the host runs
+  ahead of the GPU and megatron-core's collectives stay asynchronous). The
+  engine waits for a result it reads with :meth:`NcclTransport.wait`, which
+  raises when the work failed or its group was aborted. The state a replica sends is
   staged on the GPU. **Untested**: no GPU was available to this project's sessions.
 """
 
@@ -73,6 +76,20 @@ class CollectiveTransport(ABC):
     def interrupt(self, pg: dist.ProcessGroup) -> None:
         """Make ``pg``'s operations in flight fail now, from any thread (never raises): a peer stopped answering."""
         self.abort(pg)
+
+    def wait(self, pg: dist.ProcessGroup, work: dist.Work) -> None:
+        """Wait until ``work``, started on ``pg``, is done and its result can be read here.
+
+        A failure's traceback keeps this frame: it must hold no reference to ``pg`` by then, since the group
+        goes with the last reference :meth:`GenerationGroups.abort
+        <unicron_elastic.strategy.engine.groups.GenerationGroups.abort>` drops (gloo's destructor closes its
+        sockets; a group held elsewhere costs a full garbage collection there).
+
+        Raises:
+            RuntimeError: It failed (gloo's error), or ``pg`` was aborted meanwhile.
+        """
+        del pg  # (gloo's work raises its own error)
+        work.wait()
 
 
 class GlooTransport(CollectiveTransport):
@@ -259,18 +276,33 @@ def shut_down(fd: int, inode: str) -> None:
         sock.detach()  # the descriptor stays gloo's
 
 
-def nccl_error_handling() -> None:
-    """A failed NCCL collective raises in ``wait()`` instead of killing the process.
+#: torch's ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` mode ``CleanUpOnly`` (ProcessGroupNCCL.hpp's ``ErrorHandlingMode``).
+NCCL_CLEAN_UP_ONLY = "2"
 
-    torchelastic starts workers with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``:
-    NCCL's watchdog then tears a process down when a collective fails or
-    times out, and every survivor of a failure would die with it. The engine
-    handles the error itself (it regroups), so it asks for a blocking wait and
-    no asynchronous error handling (overriding torchelastic's default). Must
-    run before the first NCCL group is made (torch reads the variables then).
+
+def nccl_error_handling() -> None:
+    """NCCL's failures reach the engine as errors, without a host-blocking wait and without killing the process.
+
+    torchelastic starts workers with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``
+    (``TearDown``): torch's watchdog then kills the process when a collective
+    fails or times out, and every survivor of a failure would die with it.
+    Mode 2 (``CleanUpOnly``) has the watchdog abort the communicators of that
+    collective and the process lives on; work on them then fails with a
+    ``DistBackendError``, which the engine takes for a lost peer (it
+    regroups). ``TORCH_NCCL_BLOCKING_WAIT`` is removed: with it every
+    ``wait()`` holds the host until the GPU is done (megatron-core's
+    tensor-parallel collectives inside each layer included) and torch starts
+    no watchdog; without it ``wait()`` orders the streams only, and the engine
+    waits on the host only for what it reads (:meth:`NcclTransport.wait`: the
+    buckets at the step's end, its commit). Must run before the first NCCL
+    group is made (torch reads the variables then).
     """
-    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    blocking = os.environ.pop("TORCH_NCCL_BLOCKING_WAIT", None)
+    if blocking not in (None, "", "0"):
+        log.warning("nccl_blocking_wait_unset", was=blocking,
+                    reason="every wait() would hold the host until the GPU is done and torch would start no "
+                           "watchdog; the engine waits on the host only for the results it reads")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_CLEAN_UP_ONLY
 
 
 class NcclTransport(CollectiveTransport):
@@ -287,14 +319,39 @@ class NcclTransport(CollectiveTransport):
             raise ConfigError(f"the NCCL transport needs a CUDA device and a torch build with NCCL (got {device})")
         nccl_error_handling()
         super().__init__(device)
+        self._aborted: set[int] = set()  # id() of the groups aborted or interrupted (while their work may run)
+
+    @override
+    def wait(self, pg: dist.ProcessGroup, work: dist.Work) -> None:
+        """Order the stream after ``work``, wait on the host until the stream is done, and refuse the result of a
+        failed work or of an aborted group (an aborted communicator's kernels end without an error of their own).
+
+        Raises:
+            RuntimeError: The work failed or ``pg`` was aborted (named as NCCL names it, a lost peer).
+        """
+        key = id(pg)
+        # torch's watchdog sets the group's error when a collective failed or timed out (ErrorType, torch >= 2.6)
+        get_error = getattr(pg, "get_error", None)
+        del pg  # (no reference to the group in a failure's traceback: see CollectiveTransport.wait)
+        try:
+            work.wait()
+            torch.cuda.current_stream(self.device).synchronize()
+            kind = get_error() if get_error is not None else None
+        finally:
+            del get_error
+        if key in self._aborted or (kind is not None and kind.name != "SUCCESS"):  # (aborted while it waited)
+            raise RuntimeError(f"NCCL communicator was aborted: a collective on it failed ({kind})")
 
     def new_group(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        self._aborted.discard(id(pg))  # (an id reused by a new group)
+        return pg
 
     def abort(self, pg: dist.ProcessGroup) -> None:
         """Abort the communicators: this rank's pending NCCL operations fail (the peers' at their timeout)."""
+        self._aborted.add(id(pg))
         try:
             pg.abort()
         except RuntimeError:

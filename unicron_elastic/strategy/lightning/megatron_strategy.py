@@ -135,7 +135,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         micro_batch: Samples per micro-batch (default: the dataloader's batch size).
         seed: Seed of the global-batch shuffle and of each micro-batch's RNG.
         shuffle: Shuffle the samples each epoch (False: the dataset's own order, for one shuffled already).
-        bucket_numel: Gradient elements per all-reduce bucket (None: one bucket per shard).
+        bucket_numel: Gradient elements per all-reduce bucket (megatron-core's default; None: one per shard).
         tensor_model_parallel_size: megatron-core TP size.
         pipeline_model_parallel_size: megatron-core PP size.
         pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"`` (our schedule over
@@ -187,7 +187,7 @@ class UnicronMegatronStrategy(DDPStrategy):
     def __init__(
         self,
         global_batch: int | None = None, micro_batch: int | None = None, seed: int = 0, shuffle: bool = True,
-        bucket_numel: int | None = None,
+        bucket_numel: int | None = 40_000_000,
         tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, pipeline_schedule: str = "1f1b",
         snapshot_every: int = 50, checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 100,
         timeout: timedelta = timedelta(seconds=60), checkin_timeout: float = 10.0, join_timeout: float = 300.0,
