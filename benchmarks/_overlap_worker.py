@@ -8,7 +8,9 @@ data, with the same global batch (one micro-batch per rank and step) and gradien
   reduction begins instead of from backward; ``--sharded``: the distributed optimizer, one instance);
 * ``--side megatron``: megatron-core's ``DistributedDataParallel`` with ``overlap_grad_reduce`` (and with
   ``--sharded`` its ``DistributedOptimizer`` with ``overlap_param_gather``), run on the CPU with the three
-  answers to its CUDA questions of ``_megatron_do_worker.py``.
+  answers to its CUDA questions of ``_megatron_do_worker.py``;
+* ``--side torch-ddp``: torch's ``DistributedDataParallel``, as Lightning's ``ddp`` strategy builds it
+  (replicated optimizer only).
 
 Each rank writes ``OUT/rank<R>.json``: per step its end time and the seconds the step waited for its
 gradients after its backward (``exposed``: the reduction not hidden behind compute), and the bytes of every
@@ -149,9 +151,31 @@ def megatron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
     return reports + [{"bytes": held, "params": sum(p.numel() for p in mlp.parameters())}]
 
 
+def torch_ddp(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
+    """torch's ``DistributedDataParallel`` as Lightning's ``ddp`` strategy builds it (its overlap is always on).
+
+    DDP waits for its buckets inside ``backward``, and its bucket buffers are its own: neither the exposed
+    communication nor the bytes held are reported (NaN).
+    """
+    dist.init_process_group("gloo")
+    model, xs, ys = model_and_data(args.width, args.depth, args.samples)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_numel * 4 / 2**20)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    per_rank = args.global_batch // world
+    reports = []
+    for step in range(args.steps):
+        at = (step * args.global_batch + rank * per_rank) % (len(xs) - per_rank)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp(xs[at:at + per_rank]), ys[at:at + per_rank]).backward()
+        optimizer.step()
+        reports.append({"step": step, "finished_at": time.time(), "exposed": float("nan")})
+    dist.destroy_process_group()
+    return reports + [{"bytes": float("nan"), "params": sum(p.numel() for p in model.parameters())}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--side", choices=["unicron", "megatron"], required=True)
+    parser.add_argument("--side", choices=["unicron", "megatron", "torch-ddp"], required=True)
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--sharded", action="store_true")
     parser.add_argument("--steps", type=int, default=12)
@@ -163,7 +187,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    reports = (unicron if args.side == "unicron" else megatron)(args, rank, world)
+    reports = {"unicron": unicron, "megatron": megatron, "torch-ddp": torch_ddp}[args.side](args, rank, world)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(reports))
 

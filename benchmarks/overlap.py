@@ -10,7 +10,9 @@ sides alternate, ``--runs`` times each (the order reversed on odd runs):
 * **unicron, no overlap**: the same, the buckets started when the reduction begins (its wait is the whole
   communication: the reference for the share left exposed);
 * **megatron-core**: its ``DistributedDataParallel`` with ``overlap_grad_reduce`` (all-reduce, replicated
-  optimizer).
+  optimizer);
+* **Lightning's ddp**: torch's ``DistributedDataParallel`` as Lightning's ``ddp`` strategy builds it (not
+  with ``--sharded``).
 
 ``--sharded`` runs the distributed optimizer on both sides instead (megatron-core: ``DistributedOptimizer``
 with ``overlap_param_gather``, reduce-scatter; the engine: all-reduce, then its parameters broadcast piece by
@@ -46,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = str(REPO / "benchmarks" / "_overlap_worker.py")
 DP = 2
 SIDES = {"unicron": ["--side", "unicron"], "unicron, no overlap": ["--side", "unicron", "--no-overlap"],
-         "megatron-core": ["--side", "megatron"]}
+         "megatron-core": ["--side", "megatron"], "Lightning's ddp": ["--side", "torch-ddp"]}
 
 
 def _tx_bytes() -> int:
@@ -78,22 +80,26 @@ def measure(args: argparse.Namespace) -> int:
                                                 for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
-            order = list(SIDES) if run % 2 == 0 else list(SIDES)[::-1]
-            for side in order:
+            sides = [side for side in SIDES if not (args.sharded and side == "Lightning's ddp")]
+            for side in sides if run % 2 == 0 else sides[::-1]:
                 got = _run(Path(tmp, f"{run}-{side.replace(' ', '').replace(',', '-')}"), SIDES[side], args)
                 for key in ("times", "exposed"):
                     found[side][key] += got[key]
                 found[side]["sent"].append(got["sent"])
                 found[side]["held"].append(got["held"])
-    median = {side: {key: statistics.median(values) for key, values in got.items()} for side, got in found.items()}
+    median = {side: {key: statistics.median(values) for key, values in got.items()} for side, got in found.items()
+              if got["times"]}
     comm = median["unicron, no overlap"]["exposed"]
     print(f"== DP {DP}, MLP {args.depth} x {args.width}, {args.global_batch} samples a step, buckets of "
           f"{args.bucket_numel}, "
           f"{'distributed optimizer' if args.sharded else 'replicated optimizer'}, loopback {args.rate} ==")
     for side, got in median.items():
-        print(f"{side:20s}: step {1000 * got['times']:8.1f} ms, exposed {1000 * got['exposed']:7.1f} ms "
-              f"({100 * got['exposed'] / comm:5.1f} % of the communication), sent {got['sent'] / 1e6:7.2f} MB a "
-              f"step, held {got['held']:5.2f} bytes per parameter")
+        exposed = "exposed     n/a (inside its backward)" if got["exposed"] != got["exposed"] else \
+            f"exposed {1000 * got['exposed']:7.1f} ms ({100 * got['exposed'] / comm:5.1f} % of the communication)"
+        held = "held n/a (its buckets are its own)" if got["held"] != got["held"] else \
+            f"held {got['held']:5.2f} bytes per parameter"
+        print(f"{side:20s}: step {1000 * got['times']:8.1f} ms, {exposed}, sent {got['sent'] / 1e6:7.2f} MB a "
+              f"step, {held}")
     verdicts = Verdicts()
     ours, theirs = median["unicron"], median["megatron-core"]
     for what, key, bound in (("step time", "times", 1.05), ("bytes sent per step", "sent", 1.05),

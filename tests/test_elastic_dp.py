@@ -98,9 +98,10 @@ def test_failure_after_the_optimizer_step(tmp_path: Path, baseline) -> None:
 def test_failure_during_each_gradient_bucket_scenario_2(tmp_path: Path, baseline, bucket: int) -> None:
     results = train(tmp_path, [fail_at(rank=1, step=1, bucket=bucket)], bucket_numel=64)
     recovery = _check(tmp_path, results, 1, baseline, recomputed=True)
-    # The buckets reduced before are kept; the ones the victim had started before it died may have completed too.
+    # The victim died right before it started bucket `bucket`: no later bucket completed. The ones it started
+    # before (from backward, or together when its reduction began) may have completed, and are then kept.
     kept = {rep["kept_buckets"] for rep in recovery}
-    assert len(kept) == 1 and bucket <= kept.pop() < NUMEL // 64 + 1, recovery
+    assert len(kept) == 1 and kept.pop() <= bucket, recovery
 
 
 @pytest.mark.timeout(120)

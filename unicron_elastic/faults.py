@@ -46,7 +46,8 @@ class Fault:
         rank: Global rank that fails.
         step: Training step at which it fails.
         micro_batch: Micro-batch within the step (None: at the start of the step).
-        bucket: Gradient bucket during the all-reduce (None: not in the reduction).
+        bucket: Gradient bucket: right before its all-reduce starts (from backward, or when the reduction
+            begins; the buckets before it may be in flight), None: not in the reduction.
         at: A named point of the step instead: ``before_optimizer_step`` (all
             buckets reduced) or ``after_optimizer_step``; or ``before_first_group``
             (step -1: the engine is about to build the run's first group); with a

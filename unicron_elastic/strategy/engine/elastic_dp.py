@@ -226,6 +226,7 @@ class ElasticDataParallel:
                                        options.pipeline_schedule, self.watch.waiting, self.groups.transport.device)
         self.reduction = StepReduction(self.protocol, self.groups, self.store_effects, self.watch, max_replicas,
                                        hooks.overflow)
+        self.reduction.point = lambda step, bucket: self.fault_point(self.rank, step, bucket=bucket)
         self.handout = StateHandout(self.protocol, self.groups, rank,
                                     hooks.get_state or (lambda: default_state(self.model, self.optimizer)),
                                     hooks.set_state or (lambda state: load_default_state(self.model, self.optimizer,
@@ -410,7 +411,9 @@ class ElasticDataParallel:
         return self.store_effects.gone(self.generation, list(self.members))
 
     def _point(self, effect: E.Point) -> None:
-        if effect.kind == "bucket":
+        # A bucket's fault point is passed right before it starts: from backward, when the reduction begins
+        # (StepReduction.point), or here before the protocol waits for a bucket started by nothing else.
+        if effect.kind == "bucket" and not self.reduction.started(effect.step, effect.index):
             self.fault_point(self.rank, effect.step, bucket=effect.index)
 
     def _compute(self, effect: E.Compute) -> torch.Tensor:

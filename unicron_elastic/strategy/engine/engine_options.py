@@ -105,7 +105,8 @@ class EngineHooks:
     Attributes:
         fault_point: Called as ``fault_point(rank, step, micro_batch=j)`` before each
             micro-batch (its forward, with PP), ``fault_point(rank, step, bucket=k)``
-            before each bucket's reduction, ``fault_point(rank, -1, at="before_first_group")``
+            right before bucket k's all-reduce starts (from backward, when the reduction begins, or before
+            the reduction waits for it), ``fault_point(rank, -1, at="before_first_group")``
             before the first group is built, ``at="backward"`` right after bucket 0's all-reduce started
             from the last micro-batch's backward, and ``at="before_optimizer_step"`` / ``"after_optimizer_step"``
             around :meth:`train_step`'s optimizer step (fault injection: ``unicron_elastic.faults.maybe_fail``).

@@ -91,6 +91,9 @@ class StepReduction:
         self._committed_totals: torch.Tensor | None = None
         #: Buckets started and not waited for: ``bucket -> (groups built, step, local sum's address, work, buffer)``.
         self._in_flight: dict[int, tuple[int, int, int, dist.Work, torch.Tensor]] = {}
+        #: ``point(step, bucket)``, right before a bucket starts (fault injection: ``fault_point(bucket=k)``).
+        self.point: Callable[[int, int], None] = lambda step, bucket: None
+        self._started: set[tuple[int, int, int]] = set()  # (groups built, step, bucket) started
 
     def bind(self, gradients: GradientBuffer, sums: ReplicaSums | None, reductions: ModelReductions) -> None:
         """The gradient sums to reduce, the replica's sums (TP x PP > 1) and what the model asks of each step."""
@@ -98,6 +101,7 @@ class StepReduction:
 
     def begin(self) -> None:
         """A step begins: forget what the last one's exchanges said."""
+        self._started.clear()
         self._squared_norm = None
         self.totals, self._committed_totals, self.non_finite = None, None, None
 
@@ -154,6 +158,8 @@ class StepReduction:
         self._forget_stale(step, local)
         if self.groups.shard is None or bucket in self._in_flight or bucket >= self.launchable:
             return
+        self._started.add((self.groups.built, step, bucket))
+        self.point(step, bucket)
         start, end = self.gradients.bounds[bucket]
         buf = self.gradients.reduce_buffer(local, self.slots.size)[start:end]
         buf.copy_(local[start:end])  # a copy: the local sum survives a failure
@@ -162,6 +168,10 @@ class StepReduction:
         except RuntimeError:  # the group failed already: the bucket's Reduce starts it again, and fails there
             return
         self._in_flight[bucket] = (self.groups.built, step, local.data_ptr(), work, buf)
+
+    def started(self, step: int, bucket: int) -> bool:
+        """Whether ``bucket`` of ``step`` started in the groups held (its :attr:`point` was passed)."""
+        return (self.groups.built, step, bucket) in self._started
 
     def reduce(self, effect: E.Reduce) -> tuple[torch.Tensor, list[int] | None]:
         """Wait for one bucket's all-reduce, started before or now (the last carries the slots), or the commit
