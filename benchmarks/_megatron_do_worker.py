@@ -55,6 +55,21 @@ def patch_cuda_for_the_cpu() -> None:
     torch.Tensor.type = cuda_type  # type: ignore[method-assign,assignment]
 
 
+def wrapped(config: Any, module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` as the ``MegatronModule`` megatron-core's ``DistributedDataParallel`` takes (after the patch)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class Wrapped(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config=config)
+            self.mlp = module
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(x)
+
+    return Wrapped()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12)
@@ -69,7 +84,6 @@ def main() -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
 
     from unicron_elastic.testing import toy_problem
 
@@ -79,18 +93,9 @@ def main() -> None:
     config = TransformerConfig(num_layers=1, hidden_size=args.width, num_attention_heads=1,
                                params_dtype=torch.float32)
     mlp, _, xs, ys = toy_problem(args.width)
-
-    class Wrapped(MegatronModule):
-        def __init__(self) -> None:
-            super().__init__(config=config)
-            self.mlp = mlp
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(x)
-
     model = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True,
-        num_distributed_optimizer_instances=args.instances), Wrapped())
+        num_distributed_optimizer_instances=args.instances), wrapped(config, mlp))
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=0.01, weight_decay=0.1, params_dtype=torch.float32, use_distributed_optimizer=True,
         clip_grad=0.0),  # (its default clips at 1.0: a norm pass the other two sides do not make)

@@ -102,32 +102,22 @@ def unicron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
 
 
 def megatron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
-    from _megatron_do_worker import patch_cuda_for_the_cpu
+    from _megatron_do_worker import patch_cuda_for_the_cpu, wrapped
 
     patch_cuda_for_the_cpu()
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
     config = TransformerConfig(num_layers=1, hidden_size=args.width, num_attention_heads=1,
                                params_dtype=torch.float32)
     mlp, xs, ys = model_and_data(args.width, args.depth, args.samples)
-
-    class Wrapped(MegatronModule):
-        def __init__(self) -> None:
-            super().__init__(config=config)
-            self.mlp = mlp
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(x)
-
     model = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=args.sharded,
-        overlap_param_gather=args.sharded, bucket_size=args.bucket_numel), Wrapped())
+        overlap_param_gather=args.sharded, bucket_size=args.bucket_numel), wrapped(config, mlp))
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-4, weight_decay=0.01, params_dtype=torch.float32,
         use_distributed_optimizer=args.sharded, clip_grad=0.0), [model])
