@@ -112,9 +112,10 @@ class GenerationGroups:
         Dropping them at once makes every survivor blocked on this rank see
         the failure within milliseconds instead of after a timeout. The last
         reference goes here, since gloo's destructor is what closes the sockets.
-        Work started and not waited for (:meth:`started`) ends first: once
-        the groups are interrupted it fails at once, and no operation of a
-        group gone writes into a buffer the next generation reduces in.
+        Work started and not waited for (:meth:`started`) has ended when it
+        returns: once the groups are interrupted it fails at once, and no
+        operation of a group gone writes into a buffer the next generation
+        reduces in.
         """
         if not self.held:
             return
