@@ -20,6 +20,8 @@ megatron's fused weight-gradient kernel accumulates into it instead of ``.grad``
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from unicron_elastic.api import ConfigError
@@ -76,7 +78,7 @@ class GradientBuffer:
 
     def spans(self) -> list[tuple[int, int]]:
         """``(start, end)`` of each parameter's gradient in the flat sum, in the order of :attr:`params`."""
-        ends = torch.tensor([p.numel() for p in self.params]).cumsum(0).tolist()
+        ends = itertools.accumulate(p.numel() for p in self.params)
         return [(end - p.numel(), end) for p, end in zip(self.params, ends)]
 
     def extras_of(self, total: torch.Tensor) -> torch.Tensor:

@@ -148,9 +148,9 @@ class GlobalBatchPlan:
             raise ConfigError(f"no micro-batch {micro_batch} of step {step} (B={self.num_micro_batches})")
         epoch, within = divmod(step, self.steps_per_epoch)
         start = within * self.global_batch + micro_batch * self.micro_batch
-        positions = np.arange(start, start + self.micro_batch, dtype=np.uint64)
+        positions = np.arange(start, start + self.micro_batch, dtype=np.int64)
         order = self.order(epoch)
-        return (positions if order is None else order(positions)).astype(np.int64).tolist()
+        return (positions if order is None else order(positions)).tolist()
 
 
 def deal(num_micro_batches: int, members: list[int]) -> dict[int, list[int]]:
