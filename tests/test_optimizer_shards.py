@@ -12,6 +12,7 @@ to the unsharded engine's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -129,6 +130,98 @@ def test_an_optimizer_with_state_already_is_refused() -> None:
     shards = OptimizerShards(2, torch.device("cpu"), waiting=None, point=lambda kind: None, updated=lambda: None)
     with pytest.raises(ConfigError, match="already has state"):
         shards.bind(optimizer, list(model.parameters()), [0, 1], 0)
+
+
+def _bf16_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(torch.bfloat16)
+
+
+def _one_rank_shards(model: torch.nn.Module) -> tuple[OptimizerShards, object]:
+    """The sharded optimizer of one member over a gloo group of one (in-process)."""
+    import torch.distributed as dist
+
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    shards = OptimizerShards(1, torch.device("cpu"), waiting=lambda what: contextlib.nullcontext(),
+                             point=lambda kind: None, updated=lambda: None, wait=lambda pg, work: work.wait())
+    shards.bind(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), list(model.parameters()), [0], 0)
+    return shards, pg
+
+
+def test_bf16_parameters_step_float32_main_parameters_from_float32_gradients_and_checkpoints_hold_them() -> None:
+    from unicron_elastic.strategy.engine.optimizer_shards import MAIN_PARAM
+    from unicron_elastic.strategy.engine.shard_checkpoint import collect, load
+
+    model = _bf16_model()
+    shards, pg = _one_rank_shards(model)
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]  # Megatron's main params
+    reference = torch.optim.AdamW(masters, lr=0.01, weight_decay=0.1)
+    for step in range(3):
+        grads = [torch.randn(p.shape) * 1e-3 for p in masters]  # (bfloat16 would round them: 8 bits of mantissa)
+        for p, m, g in zip(model.parameters(), masters, grads):
+            p.grad, p.main_grad, m.grad = None, g.clone(), g.clone()  # what the engine sets (half_main_grads)
+        reference.step()
+        shards.optimizer.step()
+        shards.refresh(pg, [0], 0, generation=1)  # the gather rounds the main parameters into the model
+    flat = torch.cat([m.detach().reshape(-1) for m in masters])
+    assert torch.equal(shards.main[0].detach(), flat)  # float32 updates of float32 gradients, not rounded ones
+    assert all(torch.equal(p.detach(), m.detach().to(torch.bfloat16)) for p, m in zip(model.parameters(), masters))
+    assert not torch.equal(flat, torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]))
+    whole = collect(shards, pg, 0)  # a checkpoint's state: each parameter's float32 main parameter beside its moments
+    assert all(torch.equal(whole["state"][i][MAIN_PARAM], m.detach()) for i, m in enumerate(masters))
+    for resume in ("checkpoint", "tier"):  # a model loaded from the checkpoint holds the rounded values only
+        restored = _bf16_model()
+        restored.load_state_dict(model.state_dict())
+        again, _ = _one_rank_shards(restored)
+        if resume == "checkpoint":
+            again.optimizer.load_state_dict(whole)  # Lightning's restore (the pre-hook takes this rank's share)
+        else:
+            load(again, whole, everything=True)  # the rank that resumes a group from a snapshot
+        assert torch.equal(again.main[0].detach(), flat), resume
+        moments = torch.cat([reference.state[m]["exp_avg"].reshape(-1) for m in masters])
+        assert torch.equal(again.optimizer.state[again.main[0]]["exp_avg"], moments), resume
+
+
+def test_the_gradient_buffer_hands_half_parameters_their_reduced_sum_as_main_grad_unrounded() -> None:
+    from unicron_elastic.strategy.engine.gradients import GradientBuffer, optimizer_gradient
+
+    model = _bf16_model()
+    params = list(model.parameters())
+    buffer = GradientBuffer(params, torch.float32, None, half_main_grads=True)
+    local, _ = buffer.zeros(reuse=True)
+    local.copy_(torch.randn(local.numel()))
+    buffer.reduce_buffer(local, 0)[: local.numel()].copy_(local)
+    buffer.set_gradients(3.0, poisoned=False)
+    expected = buffer.views(local / 3.0)[1]
+    for p, want in zip(params, expected):
+        assert p.grad is None and p.main_grad.dtype == torch.float32 and torch.equal(optimizer_gradient(p), want)
+    buffer.release()
+    assert not any(hasattr(p, "main_grad") for p in params)
+    rounded = GradientBuffer(params, torch.float32, None)  # unsharded: the optimizer steps the bf16 parameters
+    rounded.reduce_buffer(local, 0)[: local.numel()].copy_(local)
+    rounded.set_gradients(1.0, poisoned=False)
+    assert all(p.grad.dtype == torch.bfloat16 for p in params)
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.floats(1e-3, 10.0), st.integers(0, 2**31 - 1))
+def test_clipping_gradient_tensors_equals_torchs_clipping_of_parameters_to_the_bit(sizes: list[int], clip: float,
+                                                                                   seed: int) -> None:
+    from unicron_elastic.strategy.lightning.clipping import clip_by_norm, clip_by_value, scale_to_norm
+
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    grads = [torch.randn(n, generator=generator) for n in sizes]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    ours = [g.clone() for g in grads]
+    assert torch.equal(clip_by_norm(ours, clip), torch.nn.utils.clip_grad_norm_(params, clip))
+    assert all(torch.equal(a, p.grad) for a, p in zip(ours, params))
+    norm = torch.tensor(2.5)
+    scale_to_norm(ours, clip, norm)
+    torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+    clip_by_value(ours, clip / 4)
+    torch.nn.utils.clip_grad_value_(params, clip / 4)
+    assert all(torch.equal(a, p.grad) for a, p in zip(ours, params))
 
 
 # -- the engine's sharded step with killed processes ----------------------------------------------------
@@ -452,20 +545,20 @@ def test_a_checkpoint_written_at_dp4_i2_resumes_at_dp2_i1_with_equal_parameters_
     assert _same_optimizer_state(_optimizer_state(second / "final.ckpt"), _optimizer_state(gpt_baseline / "final.ckpt"))
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
-def test_parameters_that_are_not_float32_are_refused_with_the_precision_to_use(precision: str) -> None:
+def test_float64_parameters_are_refused_with_the_precision_to_use_and_half_ones_are_accepted() -> None:
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-    from unicron_elastic.strategy.lightning.fit_checks import check_float32_parameters
+    from unicron_elastic.strategy.lightning.fit_checks import check_parameter_dtypes
 
     def plugin(precision: str):
         return _AcceleratorConnector(accelerator="cpu", precision=precision).precision_plugin
 
-    with pytest.raises(ConfigError, match="use precision='bf16-mixed'"):
-        check_float32_parameters(torch.nn.Linear(2, 2), plugin(precision))  # (the plugin converts them later)
-    with pytest.raises(ConfigError, match=r"weight is torch.bfloat16"):
-        check_float32_parameters(torch.nn.Linear(2, 2).bfloat16(), plugin("32-true"))
-    check_float32_parameters(torch.nn.Linear(2, 2), plugin("bf16-mixed"))
+    with pytest.raises(ConfigError, match="use precision='bf16-true'.*'bf16-mixed' or '32-true'"):
+        check_parameter_dtypes(torch.nn.Linear(2, 2), plugin("64-true"))  # (the plugin converts them later)
+    with pytest.raises(ConfigError, match=r"weight is torch.float64"):
+        check_parameter_dtypes(torch.nn.Linear(2, 2).double(), plugin("32-true"))
+    for precision, dtype in (("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("bf16-mixed", torch.float32)):
+        check_parameter_dtypes(torch.nn.Linear(2, 2).to(dtype), plugin(precision))
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

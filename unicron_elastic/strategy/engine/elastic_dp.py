@@ -290,7 +290,8 @@ class ElasticDataParallel:
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad][::-1]
         extras = reductions.totals.size if reductions.totals is not None else 0
         self.gradients = GradientBuffer([p for _, p in named], self.grad_dtype, self.bucket_numel, extras=extras,
-                                        main_grad=reductions.main_grad)
+                                        main_grad=reductions.main_grad,
+                                        half_main_grads=self.optimizer_shards is not None)
         committed = self.reduction.committed
         sums = ReplicaSums(self.gradients.params, [name for name, _ in named], self.layout, self.rank,
                            reductions.tensor_reduced.reversed_in(len(named))) if committed else None

@@ -16,6 +16,12 @@ With megatron-core's gradient-accumulation fusion (``main_grad``), each
 parameter's ``main_grad`` is its view of the sum (or, where the sum's dtype is
 not float32, a float32 buffer added to the sum after each micro-batch):
 megatron's fused weight-gradient kernel accumulates into it instead of ``.grad``.
+
+With a sharded optimizer (``half_main_grads``), a half-precision parameter's
+reduced gradient is not rounded to its dtype: its ``.grad`` stays None and its
+``main_grad`` is its view of the reduced sum, which the optimizer's float32
+main parameters load (:func:`optimizer_gradient`), as megatron-core's
+distributed optimizer loads ``main_grad``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,17 @@ import itertools
 import torch
 
 from unicron_elastic.api import ConfigError
+
+#: Parameter dtypes a sharded optimizer keeps float32 main parameters of (Megatron-LM's mixed precision).
+HALF = (torch.bfloat16, torch.float16)
+
+
+def optimizer_gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """A parameter's reduced gradient as a sharded optimizer loads and clips it: ``main_grad`` for a half-precision
+    parameter (the reduced sum's own dtype, see :class:`GradientBuffer`), else ``.grad``."""
+    if param.dtype in HALF:
+        return getattr(param, "main_grad", None)
+    return param.grad
 
 
 class GradientBuffer:
@@ -36,19 +53,21 @@ class GradientBuffer:
         bucket_numel: Elements per bucket (None: one bucket).
         extras: Elements after the gradients in the flat sum (in the last bucket).
         main_grad: Give every parameter a ``main_grad`` (megatron-core's gradient-accumulation fusion).
+        half_main_grads: (A sharded optimizer) a half-precision parameter's reduced gradient is its ``main_grad``,
+            a view of the reduced sum, and its ``.grad`` stays None (:meth:`set_gradients`).
 
     Raises:
         ConfigError: ``params`` is empty.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], grad_dtype: torch.dtype, bucket_numel: int | None,
-                 extras: int = 0, main_grad: bool = False) -> None:
+                 extras: int = 0, main_grad: bool = False, half_main_grads: bool = False) -> None:
         if not params:
             raise ConfigError("the model has no parameter that requires a gradient")
         self.params, self.grad_dtype = params, grad_dtype
         #: Gradient elements (the extras follow them).
         self.numel = sum(p.numel() for p in params)
-        self.extras, self.main_grad = extras, main_grad
+        self.extras, self.main_grad, self.half_main_grads = extras, main_grad, half_main_grads
         total = self.numel + extras
         size = bucket_numel or total
         #: ``(start, end)`` of each bucket in the flat sum (the last one holds the extras).
@@ -148,7 +167,7 @@ class GradientBuffer:
         micro-batch's part)."""
         for p in self.params:
             p.grad = None
-            if self.main_grad and hasattr(p, "main_grad"):
+            if (self.main_grad or self.half_main_grads) and hasattr(p, "main_grad"):
                 del p.main_grad
 
     def reduce_buffer(self, local: torch.Tensor, slots: int) -> torch.Tensor:
@@ -183,7 +202,9 @@ class GradientBuffer:
         Every bucket was reduced in its slice of :meth:`reduce_buffer` (also a
         bucket kept from a failed attempt), so the sum is the buffer's head,
         already in place. ``poisoned``: another shard's sum overflowed; NaN
-        makes the loss scaler skip the step here too.
+        makes the loss scaler skip the step here too. With
+        ``half_main_grads`` a half-precision parameter's gradient is its
+        ``main_grad`` (a view, not rounded) and its ``.grad`` None.
         """
         grad = self.reduced_sum()
         assert grad is not None  # (every step reduces each of its buckets first)
@@ -195,4 +216,7 @@ class GradientBuffer:
                 p.grad = view
             return
         for p, view in zip(self.params, self.views(grad)[1]):
-            p.grad = view.to(p.dtype)
+            if self.half_main_grads and p.dtype in HALF:
+                p.grad, p.main_grad = None, view
+            else:
+                p.grad = view.to(p.dtype)

@@ -27,6 +27,13 @@ One step of the engine with it:
 An element-wise optimizer's step on a share equals the same elements of its
 step on the whole parameters, to the bit: with ``grad_dtype=float64`` the
 parameters equal the unsharded engine's.
+
+Half-precision model parameters (``bf16-true``; Megatron-LM's mixed precision):
+the main parameters are float32 all the same; the gather rounds them into the
+model. Their gradients are loaded from the reduced sum itself (``main_grad``:
+:func:`~unicron_elastic.strategy.engine.gradients.optimizer_gradient`), not
+rounded to the parameters' dtype, and a whole state (checkpoints, snapshots)
+holds each such parameter's float32 main parameter under :data:`MAIN_PARAM`.
 """
 
 from __future__ import annotations
@@ -40,14 +47,19 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, ShardLostError
+from unicron_elastic.strategy.engine.gradients import HALF, optimizer_gradient
 from unicron_elastic.strategy.engine.shard_layout import Piece, ShardLayout, plan_pieces
 
-__all__ = ["ELEMENT_WISE", "SHARED_ELSEWHERE", "OptimizerShards", "check_element_wise", "same_step", "scalar_dtype", "share_format",
-           "share_of", "states_per_group"]
+__all__ = ["ELEMENT_WISE", "MAIN_PARAM", "SHARED_ELSEWHERE", "OptimizerShards", "check_element_wise", "main_of",
+           "same_step", "scalar_dtype", "share_format", "share_of", "states_per_group"]
 
 #: Marks an optimizer state dict that holds no per-element state because each rank holds its own share (what a
 #: replica hands a joiner: the joiner gets its share from the members when its group forms).
 SHARED_ELSEWHERE = "unicron_optimizer_state_shared_elsewhere"
+
+#: The per-parameter key of a whole state that holds a half-precision parameter's float32 main parameter (where the
+#: optimizer has state: the model's own values are the main parameters' before the first step).
+MAIN_PARAM = "main_param"
 
 log = structlog.get_logger(__name__)
 
@@ -96,6 +108,11 @@ class _Group:
     def numel(self) -> int:
         return self.offsets[-1]
 
+    @property
+    def half(self) -> bool:
+        """Some of its parameters are half-precision: a whole state holds their float32 main parameters."""
+        return any(p.dtype in HALF for p in self.params)
+
     def _parts(self, start: int, end: int):  # type: ignore[no-untyped-def]
         for p, lo, hi in zip(self.params, self.offsets, self.offsets[1:]):
             a, b = max(lo, start), min(hi, end)
@@ -103,11 +120,11 @@ class _Group:
                 yield p, a - lo, b - lo, a - start, b - start
 
     def read(self, start: int, end: int, grad: bool = False) -> torch.Tensor:
-        """Elements ``[start, end)`` of the parameters (or of their gradients, zeros for none) as fp32."""
+        """Elements ``[start, end)`` of the parameters (or of their reduced gradients, zeros for none) as fp32."""
         device = self.params[0].device if self.params else torch.device("cpu")
         out = torch.zeros(end - start, dtype=torch.float32, device=device)
         for p, a, b, i, j in self._parts(start, end):
-            source = p.grad if grad else p.detach()
+            source = optimizer_gradient(p) if grad else p.detach()
             if source is not None:
                 out[i:j].copy_(source.reshape(-1)[a:b])
         return out
@@ -499,6 +516,14 @@ def share_of(shards: OptimizerShards, g: int, per_param: list[dict[str, Any]], s
 
 
 
+def main_of(per_param: list[dict[str, Any]], start: int, end: int) -> torch.Tensor | None:
+    """A whole state's float32 main parameters (:data:`MAIN_PARAM`) of one group over ``[start, end)``; None when it
+    holds none (float32 parameters, whose values are the main parameters, or no optimizer state yet)."""
+    if not per_param or any(MAIN_PARAM not in s for s in per_param):
+        return None
+    return torch.cat([s[MAIN_PARAM].reshape(-1).to(torch.float32) for s in per_param])[start:end].clone()
+
+
 def states_per_group(shards: OptimizerShards, state_dict: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """A whole state dict's per-parameter states, group by group (``{}`` for a parameter without state).
 
@@ -517,6 +542,9 @@ def share_format(shards: OptimizerShards, state_dict: dict[str, Any]) -> dict[st
     """A whole state dict (or one marked :data:`SHARED_ELSEWHERE`) as the sharded optimizer's own ``state_dict``:
     one main parameter per group, the state of this rank's share (what torch's ``load_state_dict`` loads).
 
+    Where the whole state holds float32 main parameters (:data:`MAIN_PARAM`: half-precision parameters) this
+    rank's main parameters are set from them (the model's own were rounded to its dtype).
+
     Raises:
         ValueError: ``state_dict`` does not match the optimizer's parameter groups.
     """
@@ -529,6 +557,9 @@ def share_format(shards: OptimizerShards, state_dict: dict[str, Any]) -> dict[st
         share = share_of(shards, g, per_param, *shards.held[g])
         if share:
             state[g] = share
+        main = main_of(per_param, *shards.held[g])
+        if main is not None:
+            shards.main[g].detach().copy_(main)
     return {"state": state, "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)]}
 
 

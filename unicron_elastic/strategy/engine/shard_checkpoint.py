@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron_elastic.strategy.engine.optimizer_shards import (OptimizerShards, same_step, scalar_dtype, share_of,
-                                                              states_per_group)
+from unicron_elastic.strategy.engine.optimizer_shards import (MAIN_PARAM, OptimizerShards, main_of, same_step,
+                                                              scalar_dtype, share_of, states_per_group)
 from unicron_elastic.strategy.engine.shard_layout import plan_pieces
 
 __all__ = ["collect", "load"]
@@ -49,12 +49,14 @@ def collect(shards: OptimizerShards, pg: dist.ProcessGroup, root: int) -> dict[s
         pieces = plan_pieces([h[g][:2] for h in held], group.numel)
         stateful = any(held[p.source][g][2] for p in pieces)
         keys = shards.present(g) if stateful else ()
-        flat = {key: torch.zeros(group.numel, dtype=torch.float32) for key in keys} if index == root else {}
+        saved = ((MAIN_PARAM, 0),) if stateful and group.half else ()  # (row 0: the main parameter)
+        saved += tuple((key, 1 + k) for k, key in enumerate(keys))
+        flat = {key: torch.zeros(group.numel, dtype=torch.float32) for key, _ in saved} if index == root else {}
         for tag, piece in enumerate(pieces):
             rows = _moved(shards, pg, g, piece, keys, root, _TAGS * g + tag)
             if rows is not None and index == root:
-                for k, key in enumerate(keys):
-                    flat[key][piece.start:piece.end].copy_(rows[1 + k])
+                for key, row in saved:
+                    flat[key][piece.start:piece.end].copy_(rows[row])
         step = torch.zeros(1, dtype=torch.float64)
         if stateful and shards.scalar_keys:
             source = pieces[0].source
@@ -110,17 +112,24 @@ def _as_state_dict(shards: OptimizerShards, flats: list[dict[str, torch.Tensor]]
 def load(shards: OptimizerShards, state_dict: dict[str, Any], everything: bool = False) -> None:
     """Take this rank's share (``everything``: all of it) of a whole state dict (what :func:`collect` returns).
 
-    The main parameters are read from the model's parameters (loaded from the
-    same checkpoint); the optimizer's hyperparameters from ``state_dict``.
+    The main parameters are ``state_dict``'s :data:`MAIN_PARAM` where it holds them (half-precision
+    parameters), else read from the model's parameters (loaded from the same checkpoint); the optimizer's
+    hyperparameters from ``state_dict``.
 
     Raises:
         ValueError: ``state_dict`` does not match the optimizer's parameter groups.
     """
     per_group = states_per_group(shards, state_dict)
     held = [(0, g.numel) for g in shards.groups] if everything else list(shards.held)
-    main = [group.read(start, end) for group, (start, end) in zip(shards.groups, held)]
+    main = [_main(group, per_param, start, end) for group, per_param, (start, end) in zip(shards.groups, per_group, held)]
     states = [share_of(shards, g, per_param, *held[g]) for g, per_param in enumerate(per_group)]
     for options, saved in zip(shards.optimizer.param_groups, state_dict["param_groups"]):
         options.update({k: v for k, v in saved.items() if k != "params"})
     shards.hold(held, main, states)
 
+
+
+def _main(group: Any, per_param: list[dict[str, Any]], start: int, end: int) -> torch.Tensor:
+    """A group's main parameter over ``[start, end)``: the state's float32 one, else the model's values."""
+    main = main_of(per_param, start, end)
+    return group.read(start, end) if main is None else main.to(group.params[0].device)

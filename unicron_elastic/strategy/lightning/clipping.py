@@ -4,6 +4,11 @@ Lightning's precision plugin clips with ``clip_grad_by_norm``; with TP x PP >
 1 that would clip each shard by its own norm. The engine takes the replica's
 norm in the step's commit (every parameter counted once, as megatron-core
 counts it), and :class:`ReplicaNormClip` clips every shard by it alike.
+
+With a sharded optimizer the gradients clipped are the model's reduced ones,
+as the shares load them (:func:`~unicron_elastic.strategy.engine.gradients.optimizer_gradient`:
+a half-precision parameter's ``main_grad``, in the sums' dtype), with torch's
+arithmetic (:func:`clip_by_norm`, :func:`scale_to_norm`).
 """
 
 from __future__ import annotations
@@ -13,12 +18,41 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unicron_elastic.strategy.engine.gradients import optimizer_gradient
 from unicron_elastic.strategy.lightning.precision import loss_scaler
 
 if TYPE_CHECKING:
     from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel
 
-__all__ = ["ReplicaNormClip", "install_clipping", "replica_grad_norm"]
+__all__ = ["ReplicaNormClip", "clip_by_norm", "clip_by_value", "install_clipping", "replica_grad_norm",
+           "scale_to_norm"]
+
+
+def gradients_of(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The reduced gradients of ``params`` that a sharded optimizer loads (those that exist)."""
+    return [g for g in map(optimizer_gradient, params) if g is not None]
+
+
+def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place by ``min(max_norm / (total_norm + 1e-6), 1)``: torch's
+    ``clip_grads_with_norm_`` on gradient tensors themselves (the same operations, so the same bits)."""
+    coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.device))
+
+
+def clip_by_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` (2-norm) on gradient tensors themselves; returns the norm before clipping."""
+    total = torch.nn.utils.get_total_norm(grads)
+    if grads:
+        scale_to_norm(grads, max_norm, total)
+    return total
+
+
+def clip_by_value(grads: list[torch.Tensor], clip_value: float) -> None:
+    """torch's ``clip_grad_value_`` on gradient tensors themselves."""
+    for grad in grads:
+        grad.clamp_(min=-float(clip_value), max=float(clip_value))
 
 
 def replica_grad_norm(engine: ElasticDataParallel | None, precision: Any) -> float | None:
@@ -75,10 +109,12 @@ class ReplicaNormClip:
         # torch clamps the coefficient at 1, so there is nothing to scale; older releases' docs do not say they clamp.
         if norm + 1e-6 <= clip_val:
             return
-        chosen = self.params if self.params is not None else self.precision.main_params(optimizer)
-        params = [p for p in chosen if p.grad is not None]
-        device = params[0].grad.device if params else self.device
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.tensor(norm, dtype=torch.float32, device=device))
+        if self.params is not None:
+            grads = gradients_of(self.params)
+        else:
+            grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
+        device = grads[0].device if grads else self.device
+        scale_to_norm(grads, clip_val, torch.tensor(norm, dtype=torch.float32, device=device))
 
 
 def clip_model_gradients(precision: Any, params: list[torch.nn.Parameter]) -> None:
@@ -86,14 +122,15 @@ def clip_model_gradients(precision: Any, params: list[torch.nn.Parameter]) -> No
 
     Lightning clips the gradients of the optimizer's parameters, which with a sharded optimizer are this
     rank's shares, whose gradients are loaded from the model's only after the clipping. Every rank holds the
-    whole reduced gradient, so clipping the model's by the whole norm is what the unsharded optimizer does.
+    whole reduced gradient, so clipping the model's by the whole norm is what the unsharded optimizer does
+    (a half-precision parameter's is its ``main_grad``, which the shares load).
 
     Args:
         precision: Lightning's precision plugin (its ``clip_grad_by_norm`` and ``clip_grad_by_value`` are set).
         params: The model's parameters whose gradients the engine reduces.
     """
-    precision.clip_grad_by_norm = lambda optimizer, clip_val: torch.nn.utils.clip_grad_norm_(params, clip_val)
-    precision.clip_grad_by_value = lambda optimizer, clip_val: torch.nn.utils.clip_grad_value_(params, clip_val)
+    precision.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_norm(gradients_of(params), clip_val)
+    precision.clip_grad_by_value = lambda optimizer, clip_val: clip_by_value(gradients_of(params), clip_val)
 
 
 def install_clipping(precision: Any, engine: ElasticDataParallel, sharded: bool, norm: Callable[[], float | None],

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+from lightning.pytorch.plugins.precision import DoublePrecision
 
 from unicron_elastic.api import ConfigError
 from unicron_elastic.strategy.engine.engine_options import ModelReductions
+from unicron_elastic.strategy.engine.gradients import HALF
 from unicron_elastic.strategy.engine.optimizer_shards import check_element_wise
 from unicron_elastic.strategy.engine.pipeline import SCHEDULES
 from unicron_elastic.strategy.lightning.forward import megatron_shape
@@ -83,7 +84,7 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
             optimizers, configs the strategy would train wrongly, groups it cannot rebuild
             (:mod:`~unicron_elastic.strategy.lightning.megatron_checks`,
             :mod:`~unicron_elastic.strategy.lightning.model_groups`); sharded, an optimizer that is not
-            element-wise, a loss scaler or parameters that are not float32 (:func:`check_float32_parameters`).
+            element-wise, a loss scaler or float64 parameters (:func:`check_parameter_dtypes`).
     """
     tp, pp = sizes
     if not module.automatic_optimization:
@@ -103,7 +104,7 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
     check_wrappers(module, optimizers)
     if sharded:
         check_element_wise(optimizers[0])
-        check_float32_parameters(module, precision)
+        check_parameter_dtypes(module, precision)
         if loss_scaler(precision) is not None:
             raise ConfigError("distributed_optimizer=True does not support a loss scaler (precision='16-mixed'): "
                               "the scaler unscales the optimizer's gradients before its step, where each rank's "
@@ -113,23 +114,24 @@ def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, 
         check_groups(module)
 
 
-def check_float32_parameters(module: Any, precision: Any) -> None:
-    """(A sharded optimizer) refuse parameters that are not float32.
+def check_parameter_dtypes(module: Any, precision: Any) -> None:
+    """(A sharded optimizer) refuse parameters whose main parameters would round them: float64 ones.
 
-    The shares are float32 main parameters: with bfloat16 or float16 parameters (``precision="bf16-true"``)
-    checkpoints would hold the parameters rounded to them; with float64 ones (``"64-true"``) every step would
-    round them to float32.
+    The shares are float32 main parameters: float32 parameters are their own main parameters; half-precision
+    ones (``precision="bf16-true"``, ``"16-true"``: Megatron-LM's mixed precision) are rounded from them by
+    each gather, and checkpoints hold the main parameters. With float64 parameters (``"64-true"``) every step
+    would round them to float32.
 
     Raises:
-        ConfigError: A ``*-true`` precision other than 32-bit, or a trainable parameter that is not float32.
+        ConfigError: The ``64-true`` precision, or a trainable parameter that is neither float32 nor half-precision.
     """
     wrong = next(((name, p.dtype) for name, p in module.named_parameters()
-                  if p.requires_grad and p.dtype != torch.float32), None)  # (frozen ones are not sharded)
-    if isinstance(precision, (HalfPrecision, DoublePrecision)) or wrong is not None:
+                  if p.requires_grad and p.dtype != torch.float32 and p.dtype not in HALF), None)  # (frozen: unsharded)
+    if isinstance(precision, DoublePrecision) or wrong is not None:
         found = f"{wrong[0]} is {wrong[1]}" if wrong else f"Lightning's {type(precision).__name__} plugin converts them"
-        raise ConfigError("distributed_optimizer=True steps float32 main parameters of float32 model parameters "
-                          f"({found}): use precision='bf16-mixed' (float32 parameters, bfloat16 compute, as "
-                          "Megatron-LM's recipes) or '32-true'")
+        raise ConfigError("distributed_optimizer=True steps float32 main parameters of float32 or half-precision "
+                          f"model parameters ({found}): use precision='bf16-true' (bfloat16 parameters, float32 "
+                          "main parameters, as Megatron-LM's bf16 recipes), 'bf16-mixed' or '32-true'")
 
 
 def reductions_of(module: Any, precision: Any, report_keys: tuple[str, ...]) -> ModelReductions:
