@@ -166,6 +166,9 @@ class Scenario:
         validate: (sharded, ``eager_refresh``) after that refresh every rank validates (the Lightning
             strategy's ``on_validation_start``: :meth:`Protocol.before_validation`); a rank that validates
             stale parameters violates the protocol.
+        overlap_gather: (sharded) a step's refresh only enters its collective (``overlap_param_gather``); the
+            next computation waits for it first (a failure there is
+            :class:`~unicron_elastic.strategy.engine.effects.GatherFailed`), as does a refresh that waits.
     """
 
     world: int
@@ -190,6 +193,7 @@ class Scenario:
     sharded: bool = False
     eager_refresh: bool = False
     validate: bool = False
+    overlap_gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -353,6 +357,7 @@ class _Rank:
                                  checkin_timeout=math.inf if sc.deadline is None else sc.deadline, logger=_Quiet(),
                                  **self._protocol_options())
         self.group: FakeGroup | None = None
+        self.gather: tuple[FakeGroup, int] | None = None  # an overlapped refresh's collective, not waited for
         if not joining:
             self._first_groups(list(members))
         self.points = 0
@@ -382,7 +387,7 @@ class _Rank:
         return self.rank
 
     def _protocol_options(self) -> dict[str, bool]:
-        return {"sharded": self.sim.scenario.sharded}
+        return {"sharded": self.sim.scenario.sharded, "overlap_gather": self.sim.scenario.overlap_gather}
 
     def _protocol_buckets(self) -> int:
         return self.sim.scenario.buckets
@@ -427,7 +432,7 @@ class _Rank:
                     yield from self.run(self.protocol.refresh(s + 1))
                 if sc.sharded and sc.eager_refresh and sc.validate:
                     yield from self.run(self.protocol.before_validation(s + 1))
-                    if self.protocol.stale:
+                    if self.protocol.stale or self.gather is not None:
                         raise ProtocolViolation(f"rank {self.rank} validates after step {s} with stale parameters")
             except E.Retired:  # asked to leave: out at a step boundary, exits 0
                 self.store_effects.withdraw_leave_request()  # (as ElasticDataParallel.begin_step)
@@ -463,6 +468,10 @@ class _Rank:
     def compute(self, e: E.Compute) -> Generator[None, None, list[int]]:
         if self.protocol.stale and e.micro_batches:
             raise ProtocolViolation(f"rank {self.rank} computes step {e.step} with stale parameters")
+        try:
+            yield from self._gathered()
+        except _Failed:
+            raise E.GatherFailed(f"rank {self.rank}: the gather before step {e.step} failed") from None
         total = [0] * self.sim.scenario.buckets
         for j in e.micro_batches:
             yield from self.point("redo" if e.redo else "micro", e.step, j)
@@ -493,12 +502,29 @@ class _Rank:
         self.in_recovery = e.paused
 
     def refresh(self, e: E.Refresh) -> Generator[None, None, None]:
-        """(Sharded) the reshard and the parameters' gather: one collective of the group."""
+        """(Sharded) the reshard and the parameters' gather: one collective of the group (with ``overlap``
+        entered only: :meth:`_gathered` waits; a refresh that waits finishes one entered in the same group)."""
         if self.group is None:
             raise _Failed
+        if self.gather is not None and not e.overlap and self.gather[0] is self.group:
+            yield from self._gathered()
+            return
+        self.gather = None
         seq = self.group.enter(self.rank, ("refresh", e.step), 0)
         yield from self.point("refresh", e.step)
+        if e.overlap:
+            self.gather = (self.group, seq)
+            return
         yield from self.group.wait(self.rank, seq, self.sim.scenario.partial)
+
+    def _gathered(self) -> Generator[None, None, None]:
+        """Wait for the collective of an overlapped refresh, if one is in flight (its group dropped: failed)."""
+        if self.gather is None:
+            return
+        (group, seq), self.gather = self.gather, None
+        if group is not self.group:
+            raise _Failed
+        yield from group.wait(self.rank, seq, self.sim.scenario.partial)
 
     def drop(self, e: E.DropGroup) -> Generator[None, None, None]:
         if self.group is not None:
@@ -1014,7 +1040,7 @@ def _failing_as_collectives(handler: Callable[[Any], Any]) -> Callable[[Any], Ge
             result = handler(effect)
             if isinstance(result, Generator):
                 result = yield from result
-        except (_Failed, ReplicaBroken, _ModelError, ProtocolViolation):
+        except (_Failed, ReplicaBroken, E.GatherFailed, _ModelError, ProtocolViolation):
             raise
         except Exception as exc:
             raise ProtocolViolation(f"{type(effect).__name__}: a handler raised {exc!r}") from exc

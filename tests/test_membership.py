@@ -288,21 +288,36 @@ def test_recovery_protocol_properties_when_the_last_bucket_completes_on_some_onl
 
 
 @FAST
-@given(scenarios(keep_one=False), st.floats(0.0, 1.0), st.sampled_from(["next step", "eager", "eager, validate"]))
+@given(scenarios(keep_one=False), st.floats(0.0, 1.0), st.sampled_from(["next step", "eager", "eager, validate"]),
+       st.booleans())
 def test_recovery_protocol_properties_with_a_sharded_optimizer(scenario: Scenario, partial: float,
-                                                               order: str) -> None:
+                                                               order: str, overlap: bool) -> None:
     # Every member refreshes at the same collective (the fake refuses members that disagree), none computes (or
     # validates) with stale parameters, and the step's sums stay exact, however the refresh or the last bucket
     # fails, whether the parameters are gathered when the next step begins (the engine) or right after the step
-    # (Lightning), with a validation between steps or without.
+    # (Lightning), with a validation between steps or without, the gather waited for by the refresh or by the
+    # next computation (overlap_param_gather).
     from dataclasses import replace
     check_all(run(replace(scenario, sharded=True, partial=partial, partial_last=partial > 0.5,
-                          eager_refresh=order != "next step", validate=order == "eager, validate")))
+                          eager_refresh=order != "next step", validate=order == "eager, validate",
+                          overlap_gather=overlap)))
 
 
 def test_sharded_a_rank_lost_in_the_gather_the_others_refresh_again_before_computing() -> None:
     scenario = Scenario(world=4, buckets=2, micro_batches=6, steps=3, deaths={2: ("refresh", 1)}, sharded=True,
                         partial=1.0, deadline=None)
+    sim = Sim(scenario).run()
+    check_all(sim)
+    assert sim.outcome == "finished" and not sim.excluded
+    assert [(d.rank, d.label) for d in sim.deaths] == [(2, ("refresh", 1, None))]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["next-step", "eager"])
+@pytest.mark.parametrize("partial", [0.0, 0.5, 1.0])
+def test_overlapped_gather_a_rank_lost_in_it_fails_the_others_computation_and_they_recompute_after_the_regroup(
+        eager: bool, partial: float) -> None:
+    scenario = Scenario(world=4, buckets=2, micro_batches=6, steps=3, deaths={2: ("refresh", 1)}, sharded=True,
+                        eager_refresh=eager, overlap_gather=True, partial=partial, deadline=None)
     sim = Sim(scenario).run()
     check_all(sim)
     assert sim.outcome == "finished" and not sim.excluded

@@ -312,6 +312,35 @@ def test_a_rank_killed_anywhere_in_the_sharded_step_costs_no_other_rank_a_restar
         assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [1, pytest.param(2, marks=pytest.mark.e2e)], ids=["a-source", "not-a-source"])
+def test_overlapped_gather_a_rank_killed_in_it_costs_no_other_rank_a_restart(tmp_path: Path, sharded_baseline,
+                                                                              victim: int) -> None:
+    # Rank 1 sends the second piece of the gather (instance 0 holds the pieces sent): killed after the first piece
+    # started, it never sends its own, so the survivors' forward waits fail (GatherFailed) and they compute after
+    # the step's regroup. Rank 2 sends none (gloo's broadcast may still pass through it).
+    overlapped = ("--optimizer-instances", "2", "--overlap-param-gather")
+    results = train(tmp_path, *overlapped, faults=[fail_at(rank=victim, step=1, at="gather")])
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1, "the fault did not fire"
+    assert results[victim].returncode == -9
+    for rank in (r for r in range(4) if r != victim):
+        assert results[rank].returncode == 0, results[rank].stderr[-3000:]
+        reports = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [rep["step"] for rep in reports] == [0, 1, 2]
+        assert sorted(d for rep in reports for d in rep["dead"]) == [victim]
+        said = results[rank].stdout + results[rank].stderr
+        assert victim != 1 or "the parameters' gather failed" in said, (rank, said[-2000:])
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
+
+
+@pytest.mark.timeout(240)
+def test_overlapped_gather_failure_free_equals_the_gather_before_the_step(tmp_path: Path, sharded_baseline) -> None:
+    results = train(tmp_path, "--optimizer-instances", "2", "--overlap-param-gather")
+    assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-3000:]
+    for rank in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
+
+
 REJOIN_STEPS = 8
 
 

@@ -54,6 +54,9 @@ class Computation:
         self.model: torch.nn.Module | None = None
         self.gradients: GradientBuffer | None = None
         self.launcher: BucketLauncher | None = None
+        #: Called before each micro-batch's backward and at the end of each computation: an overlapped gather of the
+        #: parameters (:class:`~unicron_elastic.strategy.engine.param_gather.OverlappedGather`) is finished there.
+        self.settle: Callable[[], None] = lambda: None
         #: ``(step, j)``: the micro-batch whose forward runs now (``batch``, ``loss_fn`` and ``stage_fn`` may read it).
         self.current_micro_batch: tuple[int, int] | None = None
         #: Steps whose recomputation ran this stage forward only (PP, after a failure in the reduction).
@@ -96,9 +99,12 @@ class Computation:
                 for j in self._each(step, micro_batches):
                     if j == last:  # its backward starts each bucket once summed
                         self.launcher.arm(step, total, views, adds=not bound)
-                    self.loss_fn(self.model, self.batch(batch_plan.indices(step, j))).backward()
+                    loss = self.loss_fn(self.model, self.batch(batch_plan.indices(step, j)))
+                    self.settle()  # (an overlapped gather: every parameter written before backward reads it)
+                    loss.backward()
                     if not bound:
                         gradients.accumulate(views)
+            self.settle()
             if bound:
                 # A .grad that is not its view (a hook set it to None) is added here.
                 gradients.accumulate(views)

@@ -231,9 +231,15 @@ class Refresh:
     A collective over the group; raises ``RuntimeError`` when it fails, and
     :class:`~unicron_elastic.api.ShardLostError` when every copy of part of
     the state was lost. Returns nothing.
+
+    With ``overlap`` (``overlap_param_gather``) the gather is only started: the
+    next :class:`Compute` waits for each piece before the first use of its
+    parameters, and raises :class:`GatherFailed` when one fails. A refresh
+    without ``overlap`` first finishes a gather started in the same group.
     """
 
     step: int
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -366,6 +372,11 @@ class Retired(Exception):
 class ReplicaBroken(RuntimeError):
     """(Raised by a transport's :class:`Compute`) the model's own collectives failed: a tensor- or
     pipeline-parallel peer of this replica is lost, so this replica cannot finish the step."""
+
+
+class GatherFailed(RuntimeError):
+    """(Raised by a transport's :class:`Compute`) the gather an overlapped :class:`Refresh` started failed: this
+    rank's parameters are stale and nothing it computed counts."""
 
 
 class Excluded(Exception):

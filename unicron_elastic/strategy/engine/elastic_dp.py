@@ -134,6 +134,7 @@ from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.joining import StateHandout, default_state, load_default_state
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards
+from unicron_elastic.strategy.engine.param_gather import OverlappedGather
 from unicron_elastic.strategy.engine.overlap import BucketLauncher
 from unicron_elastic.strategy.engine.protocol import Protocol
 from unicron_elastic.strategy.engine.reduction import StepReduction
@@ -206,6 +207,10 @@ class ElasticDataParallel:
             raise ValueError(f"max_world {options.max_world} is smaller than world_size {world_size}")
         if layout.pipeline > 1 and hooks.stage_fn is None:
             raise ConfigError("a pipeline-parallel model needs stage_fn (each stage's forward of one micro-batch)")
+        if options.overlap_param_gather and (options.optimizer_instances is None or layout.size > 1):
+            raise ConfigError("overlap_param_gather needs the distributed optimizer (optimizer_instances) and "
+                              f"TP = PP = 1 (got {layout.tensor} x {layout.pipeline}): with TP x PP > 1 the shards "
+                              "agree that every gather completed before computing")
         self.rank, self.replica, self.shard = rank, layout.replica(rank), layout.shard(rank)
         self.model, self.optimizer, self._batch_plan = model, optimizer, batch_plan
         self.grad_dtype, self.bucket_numel = options.grad_dtype, options.bucket_numel
@@ -239,6 +244,10 @@ class ElasticDataParallel:
             options.optimizer_instances, self.groups.transport.device, self.watch.waiting,
             lambda kind: self.fault_point(self.rank, self.next_step - (kind == "gather"), at=kind),
             updated=lambda: setattr(self.protocol, "stale", True), holds=not joining, wait=self.groups.transport.wait)
+        if options.overlap_param_gather:
+            self.optimizer_shards.overlapped = OverlappedGather(lambda: (self.groups.built, self.groups.shard),
+                                                                self.groups.transport.wait, self.groups.started,
+                                                                self.groups.waited)
         self._joining: tuple[Any, Any] | None = None
         self._handlers = self._effect_handlers()
         if model is not None:
@@ -255,7 +264,8 @@ class ElasticDataParallel:
                         micro_batches=batch_plan.num_micro_batches if batch_plan is not None else 0, buckets=0,
                         member_schedule=member_schedule, checkin_timeout=options.checkin_timeout,
                         collective_timeout=options.timeout.total_seconds(), authority=self.shard == 0,
-                        compute_needs_group=self.layout.size > 1, sharded=options.optimizer_instances is not None)
+                        compute_needs_group=self.layout.size > 1, sharded=options.optimizer_instances is not None,
+                        overlap_gather=options.overlap_param_gather)
 
     def _first_groups(self, tie: bool) -> None:
         """(A member from the start) build generation 0's groups and publish the members."""
@@ -306,6 +316,9 @@ class ElasticDataParallel:
         self.model, self.optimizer = model, optimizer
         if self.optimizer_shards is not None:
             self.optimizer_shards.bind(optimizer, self.gradients.params, self.members, self.replica)
+            if self.optimizer_shards.overlapped is not None:  # each module waits for its pieces; backward for all
+                self.optimizer_shards.overlapped.bind(model)
+                self.computation.settle = self.optimizer_shards.overlapped.finish
             self.handout.on_fresh = self.optimizer_shards.hold_fresh  # (a group restarting from step 0)
             # A checkpoint's optimizer state: every share, on the rank of replica 0 (the one Lightning writes with).
             self.optimizer_shards.collector = lambda: collect(
@@ -378,7 +391,7 @@ class ElasticDataParallel:
             E.Point: self._point, E.Pause: lambda e: self.pause(e.paused, e.bound),
             E.Refresh: lambda e: self.optimizer_shards.refresh(  # (TP x PP > 1: the shards agree it completed)
                 self.groups.shard, self.members, self.replica, self.generation,
-                self.groups.every_rank if self.layout.size > 1 else None),
+                self.groups.every_rank if self.layout.size > 1 else None, overlap=e.overlap),
             E.Now: lambda e: time.monotonic(), E.Sleep: lambda e: time.sleep(e.seconds),
             # What the protocol decided, for observers (the in-process fake records them).
             E.Abandon: _nothing, E.Decided: _nothing, E.Followed: _nothing, E.Reassigned: _nothing,

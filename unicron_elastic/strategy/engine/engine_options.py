@@ -83,6 +83,11 @@ class EngineOptions:
         overlap_grad_reduce: Start each bucket's all-reduce from backward as soon as its gradients are summed
             (Megatron-LM's ``--overlap-grad-reduce``; :mod:`~unicron_elastic.strategy.engine.overlap`).
             False: the buckets start when the reduction begins (still without waiting for each other).
+        overlap_param_gather: (With ``optimizer_instances``, TP = PP = 1) start the gather of the updated
+            parameters after each optimizer step and wait for each piece before the first module that uses it
+            computes, in the next step's forward (Megatron-LM's ``--overlap-param-gather``;
+            :mod:`~unicron_elastic.strategy.engine.param_gather`). Between steps the model then holds the
+            previous step's parameters, until :meth:`ElasticDataParallel.refresh` or the next step's forward.
     """
 
     bucket_numel: int | None = None
@@ -96,6 +101,7 @@ class EngineOptions:
     watch_times: WatchTimes | None = None
     optimizer_instances: int | None = None
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
 
 
 @dataclass(frozen=True)

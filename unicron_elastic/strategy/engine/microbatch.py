@@ -188,3 +188,14 @@ def redistribute(assignment: dict[int, list[int]], dead: list[int]) -> dict[int,
     for i, j in enumerate(orphans):
         extra[survivors[i % len(survivors)]].append(j)
     return extra
+
+
+def dealt_after_losses(num_micro_batches: int, base: list[int], rounds: list[list[int]],
+                       members: list[int]) -> dict[int, list[int]]:
+    """Who computes which micro-batch of a step dealt over ``base``, the ranks lost in each of ``rounds``
+    redistributed in turn (as a member that regrouped once per round does), for each of ``members``."""
+    dealt = deal(num_micro_batches, list(base))
+    for dead in rounds:
+        moved = redistribute(dealt, dead)
+        dealt = {r: dealt[r] + moved[r] for r in dealt if r not in dead}
+    return {r: dealt.get(r, []) for r in members}

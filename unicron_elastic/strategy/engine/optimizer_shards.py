@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, ShardLostError
 from unicron_elastic.strategy.engine.gradients import HALF, optimizer_gradient
+from unicron_elastic.strategy.engine.param_gather import GatherPiece, OverlappedGather
 from unicron_elastic.strategy.engine.shard_layout import Piece, ShardLayout, plan_pieces
 
 __all__ = ["ELEMENT_WISE", "MAIN_PARAM", "SHARED_ELSEWHERE", "OptimizerShards", "check_element_wise", "main_of",
@@ -113,7 +114,7 @@ class _Group:
         """Some of its parameters are half-precision: a whole state holds their float32 main parameters."""
         return any(p.dtype in HALF for p in self.params)
 
-    def _parts(self, start: int, end: int):  # type: ignore[no-untyped-def]
+    def parts(self, start: int, end: int):  # type: ignore[no-untyped-def]
         for p, lo, hi in zip(self.params, self.offsets, self.offsets[1:]):
             a, b = max(lo, start), min(hi, end)
             if a < b:
@@ -123,7 +124,7 @@ class _Group:
         """Elements ``[start, end)`` of the parameters (or of their reduced gradients, zeros for none) as fp32."""
         device = self.params[0].device if self.params else torch.device("cpu")
         out = torch.zeros(end - start, dtype=torch.float32, device=device)
-        for p, a, b, i, j in self._parts(start, end):
+        for p, a, b, i, j in self.parts(start, end):
             source = optimizer_gradient(p) if grad else p.detach()
             if source is not None:
                 out[i:j].copy_(source.reshape(-1)[a:b])
@@ -132,7 +133,7 @@ class _Group:
     @torch.no_grad()
     def write(self, start: int, values: torch.Tensor) -> None:
         """Set the parameters' elements ``[start, start + len(values))`` (cast to each parameter's dtype)."""
-        for p, a, b, i, j in self._parts(start, start + values.numel()):
+        for p, a, b, i, j in self.parts(start, start + values.numel()):
             p.view(-1)[a:b].copy_(values[i:j])
 
 
@@ -176,6 +177,8 @@ class OptimizerShards:
         #: Set by a trainer that keeps snapshots: where a lost share sends the run back (for the warning at
         #: :meth:`bind` and the error when a share is lost).
         self.returns_to: Callable[[], str] = lambda: "the newest snapshot or checkpoint"
+        #: Set by the engine with ``overlap_param_gather``: the gather an overlapped refresh starts.
+        self.overlapped: OverlappedGather | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.groups: list[_Group] = []
         #: Per parameter group: the ``(start, end)`` this rank holds.
@@ -294,7 +297,7 @@ class OptimizerShards:
 
     # -- the moves ---------------------------------------------------------------------------------------
     def refresh(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int, generation: int,
-                every_rank: dist.ProcessGroup | None = None) -> None:
+                every_rank: dist.ProcessGroup | None = None, overlap: bool = False) -> None:
         """Reshard when what the ranks hold is not their share of ``members``' layout, then gather the parameters.
 
         A collective over ``pg`` (the shard's data-parallel group of
@@ -310,13 +313,17 @@ class OptimizerShards:
         shard whose parameters are stale (its model's collectives would not
         match).
 
+        With ``overlap`` (:attr:`overlapped`; not with ``every_rank``) the gather is only started: the next
+        computation waits for it. A refresh without ``overlap`` first finishes a gather started in the same
+        groups (and then gathers nothing again); one started in groups gone since is dropped.
+
         Raises:
             RuntimeError: The group failed (a member was lost), or was gone already; with ``every_rank``, also
                 another shard's refresh failed.
             ShardLostError: Part of the state is held by no member any more.
         """
         try:
-            self._refresh_shard(pg, members, member, generation)
+            self._refresh_shard(pg, members, member, generation, overlap)
             failed = 0.0
         except RuntimeError as exc:
             if every_rank is None:
@@ -346,7 +353,7 @@ class OptimizerShards:
         return bool(flag.item())
 
     def _refresh_shard(self, pg: dist.ProcessGroup | None, members: Sequence[int], member: int,
-                       generation: int) -> None:
+                       generation: int, overlap: bool = False) -> None:
         """:meth:`refresh` in this shard's data-parallel group ``pg``.
 
         Raises:
@@ -355,9 +362,16 @@ class OptimizerShards:
         """
         if pg is None:
             raise RuntimeError("the group failed before the parameters were gathered")
+        gather = self.overlapped
+        if gather is not None and gather.pending is not None:
+            if not overlap and gather.pending == gather.current()[0]:
+                gather.finish()  # (raises GatherFailed, a RuntimeError)
+                return
+            gather.discard()
         layout = self.layout(members)
         if self._refreshed == (generation, layout):  # (every member's holdings are its share: nothing moved since)
-            self._gather(pg, [[(*layout.range_of(m, g.numel), 0) for g in self.groups] for m in layout.members])
+            self._gather(pg, [[(*layout.range_of(m, g.numel), 0) for g in self.groups] for m in layout.members],
+                         overlap)
             return
         self._refreshed = None
         held = self.exchange(pg)
@@ -366,8 +380,9 @@ class OptimizerShards:
         if [[_empty_as_zero(h[:2]) for h in rank] for rank in held] != shares:
             self._reshard(pg, held, shares[layout.members.index(member)])
             held = [[(*share_, 0) for share_ in rank] for rank in shares]
-        self._gather(pg, held)
-        self._refreshed = (generation, layout)
+        self._gather(pg, held, overlap, lambda: setattr(self, "_refreshed", (generation, layout)))
+        if not overlap:
+            self._refreshed = (generation, layout)
 
     def exchange(self, pg: dist.ProcessGroup) -> list[list[tuple[int, int, int]]]:
         """What every rank of ``pg`` holds: per rank, per group ``(start, end, stepped)``.
@@ -470,9 +485,11 @@ class OptimizerShards:
     def step_of(self, g: int) -> torch.Tensor:
         return torch.tensor([float(self.optimizer.state[self.main[g]]["step"])], dtype=torch.float64)
 
-    def _gather(self, pg: dist.ProcessGroup, held: list[list[tuple[int, int, int]]]) -> None:
-        """Every parameter of the model set from the main parameter of the rank that holds it."""
-        index = pg.rank()
+    def _gather(self, pg: dist.ProcessGroup, held: list[list[tuple[int, int, int]]], overlap: bool = False,
+                done: Callable[[], None] = lambda: None) -> None:
+        """Every parameter of the model set from the main parameter of the rank that holds it (``overlap``: the
+        pieces' broadcasts started, :attr:`overlapped` writes them; ``done()`` once all are written)."""
+        index, started = pg.rank(), []
         for g, group in enumerate(self.groups):
             pieces = plan_pieces([h[g][:2] for h in held], group.numel)
             for n, piece in enumerate(pieces):
@@ -481,10 +498,24 @@ class OptimizerShards:
                     buf = self.main[g].detach()[piece.start - first:piece.end - first].clone()
                 else:
                     buf = torch.empty(piece.end - piece.start, dtype=torch.float32, device=self.main[g].device)
-                self._broadcast(pg, buf, piece.source)
-                group.write(piece.start, buf)
+                if overlap:
+                    started.append(self._start_piece(pg, group, piece, buf))
+                else:
+                    self._broadcast(pg, buf, piece.source)
+                    group.write(piece.start, buf)
                 if n == 0 and g == 0:
                     self.point("gather")
+        if overlap:
+            self.overlapped.start(self.overlapped.current()[0], started, done)
+
+    def _start_piece(self, pg: dist.ProcessGroup, group: _Group, piece: Piece, buf: torch.Tensor) -> GatherPiece:
+        """Start ``piece``'s broadcast without waiting; what writes it into the model once it arrived."""
+        staged = buf.to(self.device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = piece.source
+        work = pg.broadcast([staged], opts)
+        params = frozenset(id(p) for p, *_ in group.parts(piece.start, piece.end))
+        return GatherPiece(params, staged, work, lambda values, start=piece.start: group.write(start, values))
 
     def _broadcast(self, pg: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None:
         staged = tensor.to(self.device)

@@ -29,12 +29,13 @@ from unicron_elastic.strategy.engine.membership import (CheckIn, MembershipError
                                                          formation, proposal, resize_record, role)
 from unicron_elastic.strategy.engine.effects import (
     Abandon, Add, Admitted, AgreeMembers, Announce, AnyCheckedIn, BuildGroup, CheckInFor, Compute, Decided, DropGroup,
-    Excluded, Fallback, Followed, Formed, FreeGeneration, MarkReady, Now, Pause, Point, ReadAlive, ReadCheckIns,
+    Excluded, Fallback, Followed, Formed, FreeGeneration, GatherFailed, MarkReady, Now, Pause, Point, ReadAlive,
+    ReadCheckIns,
     ReadFinished, ReadLatest, ReadMembers, ReadReady, ReadRecord, ReadRequests, ReadWaiting, Reassigned, Reduce,
     Refresh, Regrouped, ReplicaBroken, RequestJoin, Retired, SetGradients, Sleep, StepReport, TransferState,
     WriteRecord,
 )
-from unicron_elastic.strategy.engine.microbatch import deal, redistribute
+from unicron_elastic.strategy.engine.microbatch import dealt_after_losses, redistribute
 
 log = structlog.get_logger(__name__)
 
@@ -70,17 +71,22 @@ class Protocol:
             an optimizer step the parameters are stale until a :class:`Refresh` (before the next step computes;
             a rank whose refresh failed computes its micro-batches after the step's regroup), and every group
             formed after a failure or a resize refreshes first.
+        overlap_gather: (Sharded) a step's refresh only starts the gather, and its computation waits for it
+            (:class:`Refresh` with ``overlap``); every other refresh waits for the gather.
     """
 
     def __init__(self, rank: int, members: Sequence[int], micro_batches: int, buckets: int,
                  member_schedule: Mapping[int, Sequence[int]] | None = None, checkin_timeout: float = 10.0,
                  collective_timeout: float = 30.0, logger: Any = None, authority: bool = True,
-                 compute_needs_group: bool = False, ready_timeout: float = 300.0, sharded: bool = False) -> None:
+                 compute_needs_group: bool = False, ready_timeout: float = 300.0, sharded: bool = False,
+                 overlap_gather: bool = False) -> None:
         self.rank = rank
         self.authority, self.compute_needs_group = authority, compute_needs_group
-        self.sharded = sharded
+        self.sharded, self.overlap_gather = sharded, overlap_gather
         #: (Sharded) an optimizer step updated the shares since the parameters were last gathered.
         self.stale = False
+        #: (Sharded) a gather an overlapped refresh started is in flight: the next computation waits for it.
+        self.gathering = False
         self.ready_timeout = ready_timeout
         self.joining = False  # in join(), not admitted yet
         self.resumed: int | None = None  # the step of the fallback state this rank fetched (no replica was left)
@@ -113,11 +119,7 @@ class Protocol:
         base, rounds = self.members, []
         if self.deal_base is not None and self.deal_base[0] == step:
             _, base, rounds = self.deal_base
-        dealt = deal(self.micro_batches, list(base))
-        for dead in rounds:  # one redistribution per regroup, as a member that regrouped in the reduction does
-            moved = redistribute(dealt, dead)
-            dealt = {r: dealt[r] + moved[r] for r in dealt if r not in dead}
-        return {r: dealt.get(r, []) for r in self.members}
+        return dealt_after_losses(self.micro_batches, base, rounds, self.members)
 
     def begin_step(self, step: int) -> Effects:
         """Agree on the members of ``step`` and compute this rank's micro-batches; returns the :class:`StepReport`.
@@ -139,8 +141,14 @@ class Protocol:
         owed = tuple(report.micro_batches) if self.stale else ()
         try:
             local = yield Compute(step, () if owed else tuple(report.micro_batches))
+        except GatherFailed as exc:  # as a failed refresh: computed after the reduction's regroup
+            self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
+            self.stale, owed = True, tuple(report.micro_batches)
+            yield DropGroup()
+            local = yield Compute(step, ())
         except ReplicaBroken as exc:
             yield from self._broken(step, 0, exc)
+        self.gathering = False
         self._pending = (step, report, assignment, local, owed)
         return report
 
@@ -319,11 +327,12 @@ class Protocol:
             yield Sleep(0.002)
 
     # -- a sharded optimizer's parameters ------------------------------------------------------------------
-    def _refresh(self, step: int) -> Effects:
-        """(Sharded) every rank holds its share of the members' optimizer state and the updated parameters."""
+    def _refresh(self, step: int, overlap: bool = False) -> Effects:
+        """(Sharded) every rank holds its share of the members' optimizer state and the updated parameters (with
+        ``overlap``: their gather started)."""
         if self.sharded:
-            yield Refresh(step)
-            self.stale = False
+            yield Refresh(step, overlap)
+            self.stale, self.gathering = False, overlap
 
     def _refreshed(self, step: int, outcome: Regrouped) -> Effects:
         """After a regroup in a step's reduction: :meth:`_refresh` (sharded), regrouping again while it fails.
@@ -341,20 +350,23 @@ class Protocol:
                 self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
                 outcomes.append((yield from self._regroup(step, outcomes[-1].done)))
 
-    def refresh(self, step: int, last: bool = False) -> Effects:
+    def refresh(self, step: int, last: bool = False, settle: bool = False) -> Effects:
         """(Sharded, parameters stale) gather them before ``step`` computes, or when training ends (``last``).
 
         A failure drops the group: the parameters stay stale and the step's reduction regroups (every member
-        then refreshes first); after the last step (``last``) the members regroup at once.
+        then refreshes first); after the last step (``last``) the members regroup at once. With
+        ``overlap_gather`` the gather is only started, unless ``last`` or ``settle``: then a gather in flight is
+        waited for, as a refresh.
 
         Raises:
             Retired: (``last``) the record followed is a resize that leaves this rank out.
             Excluded: (``last``) a failure's record left this rank out.
         """
+        self.stale = self.stale or (self.gathering and (last or settle))  # (its Refresh waits for the gather)
         if not self.stale:
             return
         try:
-            yield from self._refresh(step)
+            yield from self._refresh(step, self.overlap_gather and not (last or settle))
         except RuntimeError as exc:
             self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
             if not last:
@@ -378,6 +390,7 @@ class Protocol:
         """
         if not self.sharded or step == self.synced_step:
             return
+        yield from self.refresh(step, settle=True)  # (a gather in flight: waited for first)
         try:
             yield AgreeMembers(step, tuple(self.members) if self.is_primary else None)  # (a probe: no change)
         except RuntimeError as exc:
