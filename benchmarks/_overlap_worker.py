@@ -5,7 +5,8 @@ data, with the same global batch (one micro-batch per rank and step) and gradien
 ``--bucket-numel`` elements:
 
 * ``--side unicron``: ``ElasticDataParallel`` (float32 sums; ``--no-overlap`` starts the buckets when the
-  reduction begins instead of from backward; ``--sharded``: the distributed optimizer, one instance);
+  reduction begins instead of from backward; ``--sharded``: the distributed optimizer, one instance, with
+  ``overlap_param_gather``);
 * ``--side megatron``: megatron-core's ``DistributedDataParallel`` with ``overlap_grad_reduce`` (and with
   ``--sharded`` its ``DistributedOptimizer`` with ``overlap_param_gather``), run on the CPU with the three
   answers to its CUDA questions of ``_megatron_do_worker.py``;
@@ -82,7 +83,8 @@ def unicron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
         store=connect_meeting_store(), rank=rank, world_size=world,
         options=EngineOptions(bucket_numel=args.bucket_numel, timeout=timedelta(seconds=120),
                               overlap_grad_reduce=not args.no_overlap,
-                              optimizer_instances=1 if args.sharded else None))
+                              optimizer_instances=1 if args.sharded else None,
+                              overlap_param_gather=args.sharded))
     reports = []
     try:
         for step in range(args.steps):

@@ -16,7 +16,7 @@ sides alternate, ``--runs`` times each (the order reversed on odd runs):
 
 ``--sharded`` runs the distributed optimizer on both sides instead (megatron-core: ``DistributedOptimizer``
 with ``overlap_param_gather``, reduce-scatter; the engine: all-reduce, then its parameters broadcast piece by
-piece).
+piece, with ``overlap_param_gather``: started after the step, waited for in the next forward).
 
 Printed per side: the median step time (steps 2 and later), the median wait for the gradients after
 backward (exposed communication), the share of the communication left exposed (that wait over the

@@ -333,6 +333,7 @@ def test_overlapped_gather_a_rank_killed_in_it_costs_no_other_rank_a_restart(tmp
         assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_overlapped_gather_failure_free_equals_the_gather_before_the_step(tmp_path: Path, sharded_baseline) -> None:
     results = train(tmp_path, "--optimizer-instances", "2", "--overlap-param-gather")

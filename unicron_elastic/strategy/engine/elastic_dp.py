@@ -247,7 +247,7 @@ class ElasticDataParallel:
         if options.overlap_param_gather:
             self.optimizer_shards.overlapped = OverlappedGather(lambda: (self.groups.built, self.groups.shard),
                                                                 self.groups.transport.wait, self.groups.started,
-                                                                self.groups.waited)
+                                                                self.groups.waited, options.bucket_numel)
         self._joining: tuple[Any, Any] | None = None
         self._handlers = self._effect_handlers()
         if model is not None:
@@ -495,8 +495,9 @@ class ElasticDataParallel:
     def refresh(self, last: bool = False, validation: bool = False) -> None:
         """(A sharded optimizer) the parameters its last step updated, gathered into every model (between steps).
 
-        The next :meth:`begin_step` does it otherwise. Nothing happens without a sharded optimizer, or when
-        nothing changed. When it fails the parameters stay stale until the next step's regroup; with ``last``
+        The next :meth:`begin_step` does it otherwise (with ``overlap_param_gather`` it only starts the gather
+        there, and the computation waits for it; here it is always waited for, a gather in flight included).
+        Nothing happens without a sharded optimizer, or when nothing changed. When it fails the parameters stay stale until the next step's regroup; with ``last``
         (no next step: :meth:`finish`) the members regroup at once. With ``validation`` (every member calls
         it before validating between steps: :meth:`Protocol.before_validation`) the members check in a small
         collective that every one's parameters are gathered, and regroup together at once if not.
@@ -507,7 +508,7 @@ class ElasticDataParallel:
             Excluded: (``last``, ``validation``) a member was lost meanwhile and a record left this rank out.
         """
         step = self.next_step
-        run(self.protocol.before_validation(step) if validation else self.protocol.refresh(step, last),
+        run(self.protocol.before_validation(step) if validation else self.protocol.refresh(step, last, settle=True),
             self._handlers)
 
     def close(self) -> None:

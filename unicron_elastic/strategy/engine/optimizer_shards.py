@@ -499,7 +499,8 @@ class OptimizerShards:
                 else:
                     buf = torch.empty(piece.end - piece.start, dtype=torch.float32, device=self.main[g].device)
                 if overlap:
-                    started.append(self._start_piece(pg, group, piece, buf))
+                    started += [self._start_piece(pg, group, part, buf[part.start - piece.start:part.end - piece.start])
+                                for part in self.overlapped.parts(piece)]
                 else:
                     self._broadcast(pg, buf, piece.source)
                     group.write(piece.start, buf)

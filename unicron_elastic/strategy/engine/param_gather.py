@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.strategy.engine.effects import GatherFailed
+from unicron_elastic.strategy.engine.shard_layout import Piece
 
 __all__ = ["GatherPiece", "OverlappedGather"]
 
@@ -65,12 +66,15 @@ class OverlappedGather:
             (:meth:`~unicron_elastic.strategy.engine.transport.CollectiveTransport.wait`).
         started: Notes work started and not waited for (settled when the groups are aborted).
         waited: Notes work waited for.
+        part_numel: Elements per broadcast at most (the gradient buckets' size: megatron-core gathers bucket
+            by bucket); None: one broadcast per piece.
     """
 
     def __init__(self, current: Callable[[], tuple[int, dist.ProcessGroup | None]],
                  wait: Callable[[dist.ProcessGroup, Any], None], started: Callable[[Any], Any],
-                 waited: Callable[[Any], None]) -> None:
+                 waited: Callable[[Any], None], part_numel: int | None = None) -> None:
         self.current, self.wait, self.started, self.waited = current, wait, started, waited
+        self.part_numel = part_numel
         self._in_flight: _InFlight | None = None
         self._hooks: list[Any] = []
 
@@ -89,6 +93,12 @@ class OverlappedGather:
             if own:
                 self._hooks.append(module.register_forward_pre_hook(
                     lambda mod, args, own=own: self._before(own)))
+
+    def parts(self, piece: Piece) -> list[Piece]:
+        """``piece`` cut into broadcasts of at most :attr:`part_numel` elements (the first forward waits for the
+        first part only)."""
+        size = self.part_numel or max(piece.end - piece.start, 1)
+        return [Piece(piece.source, a, min(a + size, piece.end)) for a in range(piece.start, piece.end, size)]
 
     def start(self, key: int, pieces: list[GatherPiece], done: Callable[[], None]) -> None:
         """Hold ``pieces``, started under the groups' generation count ``key``; ``done()`` once all are written."""
