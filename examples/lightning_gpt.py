@@ -496,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shard AdamW's state over the data-parallel ranks (Megatron-LM's distributed optimizer)")
     parser.add_argument("--optimizer-instances", type=int, default=1,
                         help="--distributed-optimizer: instances that each hold the whole state")
+    parser.add_argument("--overlap-param-gather", action="store_true",
+                        help="--distributed-optimizer: gather the updated parameters into the next step's forward")
     parser.add_argument("--ckpt-path", type=Path, default=None, help="resume from this checkpoint (Lightning's)")
     parser.add_argument("--val-every", type=int, default=None, metavar="STEPS",
                         help="validate on one batch every STEPS steps (TinyGPT; the summary's \"validated\")")
@@ -559,7 +561,7 @@ def main() -> None:
         members=[int(r) for r in args.members.split(",")] if args.members else None,
         member_schedule={int(k): v for k, v in json.loads(args.member_schedule).items()},
         timeout=timedelta(seconds=args.collective_timeout), distributed_optimizer=args.distributed_optimizer,
-        optimizer_instances=args.optimizer_instances)
+        optimizer_instances=args.optimizer_instances, overlap_param_gather=args.overlap_param_gather)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=pl.loggers.CSVLogger(args.out / "logs"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,

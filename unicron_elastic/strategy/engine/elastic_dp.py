@@ -492,11 +492,12 @@ class ElasticDataParallel:
         if self.replica in self.members and self.groups.held:
             self.store_effects.record_finished(self.next_step)
 
-    def refresh(self, last: bool = False, validation: bool = False) -> None:
+    def refresh(self, last: bool = False, validation: bool = False, overlap: bool = False) -> None:
         """(A sharded optimizer) the parameters its last step updated, gathered into every model (between steps).
 
         The next :meth:`begin_step` does it otherwise (with ``overlap_param_gather`` it only starts the gather
-        there, and the computation waits for it; here it is always waited for, a gather in flight included).
+        there, and the computation waits for it; here it is waited for, a gather in flight included, unless
+        ``overlap``).
         Nothing happens without a sharded optimizer, or when nothing changed. When it fails the parameters stay stale until the next step's regroup; with ``last``
         (no next step: :meth:`finish`) the members regroup at once. With ``validation`` (every member calls
         it before validating between steps: :meth:`Protocol.before_validation`) the members check in a small
@@ -508,8 +509,8 @@ class ElasticDataParallel:
             Excluded: (``last``, ``validation``) a member was lost meanwhile and a record left this rank out.
         """
         step = self.next_step
-        run(self.protocol.before_validation(step) if validation else self.protocol.refresh(step, last, settle=True),
-            self._handlers)
+        run(self.protocol.before_validation(step) if validation else
+            self.protocol.refresh(step, last, settle=not overlap), self._handlers)
 
     def close(self) -> None:
         """Destroy this rank's groups; call before the process exits.

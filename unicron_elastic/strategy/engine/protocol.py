@@ -251,6 +251,7 @@ class Protocol:
         """
         bound = self.checkin_timeout * 2 + self.collective_timeout
         yield Pause(True, bound)  # before anything slow
+        self.stale, self.gathering = self.stale or self.gathering, False  # (a gather in flight goes with the group)
         yield DropGroup()
         base: list[int] | None = None
         dead: list[int] = []

@@ -134,3 +134,17 @@ class MicroBatchFeed:
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+
+
+class StepPlaceholders:
+    """What Lightning's training loop iterates: one placeholder per optimizer step of an epoch (the step's
+    micro-batches come from :class:`MicroBatchFeed`)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(self.steps))

@@ -49,16 +49,22 @@ def check_arguments(sizes: dict[str, int | None], snapshot_every: int, checkpoin
         raise ConfigError(f"unknown pipeline_schedule {pipeline_schedule!r}; choose one of {sorted(SCHEDULES)}")
 
 
-def check_distributed_optimizer(distributed: bool, instances: int) -> None:
-    """Refuse optimizer instances without a distributed optimizer.
+def check_distributed_optimizer(distributed: bool, instances: int, overlap_gather: bool = False,
+                                model_parallel: int = 1) -> None:
+    """Refuse optimizer instances, or an overlapped gather, without a distributed optimizer.
 
     Raises:
-        ConfigError: ``optimizer_instances`` below 1, or other than 1 without ``distributed_optimizer``.
+        ConfigError: ``optimizer_instances`` below 1, or other than 1 without ``distributed_optimizer``;
+            ``overlap_param_gather`` without it, or with TP x PP > 1.
     """
     if instances < 1:
         raise ConfigError(f"optimizer_instances={instances} must be >= 1")
     if instances != 1 and not distributed:
         raise ConfigError("optimizer_instances needs distributed_optimizer=True (instances of a sharded state)")
+    if overlap_gather and (not distributed or model_parallel > 1):
+        raise ConfigError("overlap_param_gather needs distributed_optimizer=True and tensor_model_parallel_size x "
+                          f"pipeline_model_parallel_size = 1 (got {model_parallel}): with TP x PP > 1 the shards "
+                          "agree that every gather completed before computing")
 
 
 def check_fit(trainer: Any, module: Any, optimizers: list[Any], precision: Any, device: torch.device,

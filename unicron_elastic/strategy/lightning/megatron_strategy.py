@@ -69,7 +69,7 @@ from unicron_elastic.strategy.engine.replicas import ModelParallel
 from unicron_elastic.strategy.engine.transport import nccl_error_handling, transport_for
 from unicron_elastic.strategy.lightning.clipping import install_clipping, replica_grad_norm
 from unicron_elastic.strategy.lightning.environment import UnicronEnvironment
-from unicron_elastic.strategy.lightning.feed import MicroBatchFeed
+from unicron_elastic.strategy.lightning.feed import MicroBatchFeed, StepPlaceholders
 from unicron_elastic.strategy.lightning.fit_checks import (check_arguments, check_distributed_optimizer, check_fit,
                                                            reductions_of)
 from unicron_elastic.strategy.lightning.forward import MicroBatchForward
@@ -91,23 +91,11 @@ log = structlog.get_logger(__name__)
 STRATEGY_NAME = "unicron_megatron"
 
 
-class _Steps:
-    """What the training loop iterates: one placeholder per optimizer step of an epoch."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(range(self.steps))
-
-
-def _refresh(strategy: UnicronMegatronStrategy, validation: bool = False) -> None:
-    """(Sharded) :meth:`ElasticDataParallel.refresh`; a resize that leaves this rank out retires it."""
+def _refresh(strategy: UnicronMegatronStrategy, validation: bool = False, overlap: bool = False) -> None:
+    """(Sharded) :meth:`ElasticDataParallel.refresh` (``overlap``: only started); a resize that leaves this rank out
+    retires it."""
     try:
-        strategy.engine.refresh(validation=validation)
+        strategy.engine.refresh(validation=validation, overlap=overlap)
     except Retired:
         strategy.retired_at, strategy.role = strategy.engine.next_step, RankRole.RETIRED
         strategy.lightning_module.trainer.should_stop = True
@@ -168,6 +156,10 @@ class UnicronMegatronStrategy(DDPStrategy):
         optimizer_instances: With it, the instances that each hold the whole state (Megatron-LM's
             ``--num-distributed-optimizer-instances``): a lost rank's share is taken from another instance;
             with 1 a lost rank costs a return to the newest snapshot or checkpoint.
+        overlap_param_gather: With it, at TP = PP = 1 (Megatron-LM's ``--overlap-param-gather``): the updated
+            parameters' gather starts after the optimizer step and each module's forward waits for its pieces;
+            between steps the model holds the previous step's parameters until a checkpoint, a snapshot,
+            validation or the next forward waits for the gather.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``cluster_environment``
             defaults to :class:`UnicronEnvironment`, ``process_group_backend`` to gloo).
 
@@ -193,16 +185,19 @@ class UnicronMegatronStrategy(DDPStrategy):
         timeout: timedelta = timedelta(seconds=60), checkin_timeout: float = 10.0, join_timeout: float = 300.0,
         members: list[int] | None = None, member_schedule: dict[int, list[int]] | None = None,
         grad_dtype: torch.dtype = torch.float32, report_keys: tuple[str, ...] = ("lm loss",),
-        distributed_optimizer: bool = False, optimizer_instances: int = 1, **kwargs: Any,
+        distributed_optimizer: bool = False, optimizer_instances: int = 1, overlap_param_gather: bool = False,
+        **kwargs: Any,
     ) -> None:
         kwargs.setdefault("cluster_environment", UnicronEnvironment())
         kwargs.setdefault("process_group_backend", "gloo")
         super().__init__(timeout=timeout, **kwargs)
         check_arguments({"global_batch": global_batch, "micro_batch": micro_batch, "bucket_numel": bucket_numel},
                         snapshot_every, checkpoint_every, pipeline_schedule)
-        check_distributed_optimizer(distributed_optimizer, optimizer_instances)
+        check_distributed_optimizer(distributed_optimizer, optimizer_instances, overlap_param_gather,
+                                    tensor_model_parallel_size * pipeline_model_parallel_size)
         #: With ``distributed_optimizer``: the optimizer instances (None: every rank keeps the whole state).
         self.optimizer_instances = optimizer_instances if distributed_optimizer else None
+        self.overlap_param_gather = overlap_param_gather
         self.layout = ModelParallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         self.global_batch, self.micro_batch, self.seed, self.shuffle = global_batch, micro_batch, seed, shuffle
         self.bucket_numel, self.grad_dtype = bucket_numel, grad_dtype
@@ -258,17 +253,9 @@ class UnicronMegatronStrategy(DDPStrategy):
     @property
     @override
     def world_size(self) -> int:
-        """The world's size; 1 while Lightning's collectives stay on this rank (:attr:`local_only`)."""
+        """The world's size; 1 while Lightning's collectives stay on this rank (``role.local``: a joiner before its
+        first step, a retired rank, ...: it must not run a collective in a world whose members passed that point)."""
         return 1 if self.role.local else super().world_size
-
-    @property
-    def local_only(self) -> bool:
-        """Lightning's collectives stay on this rank (a joiner before its first step, a retired rank, ...).
-
-        A joiner catching up must not run one of Lightning's collectives on the
-        default group (e.g. a ``sync_dist`` log) in a world whose members passed that point.
-        """
-        return self.role.local
 
     @property
     def finished_before_join(self) -> bool:
@@ -343,6 +330,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             max_world=self.env.max_world_size,  # nodes that grow the run join with ranks past WORLD_SIZE
             model_parallel=self.layout, pipeline_schedule=self.pipeline_schedule,
             transport=transport_for(self.root_device), optimizer_instances=self.optimizer_instances,
+            overlap_param_gather=self.overlap_param_gather,
         )
         hooks = EngineHooks(
             fault_point=self._heartbeat.point, stage_fn=forward.stage_forward if self.pp > 1 else None,
@@ -518,8 +506,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.engine.batch_plan = batch_plan
         self._forward.use(dataloader, batch_plan, self.layout.replica(self.env.launch_rank))
         if self.role is RankRole.FINISHED_BEFORE_JOIN:  # the others finished while this rank restarted
-            return _Steps(0)
-        return _Steps(batch_plan.steps_per_epoch)
+            return StepPlaceholders(0)
+        return StepPlaceholders(batch_plan.steps_per_epoch)
 
     # -- one step ------------------------------------------------------------------
     @override
@@ -567,7 +555,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         step = self.engine.next_step
         self.engine.next_step = step + 1
         if not retired:
-            _refresh(self)
+            _refresh(self, overlap=self.overlap_param_gather)
         self._heartbeat.beat(step, self.engine.watch.waited)  # iteration to iteration, callbacks included
         self._heartbeat.point(self.env.launch_rank, step, at="after_optimizer_step")
         return output
@@ -627,6 +615,14 @@ class UnicronMegatronStrategy(DDPStrategy):
         return {"num_replicas": len(members), "rank": members.index(replica)}
 
     # -- Lightning's checkpoints ------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state (a checkpoint's, a snapshot's); with ``overlap_param_gather`` a gather in flight is
+        waited for first (a failed one leaves the parameters stale: the optimizer's state then refuses)."""
+        if self.engine is not None and self.engine.protocol.gathering:
+            _refresh(self)
+        return super().lightning_module_state_dict()
+
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state; sharded, a checkpoint's gathers every share (:meth:`ReplicaState.optimizer_state

@@ -165,10 +165,11 @@ class ReplicaState:
         the teardown gathered.
 
         Raises:
-            RuntimeError: This rank's parameters were not gathered (its gather failed; a later step regroups).
+            RuntimeError: This rank's parameters were not gathered (its gather failed; a later step regroups),
+                for a checkpoint (a joiner's state may hold them: the joiner's refresh gathers them after).
         """
         shards = engine.optimizer_shards if engine is not None else None
-        if shards is not None and engine.protocol.stale:
+        if shards is not None and engine.protocol.stale and not self.dumping:  # (a joiner refreshes after it)
             raise RuntimeError("unicron_megatron: no checkpoint now: this rank's parameters were not gathered")
         if shards is not None and not self.dumping and not engine.groups.held and shards.whole is None and \
                 engine.in_primary_replica and 0 in engine.members:
@@ -207,6 +208,8 @@ class ReplicaState:
         shards = engine.optimizer_shards
         with worker.checkpointing():
             if shards is not None:  # every member: the whole optimizer state, on the primary replica
+                if engine.protocol.gathering:  # (overlap_param_gather) the parameters first (failed: stale, no group)
+                    engine.refresh()
                 try:
                     shards.whole = collect(shards, engine.groups.shard, 0)
                 except (RuntimeError, AttributeError) as exc:  # a member lost (or this rank's group dropped)

@@ -26,14 +26,11 @@ class Stoppable(Protocol):
 
     engine: Any  # the elastic engine (None before setup_distributed)
     env: Any  # its cluster environment (``launch_rank``)
+    role: Any  # its rank's role (``role.local``: Lightning's collectives stay on this rank, no step to agree in)
 
     @property
     def lightning_module(self) -> Any:
         """The module being trained (None before the Trainer attached it)."""
-
-    @property
-    def local_only(self) -> bool:
-        """Lightning's collectives stay on this rank (no step to agree in)."""
 
     @property
     def worker(self) -> Any:
@@ -85,7 +82,7 @@ class SigtermTakeover:
         engine = strategy.engine
         if engine is not None:
             engine.request_stop()
-        if trainer is not None and (engine is None or strategy.local_only or not trainer.training):
+        if trainer is not None and (engine is None or strategy.role.local or not trainer.training):
             trainer._signal_connector.received_sigterm = True
         # No logger here: structlog's (and print's) locks are not reentrant, and the main thread
         # may be inside one when the signal is handled. A raw write of one line takes no lock.
