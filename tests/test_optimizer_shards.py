@@ -629,12 +629,26 @@ def test_float64_parameters_are_refused_with_the_precision_to_use_and_half_ones_
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(optimizer_instances=2), "optimizer_instances needs distributed_optimizer=True"),
     (dict(distributed_optimizer=True, optimizer_instances=0), "optimizer_instances=0 must be >= 1"),
+    (dict(overlap_param_gather=True), "overlap_param_gather needs distributed_optimizer=True"),
+    (dict(distributed_optimizer=True, overlap_param_gather=True, tensor_model_parallel_size=2),
+     r"pipeline_model_parallel_size = 1 \(got 2\)"),
 ])
 def test_the_strategy_refuses_a_distributed_optimizer_it_cannot_train(kwargs: dict, message: str) -> None:
     from unicron_elastic.strategy.lightning import UnicronMegatronStrategy
 
     with pytest.raises(ConfigError, match=message):
         UnicronMegatronStrategy(**kwargs)
+
+
+def test_the_engine_refuses_an_overlapped_gather_without_the_distributed_optimizer_or_with_tp_pp() -> None:
+    from unicron_elastic.strategy.engine import EngineOptions
+    from unicron_elastic.strategy.engine.replicas import ModelParallel
+
+    with pytest.raises(ConfigError, match="overlap_param_gather needs optimizer_instances"):
+        EngineOptions(overlap_param_gather=True)
+    with pytest.raises(ConfigError, match=r"TP x PP = 1 \(got 2\)"):
+        EngineOptions(overlap_param_gather=True, optimizer_instances=1, model_parallel=ModelParallel(1, 2))
+    assert EngineOptions(overlap_param_gather=True, optimizer_instances=2).overlap_param_gather
 
 
 @pytest.mark.e2e

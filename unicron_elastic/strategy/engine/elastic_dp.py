@@ -131,7 +131,7 @@ from unicron_elastic.strategy.engine.engine_options import EngineHooks, EngineOp
 from unicron_elastic.strategy.engine.gradients import GradientBuffer
 from unicron_elastic.strategy.engine.group_watch import GroupWatch
 from unicron_elastic.strategy.engine.groups import GenerationGroups
-from unicron_elastic.strategy.engine.joining import StateHandout, default_state, load_default_state
+from unicron_elastic.strategy.engine.joining import StateHandout
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards
 from unicron_elastic.strategy.engine.param_gather import OverlappedGather
@@ -207,10 +207,6 @@ class ElasticDataParallel:
             raise ValueError(f"max_world {options.max_world} is smaller than world_size {world_size}")
         if layout.pipeline > 1 and hooks.stage_fn is None:
             raise ConfigError("a pipeline-parallel model needs stage_fn (each stage's forward of one micro-batch)")
-        if options.overlap_param_gather and (options.optimizer_instances is None or layout.size > 1):
-            raise ConfigError("overlap_param_gather needs the distributed optimizer (optimizer_instances) and "
-                              f"TP = PP = 1 (got {layout.tensor} x {layout.pipeline}): with TP x PP > 1 the shards "
-                              "agree that every gather completed before computing")
         self.rank, self.replica, self.shard = rank, layout.replica(rank), layout.shard(rank)
         self.model, self.optimizer, self._batch_plan = model, optimizer, batch_plan
         self.grad_dtype, self.bucket_numel = options.grad_dtype, options.bucket_numel
@@ -232,11 +228,7 @@ class ElasticDataParallel:
         self.reduction = StepReduction(self.protocol, self.groups, self.store_effects, self.watch, max_replicas,
                                        hooks.overflow)
         self.reduction.point = lambda step, bucket: self.fault_point(self.rank, step, bucket=bucket)
-        self.handout = StateHandout(self.protocol, self.groups, rank,
-                                    hooks.get_state or (lambda: default_state(self.model, self.optimizer)),
-                                    hooks.set_state or (lambda state: load_default_state(self.model, self.optimizer,
-                                                                                         state)),
-                                    hooks.fallback or (lambda step=None: None))
+        self.handout = StateHandout.of(self.protocol, self.groups, rank, hooks, lambda: (self.model, self.optimizer))
         #: This shard's gradient sums (made by :meth:`bind`).
         self.gradients: GradientBuffer | None = None
         #: With ``optimizer_instances``: the optimizer's shares this rank holds (a joiner holds none until admitted).
@@ -244,10 +236,8 @@ class ElasticDataParallel:
             options.optimizer_instances, self.groups.transport.device, self.watch.waiting,
             lambda kind: self.fault_point(self.rank, self.next_step - (kind == "gather"), at=kind),
             updated=lambda: setattr(self.protocol, "stale", True), holds=not joining, wait=self.groups.transport.wait)
-        if options.overlap_param_gather:
-            self.optimizer_shards.overlapped = OverlappedGather(lambda: (self.groups.built, self.groups.shard),
-                                                                self.groups.transport.wait, self.groups.started,
-                                                                self.groups.waited, options.bucket_numel)
+        if options.overlap_param_gather:  # (with optimizer_instances: EngineOptions checks)
+            self.optimizer_shards.overlapped = OverlappedGather(self.groups, options.bucket_numel)
         self._joining: tuple[Any, Any] | None = None
         self._handlers = self._effect_handlers()
         if model is not None:

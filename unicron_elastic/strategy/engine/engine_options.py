@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unicron_elastic.api import ConfigError
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -102,6 +104,17 @@ class EngineOptions:
     optimizer_instances: int | None = None
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse settings that cannot work together.
+
+        Raises:
+            ConfigError: ``overlap_param_gather`` without ``optimizer_instances``, or with TP x PP > 1.
+        """
+        size = self.model_parallel.size if self.model_parallel is not None else 1
+        if self.overlap_param_gather and (self.optimizer_instances is None or size > 1):
+            raise ConfigError(f"overlap_param_gather needs optimizer_instances and TP x PP = 1 (got {size}): with "
+                              "TP x PP > 1 the shards agree that every gather completed before computing")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from unicron_elastic.strategy.engine import effects as E
+from unicron_elastic.strategy.engine.engine_options import EngineHooks
 from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.protocol import Protocol
 from unicron_elastic.strategy.engine.state_transfer import broadcast_state
@@ -66,6 +67,15 @@ class StateHandout:
         self._resume_applied = False
         #: Called when the group starts again from this rank's fresh state (a sharded optimizer holds all of it).
         self.on_fresh: Callable[[], None] = lambda: None
+
+    @classmethod
+    def of(cls, protocol: Protocol, groups: GenerationGroups, rank: int, hooks: EngineHooks,
+           owner: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]) -> StateHandout:
+        """The handout of ``hooks``' ``get_state``, ``set_state`` and ``fallback``; where one is None, the model's and
+        the optimizer's state dicts (``owner()``: the engine's model and optimizer now), and no fallback."""
+        return cls(protocol, groups, rank, hooks.get_state or (lambda: default_state(*owner())),
+                   hooks.set_state or (lambda state: load_default_state(*owner(), state)),
+                   hooks.fallback or (lambda step=None: None))
 
     def state(self) -> dict[str, Any]:
         """This replica's state at the current step boundary (what a joiner receives).

@@ -364,7 +364,7 @@ class OptimizerShards:
             raise RuntimeError("the group failed before the parameters were gathered")
         gather = self.overlapped
         if gather is not None and gather.pending is not None:
-            if not overlap and gather.pending == gather.current()[0]:
+            if not overlap and gather.pending == gather.groups.built:
                 gather.finish()  # (raises GatherFailed, a RuntimeError)
                 return
             gather.discard()
@@ -507,7 +507,7 @@ class OptimizerShards:
                 if n == 0 and g == 0:
                     self.point("gather")
         if overlap:
-            self.overlapped.start(self.overlapped.current()[0], started, done)
+            self.overlapped.start(self.overlapped.groups.built, started, done)
 
     def _start_piece(self, pg: dist.ProcessGroup, group: _Group, piece: Piece, buf: torch.Tensor) -> GatherPiece:
         """Start ``piece``'s broadcast without waiting; what writes it into the model once it arrived."""

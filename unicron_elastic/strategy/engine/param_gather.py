@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from unicron_elastic.strategy.engine.effects import GatherFailed
+from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.shard_layout import Piece
 
 __all__ = ["GatherPiece", "OverlappedGather"]
@@ -61,20 +61,14 @@ class OverlappedGather:
     """The gather in flight, if any, and the forward pre-hooks that wait for it.
 
     Args:
-        current: ``current()``: the groups' generation count and the data-parallel group now (None: gone).
-        wait: ``wait(pg, work)``: waits for a collective's result and raises when it failed
-            (:meth:`~unicron_elastic.strategy.engine.transport.CollectiveTransport.wait`).
-        started: Notes work started and not waited for (settled when the groups are aborted).
-        waited: Notes work waited for.
+        groups: The groups of the generation held: the gather runs in their data-parallel group, its work is
+            settled when they are aborted, and a gather started under another generation count waits for nothing.
         part_numel: Elements per broadcast at most (the gradient buckets' size: megatron-core gathers bucket
             by bucket); None: one broadcast per piece.
     """
 
-    def __init__(self, current: Callable[[], tuple[int, dist.ProcessGroup | None]],
-                 wait: Callable[[dist.ProcessGroup, Any], None], started: Callable[[Any], Any],
-                 waited: Callable[[Any], None], part_numel: int | None = None) -> None:
-        self.current, self.wait, self.started, self.waited = current, wait, started, waited
-        self.part_numel = part_numel
+    def __init__(self, groups: GenerationGroups, part_numel: int | None = None) -> None:
+        self.groups, self.part_numel = groups, part_numel
         self._in_flight: _InFlight | None = None
         self._hooks: list[Any] = []
 
@@ -103,7 +97,7 @@ class OverlappedGather:
     def start(self, key: int, pieces: list[GatherPiece], done: Callable[[], None]) -> None:
         """Hold ``pieces``, started under the groups' generation count ``key``; ``done()`` once all are written."""
         for piece in pieces:
-            self.started(piece.work)
+            self.groups.started(piece.work)
         last_of = {param: i for i, piece in enumerate(pieces) for param in piece.params}
         self._in_flight = _InFlight(key, pieces, done, last_of=last_of)
 
@@ -157,11 +151,7 @@ class OverlappedGather:
         Raises:
             RuntimeError: It failed, or the groups it started in are gone.
         """
-        built, pg = self.current()
-        if built != key or pg is None:
+        if self.groups.built != key or self.groups.shard is None:
             raise RuntimeError("the group the gather started in is gone")
-        try:
-            self.wait(pg, work)
-        finally:
-            del pg
-        self.waited(work)
+        self.groups.transport.wait(self.groups.shard, work)  # (no local name holds the group)
+        self.groups.waited(work)
