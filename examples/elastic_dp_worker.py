@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--optimizer-instances", type=int, default=None, metavar="I",
                         help="shard the optimizer's state over the members in I instances (Megatron-LM's distributed "
                              "optimizer); default: every rank keeps all of it")
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
+                        help="all-reduce every gradient bucket but the last in bfloat16 (Megatron-LM's flag)")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="with --optimizer-instances: gather the updated parameters into the next step's forward")
     args = parser.parse_args()
@@ -109,6 +111,7 @@ def main() -> None:
             bucket_numel=args.bucket_numel, timeout=timedelta(seconds=20), grad_dtype=getattr(torch, args.grad_dtype),
             max_world=max_world(world),  # a node that grows the run joins past WORLD_SIZE
             optimizer_instances=args.optimizer_instances, overlap_param_gather=args.overlap_param_gather,
+            reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else None,
         ),
         hooks=EngineHooks(fault_point=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
     )

@@ -436,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default=None, help="Lightning's precision (default: 32-true; bf16-mixed on a "
                         "GPU with --llama)")
     parser.add_argument("--grad-dtype", choices=["float32", "float64"], default="float64")
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
+                        help="all-reduce every gradient bucket but the last in bfloat16")
     parser.add_argument("--snapshot-every", type=int, default=50)
     parser.add_argument("--checkin-timeout", type=float, default=10.0,
                         help="after a failure, how long survivors wait for a member that is alive but has not "
@@ -497,6 +499,7 @@ def main() -> None:
     strategy = UnicronMegatronStrategy(
         global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_numel=args.bucket_numel, seed=SEED,
         snapshot_every=args.snapshot_every, grad_dtype=getattr(torch, args.grad_dtype),
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         checkin_timeout=args.checkin_timeout,
         tensor_model_parallel_size=args.tensor_parallel, pipeline_model_parallel_size=args.pipeline_parallel,
         distributed_optimizer=args.distributed_optimizer, optimizer_instances=args.optimizer_instances)

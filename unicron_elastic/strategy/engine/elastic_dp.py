@@ -209,7 +209,8 @@ class ElasticDataParallel:
             raise ConfigError("a pipeline-parallel model needs stage_fn (each stage's forward of one micro-batch)")
         self.rank, self.replica, self.shard = rank, layout.replica(rank), layout.shard(rank)
         self.model, self.optimizer, self._batch_plan = model, optimizer, batch_plan
-        self.grad_dtype, self.bucket_numel = options.grad_dtype, options.bucket_numel
+        self.grad_dtype, self.bucket_numel, self.reduce_dtype = (options.grad_dtype, options.bucket_numel,
+                                                                 options.reduce_dtype)
         self.overlap_grad_reduce = options.overlap_grad_reduce
         #: Starts buckets from backward (made by :meth:`bind`; None without ``overlap_grad_reduce``, or with PP > 1).
         self.launcher: BucketLauncher | None = None
@@ -290,8 +291,8 @@ class ElasticDataParallel:
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad][::-1]
         extras = reductions.totals.size if reductions.totals is not None else 0
         self.gradients = GradientBuffer([p for _, p in named], self.grad_dtype, self.bucket_numel, extras=extras,
-                                        main_grad=reductions.main_grad,
-                                        half_main_grads=self.optimizer_shards is not None)
+                                        main_grad=reductions.main_grad, half_main_grads=self.optimizer_shards is not None,
+                                        wire_dtype=self.reduce_dtype)
         committed = self.reduction.committed
         sums = ReplicaSums(self.gradients.params, [name for name, _ in named], self.layout, self.rank,
                            reductions.tensor_reduced.reversed_in(len(named))) if committed else None

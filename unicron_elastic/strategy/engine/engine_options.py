@@ -85,6 +85,10 @@ class EngineOptions:
         overlap_grad_reduce: Start each bucket's all-reduce from backward as soon as its gradients are summed
             (Megatron-LM's ``--overlap-grad-reduce``; :mod:`~unicron_elastic.strategy.engine.overlap`).
             False: the buckets start when the reduction begins (still without waiting for each other).
+        reduce_dtype: The dtype of the gradient buckets on the wire (None: ``grad_dtype``). ``torch.bfloat16``
+            is Megatron-LM's ``--grad-reduce-in-bf16``: every bucket but the last (which holds the step's totals
+            and the exchange's slots) is all-reduced in bfloat16 and widened back; the local sums stay in
+            ``grad_dtype``.
         overlap_param_gather: (With ``optimizer_instances``, TP = PP = 1) start the gather of the updated
             parameters after each optimizer step and wait for each piece before the first module that uses it
             computes, in the next step's forward (Megatron-LM's ``--overlap-param-gather``;
@@ -104,13 +108,18 @@ class EngineOptions:
     optimizer_instances: int | None = None
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         """Refuse settings that cannot work together.
 
         Raises:
-            ConfigError: ``overlap_param_gather`` without ``optimizer_instances``, or with TP x PP > 1.
+            ConfigError: ``overlap_param_gather`` without ``optimizer_instances``, or with TP x PP > 1; a
+                ``reduce_dtype`` other than None and ``torch.bfloat16``.
         """
+        if self.reduce_dtype not in (None, torch.bfloat16):
+            raise ConfigError(f"reduce_dtype={self.reduce_dtype}: None (grad_dtype) or torch.bfloat16 "
+                              "(Megatron-LM's --grad-reduce-in-bf16)")
         size = self.model_parallel.size if self.model_parallel is not None else 1
         if self.overlap_param_gather and (self.optimizer_instances is None or size > 1):
             raise ConfigError(f"overlap_param_gather needs optimizer_instances and TP x PP = 1 (got {size}): with "

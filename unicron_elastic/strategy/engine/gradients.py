@@ -17,6 +17,12 @@ parameter's ``main_grad`` is its view of the sum (or, where the sum's dtype is
 not float32, a float32 buffer added to the sum after each micro-batch):
 megatron's fused weight-gradient kernel accumulates into it instead of ``.grad``.
 
+With ``wire_dtype`` (bfloat16: Megatron-LM's ``--grad-reduce-in-bf16``) every
+bucket but the last is all-reduced in that dtype (:meth:`GradientBuffer.wire`)
+and its result widened back into the reduce buffer; the last bucket, which
+holds the extras (and, without TP x PP, the exchange's slots), is reduced in
+``grad_dtype``, exactly. The local sums stay in ``grad_dtype``.
+
 With a sharded optimizer (``half_main_grads``), a half-precision parameter's
 reduced gradient is not rounded to its dtype: its ``.grad`` stays None and its
 ``main_grad`` is its view of the reduced sum, which the optimizer's float32
@@ -55,19 +61,23 @@ class GradientBuffer:
         main_grad: Give every parameter a ``main_grad`` (megatron-core's gradient-accumulation fusion).
         half_main_grads: (A sharded optimizer) a half-precision parameter's reduced gradient is its ``main_grad``,
             a view of the reduced sum, and its ``.grad`` stays None (:meth:`set_gradients`).
+        wire_dtype: The dtype every bucket but the last is all-reduced in (None: ``grad_dtype``).
 
     Raises:
         ConfigError: ``params`` is empty.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], grad_dtype: torch.dtype, bucket_numel: int | None,
-                 extras: int = 0, main_grad: bool = False, half_main_grads: bool = False) -> None:
+                 extras: int = 0, main_grad: bool = False, half_main_grads: bool = False,
+                 wire_dtype: torch.dtype | None = None) -> None:
         if not params:
             raise ConfigError("the model has no parameter that requires a gradient")
         self.params, self.grad_dtype = params, grad_dtype
         #: Gradient elements (the extras follow them).
         self.numel = sum(p.numel() for p in params)
         self.extras, self.main_grad, self.half_main_grads = extras, main_grad, half_main_grads
+        self.wire_dtype = wire_dtype if wire_dtype != grad_dtype else None
+        self._wire: torch.Tensor | None = None  # the buckets before the last, in wire_dtype (reused)
         total = self.numel + extras
         size = bucket_numel or total
         #: ``(start, end)`` of each bucket in the flat sum (the last one holds the extras).
@@ -187,6 +197,18 @@ class GradientBuffer:
             same = all(p.dtype == buf.dtype and p.device == buf.device for p in self.params)
             self._reduced_views = self.views(buf)[1] if same else None  # (else p.grad are copies: .to(p.dtype))
         return buf
+
+    def wire(self, bucket: int, local: torch.Tensor) -> torch.Tensor | None:
+        """Where ``bucket`` is all-reduced when it travels in :attr:`wire_dtype` (its slice of a buffer kept
+        between steps), else None: the last bucket, or no ``wire_dtype``."""
+        if self.wire_dtype is None or bucket == len(self.bounds) - 1:
+            return None
+        size = self.bounds[-1][0]  # (every bucket before the last)
+        buf = self._wire
+        if buf is None or buf.numel() != size or buf.dtype != self.wire_dtype or buf.device != local.device:
+            buf = self._wire = torch.empty(size, dtype=self.wire_dtype, device=local.device)
+        start, end = self.bounds[bucket]
+        return buf[start:end]
 
     def reduced_sum(self) -> torch.Tensor | None:
         """The reduced gradient sum (the reduce buffer's head), or None before any reduction."""

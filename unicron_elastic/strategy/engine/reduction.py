@@ -89,8 +89,9 @@ class StepReduction:
         self.non_finite: NonFiniteError | None = None
         self._squared_norm: float | None = None
         self._committed_totals: torch.Tensor | None = None
-        #: Buckets started and not waited for: ``bucket -> (groups built, step, local sum's address, work, buffer)``.
-        self._in_flight: dict[int, tuple[int, int, int, dist.Work, torch.Tensor]] = {}
+        #: Buckets started and not waited for: ``bucket -> (groups built, step, local sum's address, work, buffer,
+        #: its wire buffer or None)``.
+        self._in_flight: dict[int, tuple[int, int, int, dist.Work, torch.Tensor, torch.Tensor | None]] = {}
         #: ``point(step, bucket)``, right before a bucket starts (fault injection: ``fault_point(bucket=k)``).
         self.point: Callable[[int, int], None] = lambda step, bucket: None
         self._started: set[tuple[int, int, int]] = set()  # (groups built, step, bucket) started
@@ -162,12 +163,13 @@ class StepReduction:
         self.point(step, bucket)
         start, end = self.gradients.bounds[bucket]
         buf = self.gradients.reduce_buffer(local, self.slots.size)[start:end]
-        buf.copy_(local[start:end])  # a copy: the local sum survives a failure
+        wire = self.gradients.wire(bucket, local)
+        (buf if wire is None else wire).copy_(local[start:end])  # a copy: the local sum survives a failure
         try:  # (no local name holds the group: see _commit)
-            work = self.groups.started(self.groups.shard.allreduce([buf]))
+            work = self.groups.started(self.groups.shard.allreduce([buf if wire is None else wire]))
         except RuntimeError:  # the group failed already: the bucket's Reduce starts it again, and fails there
             return
-        self._in_flight[bucket] = (self.groups.built, step, local.data_ptr(), work, buf)
+        self._in_flight[bucket] = (self.groups.built, step, local.data_ptr(), work, buf, wire)
 
     def started(self, step: int, bucket: int) -> bool:
         """Whether ``bucket`` of ``step`` started in the groups held (its :attr:`point` was passed)."""
@@ -189,20 +191,25 @@ class StepReduction:
             self.start(effect.step, k, local)
         self._forget_stale(effect.step, local)
         if effect.bucket in self._in_flight:
-            *_, work, buf = self._in_flight.pop(effect.bucket)
+            *_, work, buf, wire = self._in_flight.pop(effect.bucket)
             with self.watch.waiting("reduce"):
                 self.groups.transport.wait(self.groups.shard, work)
             self.groups.waited(work)
+            if wire is not None:
+                buf.copy_(wire)  # (widened back: the sums' dtype from here on)
             return buf, None
         start, end = gradients.bounds[effect.bucket]
         whole = gradients.reduce_buffer(local, self.slots.size)
         buf = whole[start:] if effect.last else whole[start:end]
-        buf[: end - start].copy_(local[start:end])  # a copy: the local sum survives a failure
+        wire = gradients.wire(effect.bucket, local)
+        (buf[: end - start] if wire is None else wire).copy_(local[start:end])  # a copy: the local sum survives
         if effect.last:  # the slots follow it
             slots = self._encode(effect.offer, local.dtype, non_finite=self._finds_non_finite(effect.step, local))
             buf[end - start :].copy_(slots)
         with self.watch.waiting("reduce"):
-            self.groups.transport.wait(self.groups.shard, self.groups.shard.allreduce([buf]))
+            self.groups.transport.wait(self.groups.shard, self.groups.shard.allreduce([buf if wire is None else wire]))
+        if wire is not None:
+            buf.copy_(wire)
         members = self._exchanged(buf[end - start :], effect.step).members if effect.last else None
         return buf[: end - start], members
 

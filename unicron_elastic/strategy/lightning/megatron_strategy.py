@@ -147,6 +147,8 @@ class UnicronMegatronStrategy(DDPStrategy):
             the parameters equal the failure-free ones to float32 rounding, which
             Adam-like optimizers can amplify. float64: equal to the last bit in
             practice, at twice the gradient memory and all-reduce volume.
+        grad_reduce_in_bf16: All-reduce every gradient bucket but the last in bfloat16 (Megatron-LM's
+            ``--grad-reduce-in-bf16``); the sums stay in ``grad_dtype`` (see docs/strategy.md, "Precision").
         report_keys: The keys of the ``report`` dict a Megatron-LM ``loss_func`` returns (``pretrain_gpt.py``:
             ``"lm loss"``); each is summed over the step's micro-batches and data-parallel ranks and logged as
             numerator / denominator, as Megatron-LM logs them.
@@ -184,7 +186,8 @@ class UnicronMegatronStrategy(DDPStrategy):
         snapshot_every: int = 50, checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 100,
         timeout: timedelta = timedelta(seconds=60), checkin_timeout: float = 10.0, join_timeout: float = 300.0,
         members: list[int] | None = None, member_schedule: dict[int, list[int]] | None = None,
-        grad_dtype: torch.dtype = torch.float32, report_keys: tuple[str, ...] = ("lm loss",),
+        grad_dtype: torch.dtype = torch.float32, grad_reduce_in_bf16: bool = False,
+        report_keys: tuple[str, ...] = ("lm loss",),
         distributed_optimizer: bool = False, optimizer_instances: int = 1, overlap_param_gather: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -200,7 +203,7 @@ class UnicronMegatronStrategy(DDPStrategy):
         self.overlap_param_gather = overlap_param_gather
         self.layout = ModelParallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         self.global_batch, self.micro_batch, self.seed, self.shuffle = global_batch, micro_batch, seed, shuffle
-        self.bucket_numel, self.grad_dtype = bucket_numel, grad_dtype
+        self.bucket_numel, self.grad_dtype, self.grad_reduce_in_bf16 = bucket_numel, grad_dtype, grad_reduce_in_bf16
         self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
         self.pipeline_schedule, self.checkpoint_dir = pipeline_schedule, checkpoint_dir
         self.snapshot_every, self.checkpoint_every = snapshot_every, checkpoint_every
@@ -331,6 +334,7 @@ class UnicronMegatronStrategy(DDPStrategy):
             model_parallel=self.layout, pipeline_schedule=self.pipeline_schedule,
             transport=transport_for(self.root_device), optimizer_instances=self.optimizer_instances,
             overlap_param_gather=self.overlap_param_gather,
+            reduce_dtype=torch.bfloat16 if self.grad_reduce_in_bf16 else None,
         )
         hooks = EngineHooks(
             fault_point=self._heartbeat.point, stage_fn=forward.stage_forward if self.pp > 1 else None,
