@@ -512,6 +512,7 @@ def test_lightning_sharded_fit_equals_the_unsharded_one_checkpoint_included(tmp_
     assert _same_optimizer_state(_optimizer_state(tmp_path / "final.ckpt"), _optimizer_state(gpt_baseline / "final.ckpt"))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_lightning_overlapped_gather_fit_and_its_snapshots_and_checkpoint_equal_the_unsharded_ones(
         tmp_path: Path, gpt_baseline) -> None:

@@ -238,7 +238,7 @@ class ElasticDataParallel:
             lambda kind: self.fault_point(self.rank, self.next_step - (kind == "gather"), at=kind),
             updated=lambda: setattr(self.protocol, "stale", True), holds=not joining, wait=self.groups.transport.wait)
         if options.overlap_param_gather:  # (with optimizer_instances: EngineOptions checks)
-            self.optimizer_shards.overlapped = OverlappedGather(self.groups, options.bucket_numel)
+            self.optimizer_shards.overlapped = OverlappedGather(self.groups, self.watch.waiting, options.bucket_numel)
         self._joining: tuple[Any, Any] | None = None
         self._handlers = self._effect_handlers()
         if model is not None:

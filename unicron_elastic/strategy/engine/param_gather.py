@@ -19,6 +19,7 @@ after the step's regroup, as after a failed refresh).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,12 +64,15 @@ class OverlappedGather:
     Args:
         groups: The groups of the generation held: the gather runs in their data-parallel group, its work is
             settled when they are aborted, and a gather started under another generation count waits for nothing.
+        waiting: ``waiting(what)``: a context that reports this rank's wait on its group (the group watch gives
+            the group up once a member is gone, and the hang detector spares a rank waiting for peers).
         part_numel: Elements per broadcast at most (the gradient buckets' size: megatron-core gathers bucket
             by bucket); None: one broadcast per piece.
     """
 
-    def __init__(self, groups: GenerationGroups, part_numel: int | None = None) -> None:
-        self.groups, self.part_numel = groups, part_numel
+    def __init__(self, groups: GenerationGroups, waiting: Callable[[str], AbstractContextManager[None]],
+                 part_numel: int | None = None) -> None:
+        self.groups, self.waiting, self.part_numel = groups, waiting, part_numel
         self._in_flight: _InFlight | None = None
         self._hooks: list[Any] = []
 
@@ -153,5 +157,6 @@ class OverlappedGather:
         """
         if self.groups.built != key or self.groups.shard is None:
             raise RuntimeError("the group the gather started in is gone")
-        self.groups.transport.wait(self.groups.shard, work)  # (no local name holds the group)
+        with self.waiting("gather"):
+            self.groups.transport.wait(self.groups.shard, work)  # (no local name holds the group)
         self.groups.waited(work)
