@@ -108,6 +108,7 @@ def test_tp2_sp_dp2_bf16_parameters_train_within_1_percent_of_the_float32_losses
         assert worst <= 0.01, (r, ours, theirs)
 
 
+@pytest.mark.matrix
 def test_tp2_sp_dp2_bf16_a_rank_killed_in_the_gather_ends_bit_identical_to_the_failure_free_bf16_run(
         tmp_path, tp2_dp2_bf16) -> None:
     layout = ModelParallel(2, 1)
