@@ -363,7 +363,8 @@ class Protocol:
             Retired: (``last``) the record followed is a resize that leaves this rank out.
             Excluded: (``last``) a failure's record left this rank out.
         """
-        self.stale = self.stale or (self.gathering and (last or settle))  # (its Refresh waits for the gather)
+        if self.gathering and (last or settle):  # its Refresh waits for the gather in flight (failed: stale)
+            self.stale, self.gathering = True, False
         if not self.stale:
             return
         try:
