@@ -488,8 +488,8 @@ class ElasticDataParallel:
 
         The next :meth:`begin_step` does it otherwise (with ``overlap_param_gather`` it only starts the gather
         there, and the computation waits for it; here it is waited for, a gather in flight included, unless
-        ``overlap``).
-        Nothing happens without a sharded optimizer, or when nothing changed. When it fails the parameters stay stale until the next step's regroup; with ``last``
+        ``overlap``). Nothing happens without a sharded optimizer, or when nothing changed. When it fails the
+        parameters stay stale until the next step's regroup; with ``last``
         (no next step: :meth:`finish`) the members regroup at once. With ``validation`` (every member calls
         it before validating between steps: :meth:`Protocol.before_validation`) the members check in a small
         collective that every one's parameters are gathered, and regroup together at once if not.

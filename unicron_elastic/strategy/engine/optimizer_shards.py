@@ -381,8 +381,6 @@ class OptimizerShards:
             self._reshard(pg, held, shares[layout.members.index(member)])
             held = [[(*share_, 0) for share_ in rank] for rank in shares]
         self._gather(pg, held, overlap, lambda: setattr(self, "_refreshed", (generation, layout)))
-        if not overlap:
-            self._refreshed = (generation, layout)
 
     def exchange(self, pg: dist.ProcessGroup) -> list[list[tuple[int, int, int]]]:
         """What every rank of ``pg`` holds: per rank, per group ``(start, end, stepped)``.
@@ -487,8 +485,9 @@ class OptimizerShards:
 
     def _gather(self, pg: dist.ProcessGroup, held: list[list[tuple[int, int, int]]], overlap: bool = False,
                 done: Callable[[], None] = lambda: None) -> None:
-        """Every parameter of the model set from the main parameter of the rank that holds it (``overlap``: the
-        pieces' broadcasts started, :attr:`overlapped` writes them; ``done()`` once all are written)."""
+        """Every parameter of the model set from the main parameter of the rank that holds it, then ``done()``
+        (``overlap``: the pieces' broadcasts started; :attr:`overlapped` writes them and calls ``done()`` once all
+        are written)."""
         index, started = pg.rank(), []
         for g, group in enumerate(self.groups):
             pieces = plan_pieces([h[g][:2] for h in held], group.numel)
@@ -508,24 +507,29 @@ class OptimizerShards:
                     self.point("gather")
         if overlap:
             self.overlapped.start(self.overlapped.groups.built, started, done)
+        else:
+            done()
 
     def _start_piece(self, pg: dist.ProcessGroup, group: _Group, piece: Piece, buf: torch.Tensor) -> GatherPiece:
         """Start ``piece``'s broadcast without waiting; what writes it into the model once it arrived."""
         staged = buf.to(self.device)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = piece.source
-        work = pg.broadcast([staged], opts)
+        work = _start_broadcast(pg, staged, piece.source)
         params = frozenset(id(p) for p, *_ in group.parts(piece.start, piece.end))
         return GatherPiece(params, staged, work, lambda values, start=piece.start: group.write(start, values))
 
     def _broadcast(self, pg: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None:
         staged = tensor.to(self.device)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
         with self.waiting("shards"):
-            self.wait(pg, pg.broadcast([staged], opts))
+            self.wait(pg, _start_broadcast(pg, staged, root))
         if staged is not tensor:
             tensor.copy_(staged)
+
+
+def _start_broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> dist.Work:
+    """``tensor`` broadcast from the rank at index ``root`` of ``pg``, started (its work not waited for)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    return pg.broadcast([tensor], opts)
 
 
 def _empty_as_zero(held: tuple[int, int]) -> tuple[int, int]:

@@ -164,9 +164,10 @@ class StepReduction:
         start, end = self.gradients.bounds[bucket]
         buf = self.gradients.reduce_buffer(local, self.slots.size)[start:end]
         wire = self.gradients.wire(bucket, local)
-        (buf if wire is None else wire).copy_(local[start:end])  # a copy: the local sum survives a failure
+        sent = buf if wire is None else wire
+        sent.copy_(local[start:end])  # a copy: the local sum survives a failure
         try:  # (no local name holds the group: see _commit)
-            work = self.groups.started(self.groups.shard.allreduce([buf if wire is None else wire]))
+            work = self.groups.started(self.groups.shard.allreduce([sent]))
         except RuntimeError:  # the group failed already: the bucket's Reduce starts it again, and fails there
             return
         self._in_flight[bucket] = (self.groups.built, step, local.data_ptr(), work, buf, wire)
@@ -201,13 +202,14 @@ class StepReduction:
         start, end = gradients.bounds[effect.bucket]
         whole = gradients.reduce_buffer(local, self.slots.size)
         buf = whole[start:] if effect.last else whole[start:end]
-        wire = gradients.wire(effect.bucket, local)
+        wire = gradients.wire(effect.bucket, local)  # (None for the last bucket)
         (buf[: end - start] if wire is None else wire).copy_(local[start:end])  # a copy: the local sum survives
         if effect.last:  # the slots follow it
             slots = self._encode(effect.offer, local.dtype, non_finite=self._finds_non_finite(effect.step, local))
             buf[end - start :].copy_(slots)
+        sent = buf if wire is None else wire
         with self.watch.waiting("reduce"):
-            self.groups.transport.wait(self.groups.shard, self.groups.shard.allreduce([buf if wire is None else wire]))
+            self.groups.transport.wait(self.groups.shard, self.groups.shard.allreduce([sent]))
         if wire is not None:
             buf.copy_(wire)
         members = self._exchanged(buf[end - start :], effect.step).members if effect.last else None
