@@ -5,8 +5,8 @@ data, with the same global batch (one micro-batch per rank and step) and gradien
 ``--bucket-numel`` elements:
 
 * ``--side unicron``: ``ElasticDataParallel`` (float32 sums; ``--no-overlap`` starts the buckets when the
-  reduction begins instead of from backward; ``--sharded``: the distributed optimizer, one instance, with
-  ``overlap_param_gather``);
+  reduction begins instead of from backward; ``--sharded``: the distributed optimizer, one instance, the
+  buckets reduce-scattered, with ``overlap_param_gather``);
 * ``--side megatron``: megatron-core's ``DistributedDataParallel`` with ``overlap_grad_reduce`` (and with
   ``--sharded`` its ``DistributedOptimizer`` with ``overlap_param_gather``), run on the CPU with the three
   answers to its CUDA questions of ``_megatron_do_worker.py``;
@@ -15,7 +15,8 @@ data, with the same global batch (one micro-batch per rank and step) and gradien
 
 Each rank writes ``OUT/rank<R>.json``: per step its end time and the seconds the step waited for its
 gradients after its backward (``exposed``: the reduction not hidden behind compute), and the bytes of every
-tensor storage reachable from the model and the optimizer at the end (counted once).
+tensor storage reachable from the model, its gradients' buffers and the optimizer at the end, counted once
+(``unicron_elastic.strategy.engine.footprint``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,37 +42,9 @@ def model_and_data(width: int, depth: int, samples: int) -> tuple[torch.nn.Modul
     return model, torch.randn(samples, width, generator=generator), torch.randn(samples, 1, generator=generator)
 
 
-def storage_bytes(*roots: Any) -> int:
-    """Bytes of every distinct tensor storage reachable from ``roots`` (tensors and their ``grad``/``main_grad``,
-    modules, optimizers, dicts, lists), each storage once."""
-    seen: dict[int, int] = {}
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-            for attr in ("grad", "main_grad"):
-                extra = getattr(value, attr, None)
-                if isinstance(extra, torch.Tensor):
-                    visit(extra)
-        elif isinstance(value, torch.nn.Module):
-            visit([*value.parameters(), *value.buffers()])
-        elif isinstance(value, torch.optim.Optimizer):
-            visit([value.state, value.param_groups])
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    for root in roots:
-        visit(root)
-    return sum(seen.values())
-
-
 def unicron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
     from unicron_elastic.strategy.engine import ElasticDataParallel, EngineOptions, GlobalBatchPlan
+    from unicron_elastic.strategy.engine.footprint import engine_bytes
     from unicron_elastic.meeting import connect_meeting_store
 
     model, xs, ys = model_and_data(args.width, args.depth, args.samples)
@@ -84,7 +56,7 @@ def unicron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
         options=EngineOptions(bucket_numel=args.bucket_numel, timeout=timedelta(seconds=120),
                               overlap_grad_reduce=not args.no_overlap,
                               optimizer_instances=1 if args.sharded else None,
-                              overlap_param_gather=args.sharded))
+                              overlap_param_gather=args.sharded, reduce_scatter=args.sharded))
     reports = []
     try:
         for step in range(args.steps):
@@ -96,8 +68,7 @@ def unicron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
             ddp.next_step = step + 1
             reports.append({"step": step, "finished_at": time.time(), "exposed": exposed})
         ddp.finish()
-        held = storage_bytes(model, optimizer, ddp.gradients.reduced, ddp.gradients._sum,
-                             ddp.optimizer_shards.main if ddp.optimizer_shards else [])
+        held = engine_bytes(ddp)
     finally:
         ddp.close()
     return reports + [{"bytes": held, "params": sum(p.numel() for p in model.parameters())}]
@@ -107,6 +78,7 @@ def megatron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
     from _megatron_do_worker import patch_cuda_for_the_cpu, wrapped
 
     patch_cuda_for_the_cpu()
+    from unicron_elastic.strategy.engine.footprint import storage_bytes
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

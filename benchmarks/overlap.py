@@ -1,6 +1,6 @@
 """The failure-free step against megatron-core's DDP: step time, communication hidden, bytes sent and held.
 
-Two ranks (gloo, CPU) train a deep MLP (``_overlap_worker.py``: ``--depth`` layers of ``--width``, AdamW, one
+``--dp`` ranks (2 by default; gloo, CPU) train a deep MLP (``_overlap_worker.py``: ``--depth`` layers of ``--width``, AdamW, one
 micro-batch per rank and step, buckets of ``--bucket-numel`` elements) inside a network namespace of their
 own whose loopback is limited with ``tc qdisc ... tbf`` to ``--rate``, so that communication takes about as
 long as compute and overlap shows in wall time on two cores (``netem`` is missing here; ``tbf`` is not). The
@@ -15,8 +15,10 @@ sides alternate, ``--runs`` times each (the order reversed on odd runs):
   with ``--sharded``).
 
 ``--sharded`` runs the distributed optimizer on both sides instead (megatron-core: ``DistributedOptimizer``
-with ``overlap_param_gather``, reduce-scatter; the engine: all-reduce, then its parameters broadcast piece by
-piece, with ``overlap_param_gather``: started after the step, waited for in the next forward).
+with ``overlap_param_gather``; the engine: one instance, ``reduce_scatter``, then its parameters broadcast piece
+by piece, with ``overlap_param_gather``: started after the step, waited for in the next forward). Both
+reduce-scatter the buckets and gather the parameters. A last line compares the bytes held with Megatron-LM's
+table (``footprint.megatron_table``: ``8 + 8/d`` for float32 parameters), the issue's target at DP 4.
 
 Printed per side: the median step time (steps 2 and later), the median wait for the gradients after
 backward (exposed communication), the share of the communication left exposed (that wait over the
@@ -46,7 +48,6 @@ from _targets import Verdicts, at_most
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(REPO / "benchmarks" / "_overlap_worker.py")
-DP = 2
 SIDES = {"unicron": ["--side", "unicron"], "unicron, no overlap": ["--side", "unicron", "--no-overlap"],
          "megatron-core": ["--side", "megatron"], "Lightning's ddp": ["--side", "torch-ddp"]}
 
@@ -63,19 +64,23 @@ def _run(out: Path, side: list[str], args: argparse.Namespace) -> dict:
              "--global-batch", str(args.global_batch), "--samples", str(4 * args.global_batch),
              "--bucket-numel", str(args.bucket_numel), "--out", str(out)] + (["--sharded"] if args.sharded else [])
     before = _tx_bytes()
-    results = run_workers(WORKER, DP, side + shape, timeout=600)
+    results = run_workers(WORKER, args.dp, side + shape, timeout=600)
     sent = _tx_bytes() - before
     if any(res.returncode for res in results):
         raise SystemExit(f"{side} failed:\n{results[0].stderr[-3000:]}")
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(DP)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.dp)]
     steps = [[rep for rep in rank if "step" in rep] for rank in ranks]
     times = [b["finished_at"] - a["finished_at"] for rank in steps for a, b in zip(rank[1:], rank[2:])]
     return {"times": times, "exposed": [rep["exposed"] for rank in steps for rep in rank[2:]],
-            "sent": sent / DP / args.steps, "held": max(rank[-1]["bytes"] / rank[-1]["params"] for rank in ranks)}
+            "sent": sent / args.dp / args.steps, "held": max(rank[-1]["bytes"] / rank[-1]["params"] for rank in ranks)}
 
 
 def measure(args: argparse.Namespace) -> int:
     """The runs, alternated, and the report (inside the namespace, or on the plain loopback)."""
+    import torch
+
+    from unicron_elastic.strategy.engine.footprint import megatron_table
+
     found: dict[str, dict[str, list[float]]] = {side: {"times": [], "exposed": [], "sent": [], "held": []}
                                                 for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +95,7 @@ def measure(args: argparse.Namespace) -> int:
     median = {side: {key: statistics.median(values) for key, values in got.items()} for side, got in found.items()
               if got["times"]}
     comm = median["unicron, no overlap"]["exposed"]
-    print(f"== DP {DP}, MLP {args.depth} x {args.width}, {args.global_batch} samples a step, buckets of "
+    print(f"== DP {args.dp}, MLP {args.depth} x {args.width}, {args.global_batch} samples a step, buckets of "
           f"{args.bucket_numel}, "
           f"{'distributed optimizer' if args.sharded else 'replicated optimizer'}, loopback {args.rate} ==")
     for side, got in median.items():
@@ -109,11 +114,19 @@ def measure(args: argparse.Namespace) -> int:
               f"{verdicts.note(what, at_most(ratio, bound))}")
     # gloo's reduce-scatter sends what an all-reduce does (seen above: megatron-core's distributed optimizer sends
     # as much as ours), NCCL's ring half of it: the bytes a ring sends, per element of the gradients.
-    ring = 2 * (DP - 1) / DP
-    ours_ring, theirs_ring = (ring + (DP - 1) / DP, ring) if args.sharded else (ring, ring)
+    # A ring all-reduce sends 2 (d - 1) / d of the data per rank, a reduce-scatter and an all-gather (d - 1) / d each.
+    dp = args.dp
+    ours_ring = theirs_ring = 2 * (dp - 1) / dp
     print(f"unicron / megatron-core, bytes on NCCL's ring: {ours_ring / theirs_ring:5.2f}x ({ours_ring:.2f} against "
           f"{theirs_ring:.2f} x 4 bytes per parameter)   target <= 1.05x: "
           f"{verdicts.note('bytes on a ring', at_most(ours_ring / theirs_ring, 1.05))}")
+    if args.sharded:
+        table = megatron_table(torch.float32, dp)
+        ratio = ours["held"] / table
+        verdict = verdicts.note("bytes against the table", at_most(ratio, 1.15)) if dp == 4 else \
+            "no target at this DP (the issue's is at DP 4: --dp 4)"
+        print(f"unicron / Megatron-LM's table (8 + 8/{dp} = {table:.2f}), bytes per parameter: {ratio:5.2f}x   "
+              f"target <= 1.15x at DP 4: {verdict}")
     return verdicts.exit_code()
 
 
@@ -141,6 +154,7 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=2048, help="samples a step (one micro-batch a rank)")
     parser.add_argument("--rate", default="400mbit", help="the namespace's loopback rate (tc tbf)")
     parser.add_argument("--sharded", action="store_true", help="the distributed optimizer on both sides")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:

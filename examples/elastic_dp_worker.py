@@ -7,7 +7,8 @@ etcd (``UNICRON_MEETING``), else a TCPStore that outlives workers at
 restarts it alone and it rejoins the group with state from a replica.
 Each rank writes ``OUT/rank<R>.json`` (per-step reports) and, if it trained to the end (or
 until the plan retired it), ``OUT/params<R>.pt`` and ``OUT/state<R>.json`` (the optimizer-state
-bytes it holds: with ``--optimizer-instances``, its share); a rank admitted after training ended, or
+bytes it holds: with ``--optimizer-instances``, its share; and every byte its engine keeps alive:
+:func:`~unicron_elastic.strategy.engine.footprint.engine_bytes`); a rank admitted after training ended, or
 left out until then, writes none (its ``rank<R>.json`` ends with ``{"trained": false}``).
 """
 
@@ -25,6 +26,7 @@ import torch
 from unicron_elastic.env import max_world
 from unicron_elastic.meeting import connect_meeting_store
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded, Retired
+from unicron_elastic.strategy.engine.footprint import engine_bytes
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
 from unicron_elastic.testing import maybe_fail, toy_problem
 from unicron_elastic.worker import get_worker
@@ -87,6 +89,11 @@ def main() -> None:
                         help="all-reduce every gradient bucket but the last in bfloat16 (Megatron-LM's flag)")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="with --optimizer-instances: gather the updated parameters into the next step's forward")
+    parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the model's parameters (bfloat16: with --optimizer-instances, float32 main parameters)")
+    parser.add_argument("--reduce-scatter", action="store_true",
+                        help="with --optimizer-instances 1: reduce-scatter the gradient buckets (each rank receives "
+                             "its share's sum)")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = connect_meeting_store()  # etcd under unicron-run (survives any node), else the launcher's TCPStore
@@ -96,6 +103,8 @@ def main() -> None:
     restarted = int(os.environ.get("UNICRON_WORKER_RESTARTS", "0")) > 0
 
     model, optimizer, xs, ys = toy_problem(args.width)
+    dtype = getattr(torch, args.param_dtype)
+    model, xs, ys = model.to(dtype), xs.to(dtype), ys.to(dtype)
     if args.optimizer == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
 
@@ -111,7 +120,7 @@ def main() -> None:
             bucket_numel=args.bucket_numel, timeout=timedelta(seconds=20), grad_dtype=getattr(torch, args.grad_dtype),
             max_world=max_world(world),  # a node that grows the run joins past WORLD_SIZE
             optimizer_instances=args.optimizer_instances, overlap_param_gather=args.overlap_param_gather,
-            reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else None,
+            reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else None, reduce_scatter=args.reduce_scatter,
         ),
         hooks=EngineHooks(fault_point=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
     )
@@ -154,7 +163,9 @@ def main() -> None:
     (args.out / f"rank{rank}.json").write_text(json.dumps(reports))
     if trained:
         torch.save([p.detach() for p in model.parameters()], args.out / f"params{rank}.pt")
-        (args.out / f"state{rank}.json").write_text(json.dumps({"optimizer_state_bytes": _state_bytes(ddp)}))
+        (args.out / f"state{rank}.json").write_text(json.dumps({
+            "optimizer_state_bytes": _state_bytes(ddp), "held_bytes": engine_bytes(ddp),
+            "parameters": sum(p.numel() for p in model.parameters())}))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,8 @@ class Scenario:
         overlap_gather: (sharded) a step's refresh only enters its collective (``overlap_param_gather``); the
             next computation waits for it first (a failure there is
             :class:`~unicron_elastic.strategy.engine.effects.GatherFailed`), as does a refresh that waits.
+        scatters: (sharded) the buckets are reduce-scattered over the members' shares: a step whose gradients
+            hold a bucket reduced under other members than its last bucket's violates the protocol.
     """
 
     world: int
@@ -194,6 +196,7 @@ class Scenario:
     eager_refresh: bool = False
     validate: bool = False
     overlap_gather: bool = False
+    scatters: bool = False
 
 
 @dataclass(frozen=True)
@@ -358,6 +361,7 @@ class _Rank:
                                  **self._protocol_options())
         self.group: FakeGroup | None = None
         self.gather: tuple[FakeGroup, int] | None = None  # an overlapped refresh's collective, not waited for
+        self.scattered: dict[tuple[int, int], tuple[int, ...]] = {}  # (step, bucket) -> the members it was reduced in
         if not joining:
             self._first_groups(list(members))
         self.points = 0
@@ -387,7 +391,8 @@ class _Rank:
         return self.rank
 
     def _protocol_options(self) -> dict[str, bool]:
-        return {"sharded": self.sim.scenario.sharded, "overlap_gather": self.sim.scenario.overlap_gather}
+        sc = self.sim.scenario
+        return {"sharded": sc.sharded, "overlap_gather": sc.overlap_gather, "scatters": sc.scatters}
 
     def _protocol_buckets(self) -> int:
         return self.sim.scenario.buckets
@@ -487,6 +492,7 @@ class _Rank:
         total, agreed = yield from self.group.wait(self.rank, seq, sc.partial if (not e.last or sc.partial_last) else 0.0)
         if e.last and agreed is None:
             raise ProtocolViolation(f"step {e.step}: the last bucket carried no leader's proposal")
+        self.scattered[(e.step, e.bucket)] = tuple(self.protocol.members)  # (the layout it was scattered over)
         return total, (list(agreed) if e.last else None)
 
     def agree(self, e: E.AgreeMembers) -> Generator[None, None, list[int]]:
@@ -576,6 +582,10 @@ class _Rank:
         return sent if e.apply else None  # the root's own step, which it sent
 
     def set_gradients(self, e: E.SetGradients) -> None:
+        layouts = {self.scattered.get((e.step, k)) for k in range(len(e.reduced))}
+        if self.sim.scenario.scatters and len(layouts) > 1:
+            raise ProtocolViolation(f"rank {self.rank}, step {e.step}: buckets reduce-scattered over different "
+                                    f"members {sorted(layouts, key=str)}")
         self.sim.reduced.setdefault(e.step, {})[self.rank] = tuple(e.reduced)
 
     def request_join(self, e: E.RequestJoin) -> None:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from conftest import BIN, EXAMPLES
 from unicron_elastic.api import ConfigError, ShardLostError
+from unicron_elastic.strategy.engine.footprint import megatron_table
 from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards, check_element_wise
 from unicron_elastic.strategy.engine.shard_layout import ShardLayout, plan_pieces, share
 from unicron_elastic.testing import Fault, fail_at, faults_env, kill_node, process_tree, run_workers
@@ -363,6 +364,44 @@ def test_grad_reduce_in_bf16_trains_within_bfloat16s_rounding_of_the_exact_reduc
         assert float((ours - exact).norm() / exact.norm()) <= BF16_TOLERANCE, rank
 
 
+def _bytes_per_parameter(out: Path, rank: int) -> float:
+    """Every byte the rank's engine kept alive at the end, per parameter (``footprint.engine_bytes``)."""
+    state = json.loads((out / f"state{rank}.json").read_text())
+    return state["held_bytes"] / state["parameters"]
+
+
+@pytest.mark.timeout(240)
+def test_reduce_scatter_equals_the_all_reduce_to_the_bit_and_each_rank_keeps_a_share_of_the_sum(
+        tmp_path: Path, sharded_baseline) -> None:
+    # One instance, the buckets reduce-scattered (each rank receives its share of the flat sum), the parameters
+    # gathered into the next forward: float64 sums make the result the unsharded engine's, to the bit.
+    results = train(tmp_path, "--optimizer-instances", "1", "--reduce-scatter", "--overlap-param-gather")
+    assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-3000:]
+    for rank in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
+        # float32 parameters (the main parameters are views of them) 4 + float64 local sum 8 + its reduced share
+        # 8/4 + AdamW's moments 8/4 = 16 (and the slots and step counters: 1.4 over the MLP's 161 parameters);
+        # all-reduced, the reduce buffer alone would hold another 6
+        held = _bytes_per_parameter(tmp_path, rank)
+        assert 16 <= held <= 18, (rank, held)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_reduce_scatter_holds_at_most_115x_megatrons_bytes_per_parameter_at_dp4(tmp_path: Path,
+                                                                                dtype: torch.dtype) -> None:
+    # Megatron-LM's table (its distributed optimizer, float32 gradients, Adam): 8 + 8/d with float32 parameters,
+    # 6 + 12/d with bfloat16 ones; every storage the engine keeps alive is counted, the worst rank's
+    results = train(tmp_path, "--optimizer-instances", "1", "--reduce-scatter", "--grad-dtype", "float32",
+                    "--width", "512", "--bucket-numel", "1000", "--param-dtype", str(dtype).removeprefix("torch."))
+    assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-3000:]
+    worst = max(_bytes_per_parameter(tmp_path, rank) for rank in range(4))
+    table = megatron_table(dtype, 4)
+    print(f"{dtype}: worst rank {worst:.3f} bytes per parameter, Megatron-LM's table {table:.2f}: "
+          f"{worst / table:.3f}x")
+    assert worst <= 1.15 * table
+
+
 REJOIN_STEPS = 8
 
 
@@ -397,14 +436,32 @@ def test_a_killed_rank_is_restarted_and_rejoins_with_its_share_from_the_other_in
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
-def test_one_instance_a_lost_share_stops_the_survivors_with_shard_lost(tmp_path: Path) -> None:
-    results = train(tmp_path, "--optimizer-instances", "1", faults=[fail_at(rank=3, step=1, micro_batch=3)])
+@pytest.mark.parametrize(("extra", "fault"), [
+    ((), dict(micro_batch=3)), (("--reduce-scatter",), dict(at="backward"))], ids=["all-reduce", "reduce-scatter"])
+def test_one_instance_a_lost_share_stops_the_survivors_with_shard_lost(tmp_path: Path, extra: tuple,
+                                                                       fault: dict) -> None:
+    # (reduce-scattered: killed while its first bucket is in flight and backward still runs)
+    results = train(tmp_path, "--optimizer-instances", "1", *extra, faults=[fail_at(rank=3, step=1, **fault)])
+    assert len((tmp_path / "faults.log").read_text().splitlines()) == 1, "the fault did not fire"
     assert results[3].returncode == -9
     for rank in range(3):
         assert results[rank].returncode != 0
         assert "ShardLostError: optimizer state elements [120, 161) were held only by lost ranks" in \
             results[rank].stderr
         assert "optimizer_state_without_copy" in results[rank].stdout + results[rank].stderr  # said at the start
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_reduce_scattered_a_rank_admitted_at_step_1_scatters_over_the_new_layout_on_the_trajectory(
+        tmp_path: Path, sharded_baseline) -> None:
+    # DP 3 then 4 with one instance: the joiner gets its share from the members, every bucket of step 1 is
+    # scattered over the four members' shares, and the global batch is the same at both sizes.
+    results = train(tmp_path, "--optimizer-instances", "1", "--reduce-scatter", "--members", "0,1,2",
+                    "--member-schedule", json.dumps({"1": [0, 1, 2, 3]}))
+    assert [r.returncode for r in results] == [0] * 4, [r.stderr[-2000:] for r in results]
+    for rank in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path, rank), sharded_baseline)), f"rank {rank}"
 
 
 @pytest.mark.e2e

@@ -98,7 +98,11 @@ members (:mod:`~unicron_elastic.strategy.engine.optimizer_shards`): the
 optimizer steps this rank's share, and the protocol's ``Refresh`` reshards
 (a lost rank's share from another instance) and gathers the updated
 parameters before the next step computes, after every regroup and in
-:meth:`ElasticDataParallel.finish`.
+:meth:`ElasticDataParallel.finish`. With ``reduce_scatter`` (one instance)
+the buckets are reduce-scattered: each member receives its share's reduced
+sum, the float32 parameters are views of one flat buffer
+(:class:`~unicron_elastic.strategy.engine.flat_group.ParamBuffer`) so that
+the main parameters are the model's own, and the gather lands in them.
 
 The sequencing is :class:`~unicron_elastic.strategy.engine.protocol.Protocol`'s, a
 state machine that yields effects. This class composes the parts that
@@ -133,6 +137,7 @@ from unicron_elastic.strategy.engine.group_watch import GroupWatch
 from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.joining import StateHandout
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
+from unicron_elastic.strategy.engine.flat_group import ParamBuffer
 from unicron_elastic.strategy.engine.optimizer_shards import OptimizerShards
 from unicron_elastic.strategy.engine.param_gather import OverlappedGather
 from unicron_elastic.strategy.engine.overlap import BucketLauncher
@@ -227,7 +232,7 @@ class ElasticDataParallel:
         self.computation = Computation(layout, rank, batch, loss_fn, hooks.stage_fn, self.fault_point,
                                        options.pipeline_schedule, self.watch.waiting, self.groups.transport.device)
         self.reduction = StepReduction(self.protocol, self.groups, self.store_effects, self.watch, max_replicas,
-                                       hooks.overflow)
+                                       hooks.overflow, scatters=options.reduce_scatter)
         self.reduction.point = lambda step, bucket: self.fault_point(self.rank, step, bucket=bucket)
         self.handout = StateHandout.of(self.protocol, self.groups, rank, hooks, lambda: (self.model, self.optimizer))
         #: This shard's gradient sums (made by :meth:`bind`).
@@ -256,7 +261,7 @@ class ElasticDataParallel:
                         member_schedule=member_schedule, checkin_timeout=options.checkin_timeout,
                         collective_timeout=options.timeout.total_seconds(), authority=self.shard == 0,
                         compute_needs_group=self.layout.size > 1, sharded=options.optimizer_instances is not None,
-                        overlap_gather=options.overlap_param_gather)
+                        overlap_gather=options.overlap_param_gather, scatters=options.reduce_scatter)
 
     def _first_groups(self, tie: bool) -> None:
         """(A member from the start) build generation 0's groups and publish the members."""
@@ -306,11 +311,16 @@ class ElasticDataParallel:
         self.computation.bind(model, self.gradients, self.launcher)
         self.model, self.optimizer = model, optimizer
         if self.optimizer_shards is not None:
+            if self.reduction.scatters:  # (float32 parameters: the main parameters are views of them)
+                self.optimizer_shards.param_buffer = ParamBuffer.of(self.gradients.params)
             self.optimizer_shards.bind(optimizer, self.gradients.params, self.members, self.replica)
             if self.optimizer_shards.overlapped is not None:  # each module waits for its pieces; backward for all
                 self.optimizer_shards.overlapped.bind(model)
                 self.computation.settle = self.optimizer_shards.overlapped.finish
             self.handout.on_fresh = self.optimizer_shards.hold_fresh  # (a group restarting from step 0)
+            if self.reduction.scatters:  # the shares load their reduced sums from the reduce buffer
+                self.optimizer_shards.reduced_share = lambda g=self.gradients: (
+                    None if g.reduced is None or g.scatter is None else (g.reduced_sum(), g.scatter))
             # A checkpoint's optimizer state: every share, on the rank of replica 0 (the one Lightning writes with).
             self.optimizer_shards.collector = lambda: collect(
                 self.optimizer_shards, self.groups.shard, self.members.index(0) if 0 in self.members else 0)
@@ -612,6 +622,9 @@ class ElasticDataParallel:
 
     def finish_gradients(self) -> StepReport:
         """All-reduce the gradients of the step begun, surviving failures; set ``p.grad`` to sum / B.
+
+        With ``reduce_scatter`` each rank receives its share of the sum only: no parameter gets a ``.grad``, the
+        sharded optimizer loads the share (clip with ``reduction.clip_grad_norm_``).
 
         Raises:
             RuntimeError: No step was begun.

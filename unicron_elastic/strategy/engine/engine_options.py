@@ -94,6 +94,11 @@ class EngineOptions:
             computes, in the next step's forward (Megatron-LM's ``--overlap-param-gather``;
             :mod:`~unicron_elastic.strategy.engine.param_gather`). Between steps the model then holds the
             previous step's parameters, until :meth:`ElasticDataParallel.refresh` or the next step's forward.
+        reduce_scatter: (With ``optimizer_instances=1``, TP = PP = 1) reduce-scatter the gradient buckets, as
+            megatron-core's distributed optimizer does: each member receives only its share's reduced sum (the
+            local sums stay whole), the model's parameters get no ``.grad`` (the shares load the reduced share;
+            clip with :meth:`~unicron_elastic.strategy.engine.reduction.StepReduction.clip_grad_norm_`), and the
+            reduce buffer is a share (1/DP) of the flat sum. False: every member receives the whole reduced sum.
     """
 
     bucket_numel: int | None = None
@@ -109,13 +114,15 @@ class EngineOptions:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     reduce_dtype: torch.dtype | None = None
+    reduce_scatter: bool = False
 
     def __post_init__(self) -> None:
         """Refuse settings that cannot work together.
 
         Raises:
-            ConfigError: ``overlap_param_gather`` without ``optimizer_instances``, or with TP x PP > 1; a
-                ``reduce_dtype`` other than None and ``torch.bfloat16``.
+            ConfigError: ``overlap_param_gather`` without ``optimizer_instances``, or with TP x PP > 1;
+                ``reduce_scatter`` without ``optimizer_instances=1``, or with TP x PP > 1; a ``reduce_dtype``
+                other than None and ``torch.bfloat16``.
         """
         if self.reduce_dtype not in (None, torch.bfloat16):
             raise ConfigError(f"reduce_dtype={self.reduce_dtype}: None (grad_dtype) or torch.bfloat16 "
@@ -124,6 +131,11 @@ class EngineOptions:
         if self.overlap_param_gather and (self.optimizer_instances is None or size > 1):
             raise ConfigError(f"overlap_param_gather needs optimizer_instances and TP x PP = 1 (got {size}): with "
                               "TP x PP > 1 the shards agree that every gather completed before computing")
+        if self.reduce_scatter and (self.optimizer_instances != 1 or size > 1):
+            raise ConfigError(f"reduce_scatter needs optimizer_instances=1 and TP x PP = 1 (got "
+                              f"{self.optimizer_instances} and {size}): with copies of the shares every copy's "
+                              "holder needs the share's sum, and TP x PP > 1 reduces the whole sum over the "
+                              "tensor group and the tied weights' stages")
 
 
 @dataclass(frozen=True)

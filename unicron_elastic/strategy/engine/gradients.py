@@ -28,6 +28,11 @@ reduced gradient is not rounded to its dtype: its ``.grad`` stays None and its
 ``main_grad`` is its view of the reduced sum, which the optimizer's float32
 main parameters load (:func:`optimizer_gradient`), as megatron-core's
 distributed optimizer loads ``main_grad``.
+
+Reduce-scattered (the distributed optimizer with one instance, ``reduce_scatter``),
+each bucket's reduced sum reaches only the rank whose share of the flat sum
+holds it: the reduce buffer is that share (:attr:`GradientBuffer.scatter`),
+and no parameter gets a ``.grad``; the optimizer's shares load from it.
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ class GradientBuffer:
         #: Where the step's buckets are reduced (reused; see :meth:`reduce_buffer`).
         self.reduced: torch.Tensor | None = None
         self._reduced_views: list[torch.Tensor] | None = None  # its per-parameter views (where dtypes match)
+        #: Reduce-scattered: the ``(start, end)`` of the gradients this rank receives reduced (its share); None:
+        #: all-reduced. Set by the reduction for each step's layout.
+        self.scatter: tuple[int, int] | None = None
 
     def zeros(self, reuse: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A gradient sum of this shard, zeroed, and its per-parameter views.
@@ -104,6 +112,12 @@ class GradientBuffer:
             cached = self._sum = self.views(torch.empty(size, dtype=self.grad_dtype, device=device))
         cached[0].zero_()
         return cached
+
+    def kept(self) -> list[torch.Tensor]:
+        """The buffers kept between steps: the local sum, the reduce buffer, the wire buffer and megatron's
+        float32 ``main_grad`` buffers (those made so far)."""
+        kept = [self._sum[0]] if self._sum is not None else []
+        return kept + [t for t in (self.reduced, self._wire) if t is not None] + list(self._scratch or [])
 
     def spans(self) -> list[tuple[int, int]]:
         """``(start, end)`` of each parameter's gradient in the flat sum, in the order of :attr:`params`."""
@@ -189,14 +203,22 @@ class GradientBuffer:
         the buckets a failed attempt kept are not overwritten when the others
         are reduced again. ``slots`` elements follow the last bucket: the
         exchange's (:class:`~unicron_elastic.strategy.engine.exchange.ExchangeSlots`).
+
+        Reduce-scattered (:attr:`scatter`), the buffer holds this rank's share
+        of the gradients, then the extras and the slots (all-reduced).
         """
-        size = local.numel() + slots
+        size = self.head + self.extras + slots
         buf = self.reduced
         if buf is None or buf.numel() != size or buf.dtype != local.dtype or buf.device != local.device:
             buf = self.reduced = torch.empty(size, dtype=local.dtype, device=local.device)
-            same = all(p.dtype == buf.dtype and p.device == buf.device for p in self.params)
+            same = self.scatter is None and all(p.dtype == buf.dtype and p.device == buf.device for p in self.params)
             self._reduced_views = self.views(buf)[1] if same else None  # (else p.grad are copies: .to(p.dtype))
         return buf
+
+    @property
+    def head(self) -> int:
+        """Gradient elements of the reduce buffer: all of them, or this rank's share when reduce-scattered."""
+        return self.numel if self.scatter is None else self.scatter[1] - self.scatter[0]
 
     def wire(self, bucket: int, local: torch.Tensor) -> torch.Tensor | None:
         """Where ``bucket`` is all-reduced when it travels in :attr:`wire_dtype` (its slice of a buffer kept
@@ -212,11 +234,11 @@ class GradientBuffer:
 
     def reduced_sum(self) -> torch.Tensor | None:
         """The reduced gradient sum (the reduce buffer's head), or None before any reduction."""
-        return None if self.reduced is None else self.reduced[: self.numel]
+        return None if self.reduced is None else self.reduced[: self.head]
 
     def reduced_extras(self) -> torch.Tensor | None:
         """The reduced extra elements (after the gradients), or None before any reduction."""
-        return None if self.reduced is None else self.extras_of(self.reduced)
+        return None if self.reduced is None else self.reduced[self.head : self.head + self.extras]
 
     def set_gradients(self, divisor: float, poisoned: bool) -> None:
         """``p.grad`` = the reduced sum / ``divisor``: views of the reduce buffer (copies only where dtypes differ).
@@ -227,12 +249,17 @@ class GradientBuffer:
         makes the loss scaler skip the step here too. With
         ``half_main_grads`` a half-precision parameter's gradient is its
         ``main_grad`` (a view, not rounded) and its ``.grad`` None.
+        Reduce-scattered (:attr:`scatter`) no parameter gets a gradient: the
+        sharded optimizer loads its share from the buffer.
         """
         grad = self.reduced_sum()
         assert grad is not None  # (every step reduces each of its buckets first)
         grad.div_(divisor)
         if poisoned:
             grad.fill_(float("nan"))
+        if self.scatter is not None:  # the share is the sharded optimizer's to load: no parameter has a gradient
+            self.release()
+            return
         if self._reduced_views is not None:  # the buffer's per-parameter views, made once
             for p, view in zip(self.params, self._reduced_views):
                 p.grad = view

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from unicron_elastic.api import ConfigError, ShardLostError
-from unicron_elastic.strategy.engine.gradients import HALF, optimizer_gradient
+from unicron_elastic.strategy.engine.flat_group import FlatGroup, ParamBuffer
 from unicron_elastic.strategy.engine.param_gather import GatherPiece, OverlappedGather
 from unicron_elastic.strategy.engine.shard_layout import Piece, ShardLayout, plan_pieces
 
@@ -96,47 +96,6 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-class _Group:
-    """One parameter group as a flat range: its parameters' offsets, reads and writes of a part of it."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-
-    @property
-    def numel(self) -> int:
-        return self.offsets[-1]
-
-    @property
-    def half(self) -> bool:
-        """Some of its parameters are half-precision: a whole state holds their float32 main parameters."""
-        return any(p.dtype in HALF for p in self.params)
-
-    def parts(self, start: int, end: int):  # type: ignore[no-untyped-def]
-        for p, lo, hi in zip(self.params, self.offsets, self.offsets[1:]):
-            a, b = max(lo, start), min(hi, end)
-            if a < b:
-                yield p, a - lo, b - lo, a - start, b - start
-
-    def read(self, start: int, end: int, grad: bool = False) -> torch.Tensor:
-        """Elements ``[start, end)`` of the parameters (or of their reduced gradients, zeros for none) as fp32."""
-        device = self.params[0].device if self.params else torch.device("cpu")
-        out = torch.zeros(end - start, dtype=torch.float32, device=device)
-        for p, a, b, i, j in self.parts(start, end):
-            source = optimizer_gradient(p) if grad else p.detach()
-            if source is not None:
-                out[i:j].copy_(source.reshape(-1)[a:b])
-        return out
-
-    @torch.no_grad()
-    def write(self, start: int, values: torch.Tensor) -> None:
-        """Set the parameters' elements ``[start, start + len(values))`` (cast to each parameter's dtype)."""
-        for p, a, b, i, j in self.parts(start, start + values.numel()):
-            p.view(-1)[a:b].copy_(values[i:j])
-
-
 class OptimizerShards:
     """This rank's shares of a sharded optimizer's state, and the moves that keep them right.
 
@@ -177,10 +136,18 @@ class OptimizerShards:
         #: Set by a trainer that keeps snapshots: where a lost share sends the run back (for the warning at
         #: :meth:`bind` and the error when a share is lost).
         self.returns_to: Callable[[], str] = lambda: "the newest snapshot or checkpoint"
+        #: Set by the engine with ``reduce_scatter``: the model's parameters as views of one flat buffer (float32
+        #: parameters: the main parameters are views of them, and the gather lands in them); None: none.
+        self.param_buffer: ParamBuffer | None = None
+        #: Set by the engine with ``reduce_scatter``: this rank's reduced share of the flat gradient sum and its
+        #: ``(start, end)`` in it (None before a step reduced one); None without reduce-scatter.
+        self.reduced_share: Callable[[], tuple[torch.Tensor, tuple[int, int]] | None] = lambda: None
         #: Set by the engine with ``overlap_param_gather``: the gather an overlapped refresh starts.
         self.overlapped: OverlappedGather | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.groups: list[_Group] = []
+        self.groups: list[FlatGroup] = []
+        #: Elements of the flat gradient sum (the shares are its parts).
+        self.flat_numel = 0
         #: Per parameter group: the ``(start, end)`` this rank holds.
         self.held: list[tuple[int, int]] = []
         #: Per parameter group: the fp32 main parameter of what this rank holds (the optimizer steps these).
@@ -191,6 +158,12 @@ class OptimizerShards:
     def layout(self, members: Sequence[int]) -> ShardLayout:
         """How ``members`` (the data-parallel members, in order) hold the state."""
         return ShardLayout(tuple(members), self.instances)
+
+    def shares(self, layout: ShardLayout, member: int) -> list[tuple[int, int]]:
+        """Per group, the range ``member`` holds in ``layout``: the group's part of its share of the flat
+        gradient sum (``(0, 0)``: none)."""
+        flat = layout.range_of(member, self.flat_numel)
+        return [g.project(*flat) for g in self.groups]
 
     def bind(self, optimizer: torch.optim.Optimizer, reduced: Sequence[torch.nn.Parameter],
              members: Sequence[int], member: int) -> None:
@@ -204,16 +177,18 @@ class OptimizerShards:
         if any(optimizer.state.values()):
             raise ConfigError("the optimizer already has state: give the distributed optimizer a fresh one (a "
                               "checkpoint's optimizer state is loaded after set-up)")
-        known = {id(p) for p in reduced}
-        self.optimizer, self.groups = optimizer, []
+        flat_start, at = {}, 0
+        for p in reduced:  # (the flat gradient sum's order)
+            flat_start[id(p)], at = at, at + p.numel()
+        self.optimizer, self.groups, self.flat_numel = optimizer, [], at
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
-            if any(id(p) not in known for p in params):
+            if any(id(p) not in flat_start for p in params):
                 raise ConfigError("the optimizer steps a parameter the engine does not reduce (not in the model)")
-            self.groups.append(_Group(params))
+            self.groups.append(FlatGroup(params, flat_start))
         layout = self.layout(members)
         self.whole = None
-        self._hold_own([layout.range_of(member, g.numel) if self.holds else (0, 0) for g in self.groups])
+        self._hold_own(self.shares(layout, member) if self.holds else [(0, 0)] * len(self.groups))
         for handle in self._hooks:
             handle.remove()
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
@@ -275,17 +250,54 @@ class OptimizerShards:
         self._refreshed = None  # (what this rank holds changed)
         for old in self.main:
             optimizer.state.pop(old, None)
+        main = [self._in_buffer(g, r, m) for g, (r, m) in enumerate(zip(held, main))]
         self.held, self.main = list(held), [torch.nn.Parameter(m, requires_grad=True) for m in main]
         for group, param, state in zip(optimizer.param_groups, self.main, states):
             group["params"] = [param]
             if state:
                 optimizer.state[param] = state
 
+    def _in_buffer(self, g: int, held: tuple[int, int], main: torch.Tensor) -> torch.Tensor:
+        """``main`` as the view of the model's parameters it equals, where :attr:`param_buffer` backs them and
+        group ``g``'s ``held`` is one run of it (its values copied into the parameters); else ``main``."""
+        view = self._view(g, *held)
+        if view is None or main.numel() != view.numel():
+            return main
+        with torch.no_grad():
+            view.copy_(main)
+        return view
+
+    def _view(self, g: int, start: int, end: int) -> torch.Tensor | None:
+        """The param buffer's view of group ``g``'s ``[start, end)`` (None: no buffer backs the parameters, or
+        the range is empty or not one run of it)."""
+        buffer = self.param_buffer
+        if buffer is None or end <= start:
+            return None
+        if not buffer.backs():
+            log.warning("param_buffer_replaced", consequence="the shares copy the parameters from now on")
+            self.param_buffer = None
+            return None
+        return buffer.view(self.groups[g].flat_span(start, end))
+
     # -- one step ----------------------------------------------------------------------------------------
     def load_gradients(self) -> None:
-        """(Before the optimizer's step) this rank's share of the reduced gradients into the main parameters."""
+        """(Before the optimizer's step) this rank's share of the reduced gradients into the main parameters:
+        from the model's gradients, or (reduce-scattered: :attr:`reduced_share`) from the reduced share itself,
+        a view of it where a group's part is one float32 run of it.
+
+        Raises:
+            RuntimeError: (Reduce-scattered) the share received is not the one this rank holds.
+        """
+        scattered = self.reduced_share()
         for group, main, (start, end) in zip(self.groups, self.main, self.held):
-            main.grad = group.read(start, end, grad=True)
+            if scattered is None:
+                main.grad = group.read(start, end, grad=True)
+                continue
+            share, (first, last) = scattered
+            if group.project(first, last) != (start, end):
+                raise RuntimeError(f"the reduced share {first}..{last} of the flat sum is not the share this rank "
+                                   f"holds ({start}..{end} of a group): its layout changed without a reshard")
+            main.grad = group.read_share(start, end, share, first)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: its fp32 main parameters and their optimizer state."""
@@ -370,13 +382,12 @@ class OptimizerShards:
             gather.discard()
         layout = self.layout(members)
         if self._refreshed == (generation, layout):  # (every member's holdings are its share: nothing moved since)
-            self._gather(pg, [[(*layout.range_of(m, g.numel), 0) for g in self.groups] for m in layout.members],
-                         overlap)
+            self._gather(pg, [[(*share_, 0) for share_ in self.shares(layout, m)] for m in layout.members], overlap)
             return
         self._refreshed = None
         held = self.exchange(pg)
         same_step(held)
-        shares = [[_empty_as_zero(layout.range_of(m, g.numel)) for g in self.groups] for m in layout.members]
+        shares = [self.shares(layout, m) for m in layout.members]
         if [[_empty_as_zero(h[:2]) for h in rank] for rank in held] != shares:
             self._reshard(pg, held, shares[layout.members.index(member)])
             held = [[(*share_, 0) for share_ in rank] for rank in shares]
@@ -492,17 +503,19 @@ class OptimizerShards:
         for g, group in enumerate(self.groups):
             pieces = plan_pieces([h[g][:2] for h in held], group.numel)
             for n, piece in enumerate(pieces):
-                if piece.source == index:
+                buf = in_place = self._view(g, piece.start, piece.end)  # (the parameters themselves)
+                if buf is None and piece.source == index:
                     first = self.held[g][0]
                     buf = self.main[g].detach()[piece.start - first:piece.end - first].clone()
-                else:
+                elif buf is None:
                     buf = torch.empty(piece.end - piece.start, dtype=torch.float32, device=self.main[g].device)
                 if overlap:
-                    started += [self._start_piece(pg, group, part, buf[part.start - piece.start:part.end - piece.start])
-                                for part in self.overlapped.parts(piece)]
+                    started += [self._start_piece(pg, group, part, buf[part.start - piece.start:part.end - piece.start],
+                                                  in_place is not None) for part in self.overlapped.parts(piece)]
                 else:
                     self._broadcast(pg, buf, piece.source)
-                    group.write(piece.start, buf)
+                    if in_place is None:
+                        group.write(piece.start, buf)
                 if n == 0 and g == 0:
                     self.point("gather")
         if overlap:
@@ -510,11 +523,15 @@ class OptimizerShards:
         else:
             done()
 
-    def _start_piece(self, pg: dist.ProcessGroup, group: _Group, piece: Piece, buf: torch.Tensor) -> GatherPiece:
-        """Start ``piece``'s broadcast without waiting; what writes it into the model once it arrived."""
+    def _start_piece(self, pg: dist.ProcessGroup, group: FlatGroup, piece: Piece, buf: torch.Tensor,
+                     in_place: bool = False) -> GatherPiece:
+        """Start ``piece``'s broadcast without waiting; what writes it into the model once it arrived (nothing
+        when ``buf`` is the parameters' own memory and the collectives take it as it is)."""
         staged = buf.to(self.device)
         work = _start_broadcast(pg, staged, piece.source)
         params = frozenset(id(p) for p, *_ in group.parts(piece.start, piece.end))
+        if in_place and staged is buf:
+            return GatherPiece(params, staged, work, lambda values: None)
         return GatherPiece(params, staged, work, lambda values, start=piece.start: group.write(start, values))
 
     def _broadcast(self, pg: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None:
@@ -561,7 +578,8 @@ def main_of(per_param: list[dict[str, Any]], start: int, end: int) -> torch.Tens
 
 
 def states_per_group(shards: OptimizerShards, state_dict: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    """A whole state dict's per-parameter states, group by group (``{}`` for a parameter without state).
+    """A whole state dict's per-parameter states, group by group (``{}`` for a parameter without state), each
+    group's in the flat sum's order (:class:`~unicron_elastic.strategy.engine.flat_group.FlatGroup`).
 
     Raises:
         ValueError: ``state_dict`` does not match the optimizer's parameter groups.
@@ -571,7 +589,8 @@ def states_per_group(shards: OptimizerShards, state_dict: dict[str, Any]) -> lis
         raise ValueError(f"the optimizer state has groups of {[len(g['params']) for g in groups]} parameters, the "
                          f"optimizer {[len(g.params) for g in shards.groups]}")
     saved = state_dict["state"]
-    return [[saved.get(i, saved.get(str(i), {})) for i in group["params"]] for group in groups]
+    return [flat.in_flat_order([saved.get(i, saved.get(str(i), {})) for i in group["params"]])
+            for flat, group in zip(shards.groups, groups)]
 
 
 def share_format(shards: OptimizerShards, state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ is left out, whether a group can form) and
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -32,14 +32,13 @@ from unicron_elastic.strategy.engine.effects import (
     Excluded, Fallback, Followed, Formed, FreeGeneration, GatherFailed, MarkReady, Now, Pause, Point, ReadAlive,
     ReadCheckIns,
     ReadFinished, ReadLatest, ReadMembers, ReadReady, ReadRecord, ReadRequests, ReadWaiting, Reassigned, Reduce,
-    Refresh, Regrouped, ReplicaBroken, RequestJoin, Retired, SetGradients, Sleep, StepReport, TransferState,
+    Regrouped, ReplicaBroken, RequestJoin, Retired, SetGradients, Sleep, StepReport, TransferState,
     WriteRecord,
 )
 from unicron_elastic.strategy.engine.microbatch import dealt_after_losses, redistribute
+from unicron_elastic.strategy.engine.protocol_refresh import Effects, ShardedRefresh
 
 log = structlog.get_logger(__name__)
-
-Effects = Generator[Any, Any, Any]
 
 
 def _root(latest: dict) -> int:
@@ -48,7 +47,7 @@ def _root(latest: dict) -> int:
 
 
 # -- the machine ---------------------------------------------------------------------------------------
-class Protocol:
+class Protocol(ShardedRefresh):
     """One rank's side of the recovery protocol; every method that acts is a generator of effects.
 
     Args:
@@ -73,16 +72,18 @@ class Protocol:
             formed after a failure or a resize refreshes first.
         overlap_gather: (Sharded) a step's refresh only starts the gather, and its computation waits for it
             (:class:`Refresh` with ``overlap``); every other refresh waits for the gather.
+        scatters: (Sharded) the buckets are reduce-scattered over the members' shares: a regroup that changes
+            the members keeps none of the step's buckets (each member's part of them was another layout's).
     """
 
     def __init__(self, rank: int, members: Sequence[int], micro_batches: int, buckets: int,
                  member_schedule: Mapping[int, Sequence[int]] | None = None, checkin_timeout: float = 10.0,
                  collective_timeout: float = 30.0, logger: Any = None, authority: bool = True,
                  compute_needs_group: bool = False, ready_timeout: float = 300.0, sharded: bool = False,
-                 overlap_gather: bool = False) -> None:
+                 overlap_gather: bool = False, scatters: bool = False) -> None:
         self.rank = rank
         self.authority, self.compute_needs_group = authority, compute_needs_group
-        self.sharded, self.overlap_gather = sharded, overlap_gather
+        self.sharded, self.overlap_gather, self.scatters = sharded, overlap_gather, scatters
         #: (Sharded) an optimizer step updated the shares since the parameters were last gathered.
         self.stale = False
         #: (Sharded) a gather an overlapped refresh started is in flight: the next computation waits for it.
@@ -255,7 +256,7 @@ class Protocol:
         yield DropGroup()
         base: list[int] | None = None
         dead: list[int] = []
-        formed = False
+        formed, entered = False, list(self.members)
         while not formed:
             yield Pause(True, bound)  # each attempt is bounded
             self.generation += 1
@@ -267,7 +268,9 @@ class Protocol:
             if record.resize:  # the primary's resize (this rank failed the step's membership sync): deal afresh
                 base, dead = list(record.members), []
             dead += [r for r in record.dead if r not in dead]
-            self.members, done = list(record.members), record.kept_buckets
+            self.members = list(record.members)
+            # A bucket reduce-scattered over other members' shares is the wrong part of the sum: none is kept.
+            done = 0 if self.scatters and self.members != entered else record.kept_buckets
             formed = yield from self._form(record, step)
         yield Formed(self.generation, tuple(self.members))
         yield Pause(False, None)
@@ -326,81 +329,6 @@ class Protocol:
                 yield Abandon(record)
                 return False
             yield Sleep(0.002)
-
-    # -- a sharded optimizer's parameters ------------------------------------------------------------------
-    def _refresh(self, step: int, overlap: bool = False) -> Effects:
-        """(Sharded) every rank holds its share of the members' optimizer state and the updated parameters (with
-        ``overlap``: their gather started)."""
-        if self.sharded:
-            yield Refresh(step, overlap)
-            self.stale, self.gathering = False, overlap
-
-    def _refreshed(self, step: int, outcome: Regrouped) -> Effects:
-        """After a regroup in a step's reduction: :meth:`_refresh` (sharded), regrouping again while it fails.
-
-        Returns:
-            What each regroup changed, in order (each redistributed on its own, as on members whose refresh
-            completed and who regroup in the reduction).
-        """
-        outcomes = [outcome]
-        while True:
-            try:
-                yield from self._refresh(step)
-                return outcomes
-            except RuntimeError as exc:
-                self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
-                outcomes.append((yield from self._regroup(step, outcomes[-1].done)))
-
-    def refresh(self, step: int, last: bool = False, settle: bool = False) -> Effects:
-        """(Sharded, parameters stale) gather them before ``step`` computes, or when training ends (``last``).
-
-        A failure drops the group: the parameters stay stale and the step's reduction regroups (every member
-        then refreshes first); after the last step (``last``) the members regroup at once. With
-        ``overlap_gather`` the gather is only started, unless ``last`` or ``settle``: then a gather in flight is
-        waited for, as a refresh.
-
-        Raises:
-            Retired: (``last``) the record followed is a resize that leaves this rank out.
-            Excluded: (``last``) a failure's record left this rank out.
-        """
-        if self.gathering and (last or settle):  # its Refresh waits for the gather in flight (failed: stale)
-            self.stale, self.gathering = True, False
-        if not self.stale:
-            return
-        try:
-            yield from self._refresh(step, self.overlap_gather and not (last or settle))
-        except RuntimeError as exc:
-            self.log.warning("dp_refresh_failed", step=step, error=str(exc)[:200])
-            if not last:
-                yield DropGroup()  # peers blocked on us fail now; this step's reduction regroups
-                return
-            yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
-            yield from self._follow_between_steps(step, list(self.members))
-
-    def before_validation(self, step: int) -> Effects:
-        """(Sharded, between steps) make sure every member's parameters are gathered before it validates.
-
-        Every member calls it at the same point (Lightning validates them all after the same step): a small
-        collective of the members. A member whose gather failed dropped its group and a lost one is gone, so
-        it then fails on every member, and they regroup and gather together now, as after a failed membership
-        sync with ``compute_needs_group``; ``step`` is then dealt over the record followed. A one-sided
-        regroup (the stale rank alone) would leave the others' agreed members and deal behind.
-
-        Raises:
-            Retired: The record followed is a resize that leaves this rank out.
-            Excluded: A failure's record left this rank out.
-        """
-        if not self.sharded or step == self.synced_step:
-            return
-        yield from self.refresh(step, settle=True)  # (a gather in flight: waited for first)
-        try:
-            yield AgreeMembers(step, tuple(self.members) if self.is_primary else None)  # (a probe: no change)
-        except RuntimeError as exc:
-            yield Pause(True, self.checkin_timeout + self.collective_timeout)  # regrouping: no hang
-            self.log.warning("dp_validation_sync_failed", step=step, error=str(exc)[:200])
-            self.agreed.clear()  # (agreed in the last bucket, before the loss)
-            self.synced_step = step
-            self.early = Regrouped(None, (yield from self._follow_between_steps(step, list(self.members))), 0)
 
     # -- membership between steps -------------------------------------------------------------------------
     def _proposal(self, step: int) -> Effects:

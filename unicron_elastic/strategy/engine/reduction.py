@@ -41,6 +41,7 @@ from unicron_elastic.strategy.engine.gradients import GradientBuffer
 from unicron_elastic.strategy.engine.group_watch import GroupWatch
 from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.protocol import Protocol
+from unicron_elastic.strategy.engine.shard_layout import ShardLayout
 from unicron_elastic.strategy.engine.stage_sums import ReplicaSums
 from unicron_elastic.strategy.engine.step_totals import StepTotals
 from unicron_elastic.strategy.engine.store_effects import EngineStore
@@ -58,10 +59,12 @@ class StepReduction:
         watch: Reports this rank's waits on its groups.
         max_replicas: Replicas the slots can name.
         overflow: With a loss scaler: whether this shard's reduced sum is not finite once unscaled.
+        scatters: Reduce-scatter the buckets (:attr:`scatters`).
     """
 
     def __init__(self, protocol: Protocol, groups: GenerationGroups, store: EngineStore, watch: GroupWatch,
-                 max_replicas: int, overflow: Callable[[torch.Tensor, int], bool] | None) -> None:
+                 max_replicas: int, overflow: Callable[[torch.Tensor, int], bool] | None,
+                 scatters: bool = False) -> None:
         self.protocol, self.groups, self.store, self.watch = protocol, groups, store, watch
         self.layout, self.rank = groups.layout, groups.rank
         self.replica, self.shard = self.layout.replica(self.rank), self.layout.shard(self.rank)
@@ -77,6 +80,10 @@ class StepReduction:
         self.reductions = ModelReductions()
         #: Take the replica's gradient norm in each step's commit (:attr:`grad_norm`; TP x PP > 1).
         self.measure_norm = False
+        #: Reduce-scatter the buckets (the distributed optimizer with one instance, TP = PP = 1): each member
+        #: receives its share of the flat sum (:meth:`share`); the last exchange carries the totals, the slots and
+        #: the squared norm of every share.
+        self.scatters = scatters
         #: This rank was asked to stop: sent in every exchange from now on.
         self.stop_requested = False
         #: A member asked to stop, as an exchange of the members said.
@@ -146,9 +153,9 @@ class StepReduction:
     @property
     def launchable(self) -> int:
         """How many buckets, from bucket 0, start without waiting: all but the one carrying the slots (TP x PP
-        > 1: all, the commit carries them)."""
+        > 1: all, the commit carries them; reduce-scattered: all, the step's last exchange carries them)."""
         buckets = len(self.gradients.bounds) if self.gradients is not None else 0
-        return buckets if self.committed else max(buckets - 1, 0)
+        return buckets if self.committed or self.scatters else max(buckets - 1, 0)
 
     def start(self, step: int, bucket: int, local: torch.Tensor) -> None:
         """Copy ``bucket`` out of the local sum and start its all-reduce, without waiting (its ``Reduce`` waits).
@@ -161,16 +168,48 @@ class StepReduction:
             return
         self._started.add((self.groups.built, step, bucket))
         self.point(step, bucket)
+        try:  # (no local name holds the group: see _commit)
+            work, buf, wire = self._scatter(bucket, local) if self.scatters else self._all_reduce(bucket, local)
+        except RuntimeError:  # the group failed already: the bucket's Reduce starts it again, and fails there
+            return
+        self._in_flight[bucket] = (self.groups.built, step, local.data_ptr(), work, buf, wire)
+
+    def _all_reduce(self, bucket: int, local: torch.Tensor) -> tuple[dist.Work, torch.Tensor, torch.Tensor | None]:
+        """Start ``bucket``'s all-reduce into its slice of the reduce buffer (through its wire buffer, if any)."""
         start, end = self.gradients.bounds[bucket]
         buf = self.gradients.reduce_buffer(local, self.slots.size)[start:end]
         wire = self.gradients.wire(bucket, local)
         sent = buf if wire is None else wire
         sent.copy_(local[start:end])  # a copy: the local sum survives a failure
-        try:  # (no local name holds the group: see _commit)
-            work = self.groups.started(self.groups.shard.allreduce([sent]))
-        except RuntimeError:  # the group failed already: the bucket's Reduce starts it again, and fails there
-            return
-        self._in_flight[bucket] = (self.groups.built, step, local.data_ptr(), work, buf, wire)
+        return self.groups.started(self.groups.shard.allreduce([sent])), buf, wire
+
+    def share(self, index: int) -> tuple[int, int]:
+        """(Reduce-scattered) the ``(start, end)`` of the flat sum's gradients that the member at ``index`` of
+        this step's members receives: its share (the sharded optimizer's, one instance)."""
+        return ShardLayout(tuple(self.protocol.members), 1).range_of(self.protocol.members[index],
+                                                                     self.gradients.numel)
+
+    def _scatter(self, bucket: int, local: torch.Tensor) -> tuple[dist.Work, torch.Tensor, torch.Tensor | None]:
+        """Start ``bucket``'s reduce-scatter (its gradients; the last bucket's extras travel in the last exchange):
+        each member's part of it lands in its share's buffer. The local sum is read, not written."""
+        gradients = self.gradients
+        index = self.protocol.members.index(self.replica)
+        gradients.scatter = self.share(index)
+        start, end = gradients.bounds[bucket][0], min(gradients.bounds[bucket][1], gradients.numel)
+        parts = [(min(max(lo, start), end), min(max(hi, start), end))
+                 for lo, hi in map(self.share, range(len(self.protocol.members)))]
+        wire = gradients.wire(bucket, local)
+        source = local[start:end]
+        if wire is not None:
+            wire.copy_(source)
+            source = wire
+        mine = parts[index]
+        first = gradients.scatter[0]
+        buf = gradients.reduce_buffer(local, self.slots.size)[mine[0] - first:mine[1] - first]
+        out = buf if wire is None else torch.empty_like(buf, dtype=wire.dtype)
+        chunks = [source[lo - start:hi - start] for lo, hi in parts]
+        return self.groups.started(self.groups.shard.reduce_scatter([out], [chunks])), buf, \
+            None if wire is None else out
 
     def started(self, step: int, bucket: int) -> bool:
         """Whether ``bucket`` of ``step`` started in the groups held (its :attr:`point` was passed)."""
@@ -191,6 +230,8 @@ class StepReduction:
         for k in range(effect.bucket, self.launchable):
             self.start(effect.step, k, local)
         self._forget_stale(effect.step, local)
+        if self.scatters:
+            return self._reduce_scattered(effect)
         if effect.bucket in self._in_flight:
             *_, work, buf, wire = self._in_flight.pop(effect.bucket)
             with self.watch.waiting("reduce"):
@@ -214,6 +255,59 @@ class StepReduction:
             buf.copy_(wire)
         members = self._exchanged(buf[end - start :], effect.step).members if effect.last else None
         return buf[: end - start], members
+
+    def _reduce_scattered(self, effect: E.Reduce) -> tuple[torch.Tensor, list[int] | None]:
+        """Wait for a bucket's reduce-scatter (started before, or now); after the last bucket the step's last
+        exchange: its totals (the local extras), the slots (with the overflow verdict of every share) and the
+        squared norm of every share, summed over the members.
+
+        Raises:
+            RuntimeError: The group failed (gloo's error), or was gone already.
+        """
+        local, gradients = effect.local, self.gradients
+        if effect.bucket in self._in_flight:
+            *_, work, buf, wire = self._in_flight.pop(effect.bucket)
+        else:  # (its start found the group failed: starting it again fails here)
+            work, buf, wire = self._scatter(effect.bucket, local)
+        with self.watch.waiting("reduce"):
+            self.groups.transport.wait(self.groups.shard, work)
+        self.groups.waited(work)
+        if wire is not None:
+            buf.copy_(wire)
+        if not effect.last:
+            return buf, None
+        share = gradients.reduced_sum()
+        gradients.reduced_extras().zero_()  # (the totals are not summed yet: the verdict divides by 1, as a commit)
+        slots = self._encode(effect.offer, local.dtype, self._overflowed(),
+                             self._finds_non_finite(effect.step, local))
+        squared = share.to(torch.float64).square().sum().to(local.dtype).reshape(1)
+        payload = torch.cat([gradients.extras_of(local), slots, squared])
+        with self.watch.waiting("reduce"):
+            self.groups.transport.wait(self.groups.shard, self.groups.shard.allreduce([payload]))
+        extras = gradients.extras
+        gradients.reduced_extras().copy_(payload[:extras])
+        said = self._exchanged(payload[extras:extras + self.slots.size], effect.step)
+        self.overflow_agreed = said.overflow
+        self._squared_norm = float(payload[-1])
+        return buf, said.members
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """(Reduce-scattered) scale this rank's share of the reduced gradients so that the norm of all of them
+        is at most ``max_norm`` (torch's ``clip_grad_norm_`` arithmetic); returns the norm before clipping.
+
+        The model's parameters have no gradient to clip (the shares load from the reduce buffer): clip here,
+        after :meth:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel.finish_gradients` and
+        before the optimizer's step.
+
+        Raises:
+            RuntimeError: The gradients are not reduce-scattered, or no step's gradients were reduced yet.
+        """
+        norm, share = self.grad_norm, self.gradients.reduced_sum() if self.gradients is not None else None
+        if not self.scatters or norm is None or share is None:
+            raise RuntimeError("clip_grad_norm_ needs this step's reduce-scattered gradients")
+        total = torch.tensor(norm, dtype=torch.float32, device=share.device)
+        share.mul_(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).to(share.dtype))
+        return norm
 
     def _forget_stale(self, step: int, local: torch.Tensor) -> None:
         """Forget buckets started on groups gone since, for another step or from another local sum (the groups'
@@ -331,7 +425,7 @@ class StepReduction:
         self.totals = self._step_totals()
         if self.sums is not None:
             self.sums.apply(self.gradients.reduced_sum())
-        self.gradients.set_gradients(self.divisor(), self.committed and self.overflow_agreed)
+        self.gradients.set_gradients(self.divisor(), (self.committed or self.scatters) and self.overflow_agreed)
 
     def tie(self) -> None:
         """Make the copies of a weight tied across stages equal: the first stage's values (start of training).

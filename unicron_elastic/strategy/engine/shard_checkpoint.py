@@ -95,16 +95,15 @@ def _as_state_dict(shards: OptimizerShards, flats: list[dict[str, torch.Tensor]]
     """torch's state dict of the unsharded optimizer over the model's parameters, from flat per-group state."""
     state: dict[int, dict[str, Any]] = {}
     param_groups = []
-    index = 0
+    base = 0
     for group, options, flat, step in zip(shards.groups, shards.optimizer.param_groups, flats, steps):
-        ids = []
-        for p, lo, hi in zip(group.params, group.offsets, group.offsets[1:]):
-            if flat:
-                state[index] = {key: values[lo:hi].view_as(p).clone() for key, values in flat.items()}
+        for p, lo, hi, position in zip(group.params, group.offsets, group.offsets[1:], group.order):
+            if flat:  # (ids follow the optimizer's order of the parameters, the group the flat sum's)
+                state[base + position] = {key: values[lo:hi].view_as(p).clone() for key, values in flat.items()}
                 if step is not None:
-                    state[index]["step"] = torch.tensor(step, dtype=scalar_dtype())
-            ids.append(index)
-            index += 1
+                    state[base + position]["step"] = torch.tensor(step, dtype=scalar_dtype())
+        ids = list(range(base, base + len(group.params)))
+        base += len(group.params)
         param_groups.append({**{k: copy.deepcopy(v) for k, v in options.items() if k != "params"}, "params": ids})
     return {"state": state, "param_groups": param_groups}
 
