@@ -6,7 +6,7 @@ data, with the same global batch (one micro-batch per rank and step) and gradien
 
 * ``--side unicron``: ``ElasticDataParallel`` (float32 sums; ``--no-overlap`` starts the buckets when the
   reduction begins instead of from backward; ``--sharded``: the distributed optimizer, one instance, the
-  buckets reduce-scattered, with ``overlap_param_gather``);
+  buckets reduce-scattered (``--all-reduce``: all-reduced), with ``overlap_param_gather``);
 * ``--side megatron``: megatron-core's ``DistributedDataParallel`` with ``overlap_grad_reduce`` (and with
   ``--sharded`` its ``DistributedOptimizer`` with ``overlap_param_gather``), run on the CPU with the three
   answers to its CUDA questions of ``_megatron_do_worker.py``;
@@ -56,7 +56,8 @@ def unicron(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
         options=EngineOptions(bucket_numel=args.bucket_numel, timeout=timedelta(seconds=120),
                               overlap_grad_reduce=not args.no_overlap,
                               optimizer_instances=1 if args.sharded else None,
-                              overlap_param_gather=args.sharded, reduce_scatter=args.sharded))
+                              overlap_param_gather=args.sharded,
+                              reduce_scatter=args.sharded and not args.all_reduce))
     reports = []
     try:
         for step in range(args.steps):
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--side", choices=["unicron", "megatron", "torch-ddp"], required=True)
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--all-reduce", action="store_true", help="(--sharded) all-reduce, not reduce-scatter")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=6)

@@ -9,6 +9,8 @@ sides alternate, ``--runs`` times each (the order reversed on odd runs):
 * **unicron**: ``ElasticDataParallel``, each bucket's all-reduce started from backward (``overlap_grad_reduce``);
 * **unicron, no overlap**: the same, the buckets started when the reduction begins (its wait is the whole
   communication: the reference for the share left exposed);
+* **unicron, all-reduce** (``--sharded`` only): the engine's distributed optimizer with its buckets all-reduced
+  (``reduce_scatter=False``);
 * **megatron-core**: its ``DistributedDataParallel`` with ``overlap_grad_reduce`` (all-reduce, replicated
   optimizer);
 * **Lightning's ddp**: torch's ``DistributedDataParallel`` as Lightning's ``ddp`` strategy builds it (not
@@ -49,7 +51,10 @@ from _targets import Verdicts, at_most
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(REPO / "benchmarks" / "_overlap_worker.py")
 SIDES = {"unicron": ["--side", "unicron"], "unicron, no overlap": ["--side", "unicron", "--no-overlap"],
+         "unicron, all-reduce": ["--side", "unicron", "--all-reduce"],
          "megatron-core": ["--side", "megatron"], "Lightning's ddp": ["--side", "torch-ddp"]}
+#: The sides of each mode (``--sharded`` or not).
+SHARDED_ONLY, REPLICATED_ONLY = {"unicron, all-reduce"}, {"Lightning's ddp"}
 
 
 def _tx_bytes() -> int:
@@ -85,7 +90,7 @@ def measure(args: argparse.Namespace) -> int:
                                                 for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
-            sides = [side for side in SIDES if not (args.sharded and side == "Lightning's ddp")]
+            sides = [side for side in SIDES if side not in (REPLICATED_ONLY if args.sharded else SHARDED_ONLY)]
             for side in sides if run % 2 == 0 else sides[::-1]:
                 got = _run(Path(tmp, f"{run}-{side.replace(' ', '').replace(',', '-')}"), SIDES[side], args)
                 for key in ("times", "exposed"):

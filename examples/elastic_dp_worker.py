@@ -25,6 +25,7 @@ import torch
 
 from unicron_elastic.env import max_world
 from unicron_elastic.meeting import connect_meeting_store
+from unicron_elastic.strategy.engine.effects import StepReport
 from unicron_elastic.strategy.engine.elastic_dp import ElasticDataParallel, EngineHooks, EngineOptions, Excluded, Retired
 from unicron_elastic.strategy.engine.footprint import engine_bytes
 from unicron_elastic.strategy.engine.microbatch import GlobalBatchPlan
@@ -59,6 +60,20 @@ def _state_bytes(ddp: ElasticDataParallel) -> int:
                if isinstance(v, torch.Tensor))
 
 
+def _clipped_step(ddp: ElasticDataParallel, step: int, max_norm: float) -> StepReport:
+    """:meth:`ElasticDataParallel.train_step` with the gradients clipped by their whole norm before the optimizer's
+    step (reduce-scattered: each rank's share, by the norm of all of them)."""
+    ddp.begin_step(step)
+    report = ddp.finish_gradients()
+    if ddp.reduction.scatters:
+        ddp.reduction.clip_grad_norm_(max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(ddp.params, max_norm)
+    ddp.optimizer.step()
+    ddp.next_step = step + 1
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
@@ -91,6 +106,8 @@ def main() -> None:
                         help="with --optimizer-instances: gather the updated parameters into the next step's forward")
     parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the model's parameters (bfloat16: with --optimizer-instances, float32 main parameters)")
+    parser.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
+                        help="clip the gradients by their whole norm before each optimizer step")
     parser.add_argument("--reduce-scatter", action="store_true",
                         help="with --optimizer-instances 1: reduce-scatter the gradient buckets (each rank receives "
                              "its share's sum)")
@@ -124,6 +141,7 @@ def main() -> None:
         ),
         hooks=EngineHooks(fault_point=maybe_fail, pause=worker.set_paused, report_waiting=worker.waiting),
     )
+    ddp.reduction.measure_norm = args.clip_grad is not None  # (reduce-scattered: the shares' norms summed)
     start = ddp.join() if restarted or rank not in members else 0
     trained = start is not None  # admitted before training ended (else it trained nothing)
     reports = []
@@ -137,7 +155,8 @@ def main() -> None:
                 _hold_until(args.hold_until, rank, worker)
             began = time.monotonic()
             try:
-                reports.append({**vars(ddp.train_step(step)), "finished_at": time.time(), "pid": os.getpid()})
+                report = ddp.train_step(step) if args.clip_grad is None else _clipped_step(ddp, step, args.clip_grad)
+                reports.append({**vars(report), "finished_at": time.time(), "pid": os.getpid()})
             except Excluded:  # alive but left out of a regroup: come back as a joiner
                 rejoined = ddp.join()
                 reports.append({"excluded_at": step, "rejoined_at": rejoined})

@@ -89,6 +89,43 @@ def test_a_lost_members_share_comes_from_another_instance_or_is_reported_lost(me
         assert len(pieces) <= fewest
 
 
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.randoms(use_true_random=False), st.integers(1, 5),
+       st.integers(1, 3))
+def test_a_share_of_the_flat_sum_holds_one_contiguous_range_of_each_group(sizes: list[int], rng, parts: int,
+                                                                         groups: int) -> None:
+    # The flat sum lays the parameters out in some order; each optimizer group keeps its own order. A member's
+    # share of the flat sum, projected on a group, is one range of it; the ranges of the members cover each group
+    # once, in order, and hold exactly the group's elements of that share (read_share hands them over).
+    from unicron_elastic.strategy.engine.flat_group import FlatGroup
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    flat_order = list(range(len(params)))
+    rng.shuffle(flat_order)
+    flat_start, at = {}, 0
+    for i in flat_order:
+        flat_start[id(params[i])], at = at, at + sizes[i]
+    with torch.no_grad():
+        for p in params:  # each element's value: its flat position
+            p.copy_(torch.arange(flat_start[id(p)], flat_start[id(p)] + p.numel(), dtype=torch.float32))
+    owner = [rng.randrange(groups) for _ in params]
+    for g in range(groups):
+        members = [p for p, o in zip(params, owner) if o == g]
+        if not members:
+            continue
+        group = FlatGroup(members, flat_start)
+        assert group.in_flat_order(list(range(len(members)))) == group.order
+        values = torch.cat([p.detach() for p in group.params])
+        ranges = [group.project(*share(at, i, parts)) for i in range(parts)]
+        nonempty = [r for r in ranges if r[1] > r[0]]
+        assert nonempty[0][0] == 0 and nonempty[-1][1] == group.numel
+        assert all(a[1] == b[0] for a, b in zip(nonempty, nonempty[1:]))
+        for i, (start, end) in enumerate(ranges):
+            lo, hi = share(at, i, parts)
+            inside = values[(values >= lo) & (values < hi)]
+            assert torch.equal(values[start:end], inside)
+            flat_values = torch.arange(lo, hi, dtype=torch.float32)
+            assert torch.equal(group.read_share(start, end, flat_values, lo), inside)
+
+
 def test_an_optimizer_that_is_not_element_wise_is_refused_with_one_clear_error() -> None:
     model = torch.nn.Linear(3, 2)
     for optimizer in (torch.optim.LBFGS(model.parameters()),
@@ -400,6 +437,24 @@ def test_reduce_scatter_holds_at_most_115x_megatrons_bytes_per_parameter_at_dp4(
     print(f"{dtype}: worst rank {worst:.3f} bytes per parameter, Megatron-LM's table {table:.2f}: "
           f"{worst / table:.3f}x")
     assert worst <= 1.15 * table
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_reduce_scattered_clipping_scales_every_share_by_the_whole_gradients_norm(tmp_path: Path) -> None:
+    # Each rank clips its share by the norm of all of them (the squared norms summed in the step's last exchange):
+    # the result is torch's clip_grad_norm_ of the whole gradient, up to the norm's rounding (float64 over the
+    # shares against torch's over the parameters' gradients); clipping is active at every step.
+    clipped = ("--optimizer-instances", "1", "--clip-grad", "0.05")
+    ours, theirs = tmp_path / "reduce-scatter", tmp_path / "all-reduce"
+    for out, extra in ((ours, ("--reduce-scatter",)), (theirs, ())):
+        results = train(out, *clipped, *extra)
+        assert [r.returncode for r in results] == [0] * 4, results[0].stderr[-3000:]
+    unclipped = tmp_path / "unclipped"
+    assert [r.returncode for r in train(unclipped, "--optimizer-instances", "1", "--reduce-scatter")] == [0] * 4
+    flat = [torch.cat([p.reshape(-1) for p in _params(out, 0)]) for out in (ours, theirs, unclipped)]
+    assert float((flat[0] - flat[1]).norm() / flat[1].norm()) <= 1e-6
+    assert float((flat[2] - flat[1]).norm() / flat[1].norm()) >= 1e-4  # (the clipping changed the trajectory)
 
 
 REJOIN_STEPS = 8

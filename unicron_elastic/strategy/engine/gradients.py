@@ -55,6 +55,14 @@ def optimizer_gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
     return param.grad
 
 
+def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place by ``min(max_norm / (total_norm + 1e-6), 1)``: torch's
+    ``clip_grads_with_norm_`` on gradient tensors themselves (the same operations, so the same bits)."""
+    coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.device))
+
+
 class GradientBuffer:
     """The gradient sums of ``params``, bucket by bucket.
 

@@ -37,7 +37,7 @@ from unicron_elastic.api import NonFiniteError
 from unicron_elastic.strategy.engine import effects as E
 from unicron_elastic.strategy.engine.engine_options import ModelReductions
 from unicron_elastic.strategy.engine.exchange import Exchanged, ExchangeSlots
-from unicron_elastic.strategy.engine.gradients import GradientBuffer
+from unicron_elastic.strategy.engine.gradients import GradientBuffer, scale_to_norm
 from unicron_elastic.strategy.engine.group_watch import GroupWatch
 from unicron_elastic.strategy.engine.groups import GenerationGroups
 from unicron_elastic.strategy.engine.protocol import Protocol
@@ -78,7 +78,8 @@ class StepReduction:
         self.sums: ReplicaSums | None = None
         #: What the model asks of each step besides the data-parallel sum.
         self.reductions = ModelReductions()
-        #: Take the replica's gradient norm in each step's commit (:attr:`grad_norm`; TP x PP > 1).
+        #: Take the replica's gradient norm in each step's commit (:attr:`grad_norm`; TP x PP > 1), or in the last
+        #: exchange of a reduce-scattered step (every share's).
         self.measure_norm = False
         #: Reduce-scatter the buckets (the distributed optimizer with one instance, TP = PP = 1): each member
         #: receives its share of the flat sum (:meth:`share`); the last exchange carries the totals, the slots and
@@ -280,7 +281,9 @@ class StepReduction:
         gradients.reduced_extras().zero_()  # (the totals are not summed yet: the verdict divides by 1, as a commit)
         slots = self._encode(effect.offer, local.dtype, self._overflowed(),
                              self._finds_non_finite(effect.step, local))
-        squared = share.to(torch.float64).square().sum().to(local.dtype).reshape(1)
+        # (only when measured: a pass over the share, in the wait after backward)
+        squared = torch.linalg.vector_norm(share).square().reshape(1).to(local.dtype) if self.measure_norm else \
+            local.new_zeros(1)
         payload = torch.cat([gradients.extras_of(local), slots, squared])
         with self.watch.waiting("reduce"):
             self.groups.transport.wait(self.groups.shard, self.groups.shard.allreduce([payload]))
@@ -288,7 +291,7 @@ class StepReduction:
         gradients.reduced_extras().copy_(payload[:extras])
         said = self._exchanged(payload[extras:extras + self.slots.size], effect.step)
         self.overflow_agreed = said.overflow
-        self._squared_norm = float(payload[-1])
+        self._squared_norm = float(payload[-1]) if self.measure_norm else None
         return buf, said.members
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -297,16 +300,18 @@ class StepReduction:
 
         The model's parameters have no gradient to clip (the shares load from the reduce buffer): clip here,
         after :meth:`~unicron_elastic.strategy.engine.elastic_dp.ElasticDataParallel.finish_gradients` and
-        before the optimizer's step.
+        before the optimizer's step, with :attr:`measure_norm` set before the step (the step's last exchange
+        then sums the shares' squared norms).
 
         Raises:
-            RuntimeError: The gradients are not reduce-scattered, or no step's gradients were reduced yet.
+            RuntimeError: The gradients are not reduce-scattered, :attr:`measure_norm` is not set, or no step's
+                gradients were reduced yet.
         """
         norm, share = self.grad_norm, self.gradients.reduced_sum() if self.gradients is not None else None
-        if not self.scatters or norm is None or share is None:
-            raise RuntimeError("clip_grad_norm_ needs this step's reduce-scattered gradients")
-        total = torch.tensor(norm, dtype=torch.float32, device=share.device)
-        share.mul_(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).to(share.dtype))
+        if not self.scatters or not self.measure_norm or norm is None or share is None:
+            raise RuntimeError("clip_grad_norm_ needs this step's reduce-scattered gradients and their norm "
+                               "(set engine.reduction.measure_norm = True before the step)")
+        scale_to_norm([share], max_norm, torch.tensor(norm, dtype=torch.float32, device=share.device))
         return norm
 
     def _forget_stale(self, step: int, local: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unicron_elastic.strategy.engine.gradients import optimizer_gradient
+from unicron_elastic.strategy.engine.gradients import optimizer_gradient, scale_to_norm
 from unicron_elastic.strategy.lightning.precision import loss_scaler
 
 if TYPE_CHECKING:
@@ -31,14 +31,6 @@ __all__ = ["ReplicaNormClip", "clip_by_norm", "clip_by_value", "install_clipping
 def gradients_of(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """The reduced gradients of ``params`` that a sharded optimizer loads (those that exist)."""
     return [g for g in map(optimizer_gradient, params) if g is not None]
-
-
-def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale ``grads`` in place by ``min(max_norm / (total_norm + 1e-6), 1)``: torch's
-    ``clip_grads_with_norm_`` on gradient tensors themselves (the same operations, so the same bits)."""
-    coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coefficient.to(grad.device))
 
 
 def clip_by_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
