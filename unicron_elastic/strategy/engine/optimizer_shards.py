@@ -148,6 +148,7 @@ class OptimizerShards:
         self.groups: list[FlatGroup] = []
         #: Elements of the flat gradient sum (the shares are its parts).
         self.flat_numel = 0
+        self._shares: dict[ShardLayout, dict[int, list[tuple[int, int]]]] = {}  # the last layout's, per member
         #: Per parameter group: the ``(start, end)`` this rank holds.
         self.held: list[tuple[int, int]] = []
         #: Per parameter group: the fp32 main parameter of what this rank holds (the optimizer steps these).
@@ -161,9 +162,11 @@ class OptimizerShards:
 
     def shares(self, layout: ShardLayout, member: int) -> list[tuple[int, int]]:
         """Per group, the range ``member`` holds in ``layout``: the group's part of its share of the flat
-        gradient sum (``(0, 0)``: none)."""
-        flat = layout.range_of(member, self.flat_numel)
-        return [g.project(*flat) for g in self.groups]
+        gradient sum (``(0, 0)``: none). Kept per layout (each refresh asks it of every member)."""
+        if layout not in self._shares:
+            self._shares = {layout: {m: [g.project(*layout.range_of(m, self.flat_numel)) for g in self.groups]
+                                     for m in layout.members}}
+        return self._shares[layout].get(member, [(0, 0)] * len(self.groups))
 
     def bind(self, optimizer: torch.optim.Optimizer, reduced: Sequence[torch.nn.Parameter],
              members: Sequence[int], member: int) -> None:
@@ -180,7 +183,7 @@ class OptimizerShards:
         flat_start, at = {}, 0
         for p in reduced:  # (the flat gradient sum's order)
             flat_start[id(p)], at = at, at + p.numel()
-        self.optimizer, self.groups, self.flat_numel = optimizer, [], at
+        self.optimizer, self.groups, self.flat_numel, self._shares = optimizer, [], at, {}
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             if any(id(p) not in flat_start for p in params):

@@ -103,6 +103,7 @@ class StepReduction:
         #: ``point(step, bucket)``, right before a bucket starts (fault injection: ``fault_point(bucket=k)``).
         self.point: Callable[[int, int], None] = lambda step, bucket: None
         self._started: set[tuple[int, int, int]] = set()  # (groups built, step, bucket) started
+        self._shares: tuple[tuple[int, ...], list[tuple[int, int]]] = ((), [])  # (members, their shares)
 
     def bind(self, gradients: GradientBuffer, sums: ReplicaSums | None, reductions: ModelReductions) -> None:
         """The gradient sums to reduce, the replica's sums (TP x PP > 1) and what the model asks of each step."""
@@ -184,21 +185,23 @@ class StepReduction:
         sent.copy_(local[start:end])  # a copy: the local sum survives a failure
         return self.groups.started(self.groups.shard.allreduce([sent])), buf, wire
 
-    def share(self, index: int) -> tuple[int, int]:
-        """(Reduce-scattered) the ``(start, end)`` of the flat sum's gradients that the member at ``index`` of
-        this step's members receives: its share (the sharded optimizer's, one instance)."""
-        return ShardLayout(tuple(self.protocol.members), 1).range_of(self.protocol.members[index],
-                                                                     self.gradients.numel)
+    def shares(self) -> list[tuple[int, int]]:
+        """(Reduce-scattered) per member of this step's members, in order, the ``(start, end)`` of the flat
+        sum's gradients it receives: its share (the sharded optimizer's, one instance). Kept per members."""
+        members = tuple(self.protocol.members)
+        if self._shares[0] != members:
+            layout = ShardLayout(members, 1)
+            self._shares = (members, [layout.range_of(m, self.gradients.numel) for m in members])
+        return self._shares[1]
 
     def _scatter(self, bucket: int, local: torch.Tensor) -> tuple[dist.Work, torch.Tensor, torch.Tensor | None]:
         """Start ``bucket``'s reduce-scatter (its gradients; the last bucket's extras travel in the last exchange):
         each member's part of it lands in its share's buffer. The local sum is read, not written."""
         gradients = self.gradients
-        index = self.protocol.members.index(self.replica)
-        gradients.scatter = self.share(index)
+        index, shares = self.protocol.members.index(self.replica), self.shares()
+        gradients.scatter = shares[index]
         start, end = gradients.bounds[bucket][0], min(gradients.bounds[bucket][1], gradients.numel)
-        parts = [(min(max(lo, start), end), min(max(hi, start), end))
-                 for lo, hi in map(self.share, range(len(self.protocol.members)))]
+        parts = [(min(max(lo, start), end), min(max(hi, start), end)) for lo, hi in shares]
         wire = gradients.wire(bucket, local)
         source = local[start:end]
         if wire is not None:
