@@ -424,7 +424,8 @@ def test_reduce_scatter_equals_the_all_reduce_to_the_bit_and_each_rank_keeps_a_s
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.compat), torch.bfloat16],
+                         ids=["float32", "bfloat16"])  # (compat: gloo's uneven reduce-scatter on torch 2.8)
 def test_reduce_scatter_holds_at_most_115x_megatrons_bytes_per_parameter_at_dp4(tmp_path: Path,
                                                                                 dtype: torch.dtype) -> None:
     # Megatron-LM's table (its distributed optimizer, float32 gradients, Adam): 8 + 8/d with float32 parameters,
