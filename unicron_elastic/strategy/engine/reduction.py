@@ -82,7 +82,7 @@ class StepReduction:
         #: exchange of a reduce-scattered step (every share's).
         self.measure_norm = False
         #: Reduce-scatter the buckets (the distributed optimizer with one instance, TP = PP = 1): each member
-        #: receives its share of the flat sum (:meth:`share`); the last exchange carries the totals, the slots and
+        #: receives its share of the flat sum (:meth:`shares`); the last exchange carries the totals, the slots and
         #: the squared norm of every share.
         self.scatters = scatters
         #: This rank was asked to stop: sent in every exchange from now on.
