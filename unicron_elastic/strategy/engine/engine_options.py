@@ -97,7 +97,8 @@ class EngineOptions:
         reduce_scatter: (With ``optimizer_instances=1``, TP = PP = 1) reduce-scatter the gradient buckets, as
             megatron-core's distributed optimizer does: each member receives only its share's reduced sum (the
             local sums stay whole), the model's parameters get no ``.grad`` (the shares load the reduced share;
-            clip with :meth:`~unicron_elastic.strategy.engine.reduction.StepReduction.clip_grad_norm_`), and the
+            clip with :meth:`~unicron_elastic.strategy.engine.reduction.StepReduction.clip_grad_norm_`, with
+            ``measure_norm`` set), and the
             reduce buffer is a share (1/DP) of the flat sum. False: every member receives the whole reduced sum.
     """
 
