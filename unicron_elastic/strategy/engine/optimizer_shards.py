@@ -253,32 +253,38 @@ class OptimizerShards:
         self._refreshed = None  # (what this rank holds changed)
         for old in self.main:
             optimizer.state.pop(old, None)
-        main = [self._in_buffer(g, r, m) for g, (r, m) in enumerate(zip(held, main))]
+        buffer = self._backing()
+        main = [self._in_buffer(buffer, g, r, m) for g, (r, m) in enumerate(zip(held, main))]
         self.held, self.main = list(held), [torch.nn.Parameter(m, requires_grad=True) for m in main]
         for group, param, state in zip(optimizer.param_groups, self.main, states):
             group["params"] = [param]
             if state:
                 optimizer.state[param] = state
 
-    def _in_buffer(self, g: int, held: tuple[int, int], main: torch.Tensor) -> torch.Tensor:
-        """``main`` as the view of the model's parameters it equals, where :attr:`param_buffer` backs them and
-        group ``g``'s ``held`` is one run of it (its values copied into the parameters); else ``main``."""
-        view = self._view(g, *held)
+    def _in_buffer(self, buffer: ParamBuffer | None, g: int, held: tuple[int, int],
+                   main: torch.Tensor) -> torch.Tensor:
+        """``main`` as the view of the model's parameters it equals, where ``buffer`` (:meth:`_backing`) backs
+        them and group ``g``'s ``held`` is one run of it (its values copied into the parameters); else ``main``."""
+        view = self._view(buffer, g, *held)
         if view is None or main.numel() != view.numel():
             return main
         with torch.no_grad():
             view.copy_(main)
         return view
 
-    def _view(self, g: int, start: int, end: int) -> torch.Tensor | None:
-        """The param buffer's view of group ``g``'s ``[start, end)`` (None: no buffer backs the parameters, or
-        the range is empty or not one run of it)."""
+    def _backing(self) -> ParamBuffer | None:
+        """:attr:`param_buffer` while it backs every parameter (checked once per hold or gather); None from the
+        first time it does not."""
         buffer = self.param_buffer
-        if buffer is None or end <= start:
-            return None
-        if not buffer.backs():
+        if buffer is not None and not buffer.backs():
             log.warning("param_buffer_replaced", consequence="the shares copy the parameters from now on")
-            self.param_buffer = None
+            self.param_buffer = buffer = None
+        return buffer
+
+    def _view(self, buffer: ParamBuffer | None, g: int, start: int, end: int) -> torch.Tensor | None:
+        """``buffer``'s view of group ``g``'s ``[start, end)`` (None: no buffer, or the range is empty or not one
+        run of it)."""
+        if buffer is None or end <= start:
             return None
         return buffer.view(self.groups[g].flat_span(start, end))
 
@@ -502,11 +508,11 @@ class OptimizerShards:
         """Every parameter of the model set from the main parameter of the rank that holds it, then ``done()``
         (``overlap``: the pieces' broadcasts started; :attr:`overlapped` writes them and calls ``done()`` once all
         are written)."""
-        index, started = pg.rank(), []
+        index, started, buffer = pg.rank(), [], self._backing()
         for g, group in enumerate(self.groups):
             pieces = plan_pieces([h[g][:2] for h in held], group.numel)
             for n, piece in enumerate(pieces):
-                buf = in_place = self._view(g, piece.start, piece.end)  # (the parameters themselves)
+                buf = in_place = self._view(buffer, g, piece.start, piece.end)  # (the parameters themselves)
                 if buf is None and piece.source == index:
                     first = self.held[g][0]
                     buf = self.main[g].detach()[piece.start - first:piece.end - first].clone()
