@@ -325,10 +325,21 @@ POINTS = {"micro-batch": {}, "reduction": dict(bucket=2), "optimizer-step": dict
           "gather": dict(at="gather")}
 
 
-def _cases() -> list:
-    """Each point, a victim in each instance (ranks 0-1, 2-3); the default tier keeps the gather in instance 1."""
-    return [pytest.param(point, victim, id=f"{point}-{victim}",
-                         marks=() if (point, victim) == ("gather", 2) else pytest.mark.e2e)
+#: The victim the e2e tier kills at each point (the default tier: the gather's); the other instance's is in matrix.
+KILLED = {"micro-batch": 1, "reduction": 2, "optimizer-step": 1, "gather": 2}
+#: The victim the e2e tier restarts at each point: the other instance's than ``KILLED``'s (the rest in matrix).
+RESTARTED = {point: 3 - victim for point, victim in KILLED.items()}
+
+
+def _cases(chosen: dict[str, int], default: tuple[str, int] | None = None) -> list:
+    """Each point, a victim in each instance (ranks 0-1, 2-3): ``chosen``'s in e2e (``default``: in the default
+    tier), the other in matrix."""
+    def marks(point: str, victim: int) -> tuple:
+        if (point, victim) == default:
+            return ()
+        return (pytest.mark.e2e,) if chosen[point] == victim else (pytest.mark.matrix,)
+
+    return [pytest.param(point, victim, id=f"{point}-{victim}", marks=marks(point, victim))
             for point in POINTS for victim in (1, 2)]
 
 
@@ -339,7 +350,7 @@ def _fault(point: str, victim: int, step: int) -> Fault:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("point", "victim"), _cases())
+@pytest.mark.parametrize(("point", "victim"), _cases(KILLED, default=("gather", 2)))
 def test_a_rank_killed_anywhere_in_the_sharded_step_costs_no_other_rank_a_restart(tmp_path: Path, sharded_baseline,
                                                                                   point: str, victim: int) -> None:
     results = train(tmp_path, "--optimizer-instances", "2", faults=[_fault(point, victim, 1)])
@@ -474,9 +485,8 @@ def _restarted(log: str) -> list[int]:
     return sorted(e["rank"] for e in events if e.get("event") == "worker_restarted")
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("point", "victim"), [pytest.param(p, v, id=f"{p}-{v}") for p in POINTS for v in (1, 2)])
+@pytest.mark.parametrize(("point", "victim"), _cases(RESTARTED))
 def test_a_killed_rank_is_restarted_and_rejoins_with_its_share_from_the_other_instance(
         tmp_path: Path, unsharded_8_steps, point: str, victim: int) -> None:
     result = _unicron_run(tmp_path, [_fault(point, victim, 1)], REJOIN_STEPS, "--step-time", "0.3",
