@@ -64,11 +64,17 @@ ETCD_LAYOUT = Variable("UNICRON_ETCD_LAYOUT", "JSON list of the members' `name`,
 LOOPBACK_SLURM_NODE = Variable("UNICRON_LOOPBACK_SLURM_NODE", "`<slurm.conf>:<mark>`",
                                "`slurm/loopback.py` (a loopback slurmd's environment)",
                                "`slurm/loopback.py` (from `/proc/<pid>/environ`)")
+PRELOAD = Variable("UNICRON_PRELOAD", "`MODULE[,MODULE...]`, `auto` or `none` (default `auto`)", "the user, tests",
+                   "`launcher.py` (`--preload`'s default)")
+SPARES = Variable("UNICRON_SPARES", "int >= 0 (default 1)", "the user", "`launcher.py` (`--spares`' default)")
+ZYGOTE_ROOM = Variable("UNICRON_ZYGOTE_ROOM", "spaces", "the warm pool (for its zygote)",
+                       "nobody: it keeps room in `/proc/PID/environ` for a forked worker's environment")
 
 #: Every variable, in the order of docs/architecture.md's table.
 VARIABLES: tuple[Variable, ...] = (AGENT_SOCKET, MEETING, ETCD_PASSWORD, MAX_WORLD, INCARNATION, ROUND, WORKER_RESTARTS,
                                    FAULTS, FAULT_LOG, NODE_DAEMON, DAEMON_PID,
-                                   EVENT_RETENTION, ETCD_BINARY, LOG_LEVEL, ETCD_LAYOUT, LOOPBACK_SLURM_NODE)
+                                   EVENT_RETENTION, ETCD_BINARY, LOG_LEVEL, ETCD_LAYOUT, LOOPBACK_SLURM_NODE, PRELOAD,
+                                   SPARES, ZYGOTE_ROOM)
 
 
 def _text(variable: Variable) -> str | None:
@@ -266,3 +272,19 @@ def etcd_binary() -> str | None:
 def log_level(default: str = "INFO") -> str:
     """The log level the user named, else ``default``."""
     return os.environ.get(LOG_LEVEL.name, default)
+
+
+# -- the warm pool ---------------------------------------------------------------------------
+
+def preload(default: str) -> str:
+    """``--preload``'s default (:data:`PRELOAD`), ``default`` when unset or empty."""
+    return _text(PRELOAD) or default
+
+
+def spares(default: int) -> int:
+    """``--spares``' default (:data:`SPARES`).
+
+    Raises:
+        ConfigError: It is set and not a whole number >= 0.
+    """
+    return _int(SPARES, default, 0)

@@ -24,6 +24,7 @@ no etcd binary) and an unreachable etcd or a corrupt rendezvous state are one
 from __future__ import annotations
 
 import argparse
+import os
 import uuid
 from typing import Any
 
@@ -50,9 +51,13 @@ from unicron_elastic.agent.signals import (
     install_stop_signals,
     stop_signals_deferred,
 )
+from unicron_elastic import env
+from unicron_elastic.agent.warm.api import AUTO, DEFAULT_SPARES, OFF, WarmConfig
+from unicron_elastic.agent.warm.pool import WarmPool
 from unicron_elastic.api import ConfigError, EtcdBinaryNotFoundError, EtcdStartError
 from unicron_elastic.detection.hang import HangThresholds
 from unicron_elastic.detection.straggler import StragglerThresholds
+from unicron_elastic.env import PRELOAD, SPARES
 from unicron_elastic.logging import configure_logging
 from unicron_elastic.slurm.api import SlurmCommandError, SlurmJob
 from unicron_elastic.store.embedded import EmbeddedEtcd
@@ -107,6 +112,16 @@ def get_parser() -> argparse.ArgumentParser:
                             "the node daemon passes its own name)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics (events, actions, detection latency) on this port")
+    warm = parser.add_argument_group("warm workers (docs/agent.md)")
+    warm.add_argument("--preload", default=None,
+                      help="modules a zygote process imports once, from which every worker is forked "
+                           "(MODULE[,MODULE...]; 'auto': the installed packages the script imports at "
+                           f"its top level; 'none': off; default: ${PRELOAD.name}, else '{AUTO}')")
+    warm.add_argument("--no-preload", dest="preload", action="store_const", const=OFF,
+                      help="start every worker as a plain subprocess, as torchrun does")
+    warm.add_argument("--spares", type=int, default=None,
+                      help=f"workers forked ahead of need, each ready to take a lost rank's place at once "
+                           f"(default: ${SPARES.name}, else {DEFAULT_SPARES})")
     slurm = parser.add_argument_group("SLURM (docs/slurm.md)")
     slurm.add_argument("--slurm", action="store_true",
                        help="run as this node's task of a SLURM step (srun --ntasks-per-node=1 --no-kill "
@@ -129,8 +144,9 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     """The agent settings from ``unicron-run`` flags.
 
     Raises:
-        ConfigError: A threshold or bound is invalid, ``--node-ttl`` is < 1, or
-            ``--detectors`` is empty or names a detector no plugin provides.
+        ConfigError: A threshold or bound is invalid, ``--node-ttl`` is < 1,
+            ``--detectors`` is empty or names a detector no plugin provides, or
+            ``--preload`` or ``--spares`` (or their variables) are not valid.
     """
     config = AgentConfig(
         detectors=tuple(d.strip() for d in args.detectors.split(",") if d.strip()),
@@ -140,6 +156,8 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
         straggler=StragglerThresholds(factor=args.straggler_factor, window=args.straggler_window),
         ladder=LadderPolicy(args.max_reattempts, args.max_worker_restarts),
         node_ttl=args.node_ttl,
+        warm=WarmConfig.from_flag(args.preload if args.preload is not None else env.preload(AUTO),
+                                  spares=args.spares if args.spares is not None else env.spares(DEFAULT_SPARES)),
         **({"node": args.node_name} if args.node_name else {}),
     )
     make_detectors(config)  # unknown names fail now, before etcd or any worker starts
@@ -186,8 +204,6 @@ def _set_threads(args: argparse.Namespace) -> None:
     Raises:
         ConfigError: A bad ``SLURM_CPUS_PER_TASK`` or ``--nproc-per-node``.
     """
-    import os
-
     from torch.distributed.run import determine_local_world_size
 
     from unicron_elastic.slurm.api import threads_per_worker
@@ -206,8 +222,6 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 def _watch_slurm_node(job: SlurmJob, interval: float) -> None:
     """``--slurm``: leave at a step boundary (the leave signal to this process) when SLURM drains the node."""
-    import os
-
     from unicron_elastic.slurm.drain_watch import NodeWatch
 
     if interval > 0:
@@ -270,14 +284,20 @@ def launch(
         local_addr=config.local_addr,
         **_torch_compat.worker_spec_options(config),
     )
-    elastic_agent = UnicronAgent(
-        spec=spec,
-        config=agent,
-        logs_specs=config.logs_specs,
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=shutdown_timeout,
-    )
+    pool = _warm_pool(agent, entrypoint, args)
+    try:
+        elastic_agent = UnicronAgent(
+            spec=spec,
+            config=agent,
+            logs_specs=config.logs_specs,
+            start_method=config.start_method,
+            log_line_prefix_template=config.log_line_prefix_template,
+            shutdown_timeout=shutdown_timeout,
+        )
+    except BaseException:
+        _torch_compat.use_warm_pool(None)
+        pool.close()
+        raise
     shutdown_rdzv = True
     try:  # from here on the agent's temp dir exists: close() removes it, whatever happens
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
@@ -308,7 +328,25 @@ def launch(
             if shutdown_rdzv:
                 spec.rdzv_handler.shutdown()
         finally:
-            elastic_agent.close()
+            try:
+                elastic_agent.close()
+            finally:
+                _torch_compat.use_warm_pool(None)
+                pool.close()
+
+
+def _warm_pool(agent: AgentConfig | None, entrypoint: Any, args: list[str]) -> WarmPool:
+    """The node's warm pool, started (its zygote imports while the agent meets the others) and used by torch.
+
+    A callable entrypoint (workers started by multiprocessing, not as subprocesses) gets none.
+    """
+    config = agent.warm if agent is not None else WarmConfig()
+    if not isinstance(entrypoint, str):
+        config = WarmConfig(preload=())
+    pool = WarmPool(config, [entrypoint, *args] if isinstance(entrypoint, str) else [])
+    pool.start()
+    _torch_compat.use_warm_pool(pool)
+    return pool
 
 
 def _serve_metrics(port: int) -> None:

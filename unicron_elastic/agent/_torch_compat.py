@@ -28,6 +28,7 @@ has (a field, a parameter, a flag), never by its version string:
   disturbing the others: its fields are the same from 2.8 to 2.13, and the
   handler takes ``numa_options`` from 2.9 (:func:`respawn`);
 * the signal handler ``PContext.start()`` registers (:func:`use_signal_handler`).
+* the handler a ``SubprocessContext`` builds for each worker, from the warm pool (:func:`use_warm_pool`).
 
 ``tests/test_torch_compat.py`` pins each of these against the installed torch,
 and ``.ci/run`` runs the ``compat`` selection on the oldest supported release.
@@ -49,7 +50,6 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
-from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from unicron_elastic.api import ConfigError
 
@@ -130,6 +130,27 @@ def use_signal_handler(handler: Callable[[int, FrameType | None], None]) -> bool
     return True
 
 
+_PLAIN_HANDLER = _mp_api.get_subprocess_handler
+
+
+def use_warm_pool(pool: Any) -> None:
+    """Make torch's ``SubprocessContext`` (and :func:`respawn`) start workers through ``pool`` (None: as torch does).
+
+    torch's context builds each worker's handler by the module attribute ``get_subprocess_handler``
+    (the same from 2.8 to 2.13); a :class:`~unicron_elastic.agent.warm.handler.WarmSubprocessHandler`
+    takes its place.
+    """
+    if pool is None:
+        _mp_api.get_subprocess_handler = _PLAIN_HANDLER  # type: ignore[assignment]
+        return
+    from unicron_elastic.agent.warm.handler import WarmSubprocessHandler
+
+    def warm_handler(*args: Any, **kwargs: Any) -> Any:
+        return WarmSubprocessHandler(pool, *args, **kwargs)
+
+    _mp_api.get_subprocess_handler = warm_handler  # type: ignore[assignment]
+
+
 def supports_per_rank_restart(pcontext: PContext | None) -> bool:
     """True for script entrypoints (``SubprocessContext``), the ones we can respawn."""
     return isinstance(pcontext, SubprocessContext)
@@ -158,7 +179,7 @@ def respawn(pcontext: SubprocessContext, local_rank: int, env_update: dict[str, 
     env = dict(pcontext.envs[local_rank])
     env.update(env_update)
     pcontext.envs[local_rank] = env
-    handler = get_subprocess_handler(
+    handler = _mp_api.get_subprocess_handler(
         entrypoint=pcontext.entrypoint,  # type: ignore[arg-type]
         args=pcontext.args[local_rank],
         env=env,
@@ -175,6 +196,6 @@ def respawn(pcontext: SubprocessContext, local_rank: int, env_update: dict[str, 
 
 def _numa(pcontext: SubprocessContext) -> dict[str, Any]:
     """The context's NUMA binding for a respawned worker, where this torch has one (2.9+)."""
-    if "numa_options" not in inspect.signature(get_subprocess_handler).parameters:
+    if "numa_options" not in inspect.signature(_PLAIN_HANDLER).parameters:
         return {}
     return {"numa_options": getattr(pcontext, "_numa_options", None)}

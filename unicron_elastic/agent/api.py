@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from subprocess import Popen
 from typing import TYPE_CHECKING, Any, Protocol
 
+from unicron_elastic.agent.warm.api import WarmConfig
 from unicron_elastic.api import ConfigError, UnicronError
 from unicron_elastic.detection.hang import Finding, HangThresholds
 from unicron_elastic.detection.straggler import StragglerThresholds
@@ -126,6 +127,7 @@ class AgentConfig:
         ladder: Bounds of the escalation ladder.
         node_ttl: Lease TTL of the node in etcd (seconds).
         node: This node's name.
+        warm: How the workers are started: forked from a preloaded zygote, or plain subprocesses.
     """
 
     detectors: tuple[str, ...] = ALL_DETECTORS
@@ -134,6 +136,7 @@ class AgentConfig:
     ladder: LadderPolicy = field(default_factory=LadderPolicy)
     node_ttl: int = 2
     node: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    warm: WarmConfig = field(default_factory=WarmConfig)
 
     def __post_init__(self) -> None:
         """Refuse settings that would switch detection off silently.
