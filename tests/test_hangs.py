@@ -80,7 +80,21 @@ def _fired(out: Path) -> list[dict]:
 
 
 def _workers(launchers: list[subprocess.Popen]) -> set[int]:
-    return {pid for p in launchers for pid in process_tree(p.pid)}
+    return set().union(*(_rank_processes(p) for p in launchers))
+
+
+def _rank_processes(launcher: subprocess.Popen) -> set[int]:
+    """The processes below ``launcher`` that hold a rank (``RANK`` in their environment): not a spare of the warm
+    pool, which is forked ahead of need and holds none until it becomes a restarted rank."""
+    return {pid for pid in process_tree(launcher.pid)[1:] if _ranks_in(pid)}
+
+
+def _ranks_in(pid: int) -> set[int]:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return set()
+    return {int(v[5:]) for v in env if v.startswith(b"RANK=")}
 
 
 def _node_of(pid: int, launchers: list[subprocess.Popen]) -> int:
@@ -89,14 +103,7 @@ def _node_of(pid: int, launchers: list[subprocess.Popen]) -> int:
 
 def _ranks_of(launcher: subprocess.Popen) -> set[int]:
     """The ranks of the workers below ``launcher`` (their ``RANK``)."""
-    ranks = set()
-    for pid in process_tree(launcher.pid)[1:]:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ranks |= {int(v[5:]) for v in env if v.startswith(b"RANK=")}
-    return ranks
+    return set().union(*(_ranks_in(pid) for pid in process_tree(launcher.pid)[1:]))
 
 
 def _steps_done(out: Path, rank: int) -> int:
@@ -202,7 +209,7 @@ class Freeze:
 
     launcher: int
     ranks: set[int]
-    stale: set[int]  # its processes when it froze: the incarnation the group gave up
+    stale: set[int]  # its ranks' processes when it froze: the incarnation the group gave up
     resumed_at: float  # wall time of the SIGCONT
     log_offset: int  # bytes of its launcher's log at the SIGCONT (a frozen process writes nothing)
 
@@ -219,7 +226,7 @@ def _freeze_and_resume(out: Path, launchers: list[subprocess.Popen],
     _wait(lambda: _fired(out), launchers, "the freeze")
     frozen = _node_of(_fired(out)[0]["pid"], launchers)
     before = _workers(launchers)
-    stale = set(process_tree(launchers[frozen].pid))
+    stale = _rank_processes(launchers[frozen])
     ranks = [_ranks_of(p) for p in launchers]
     lost = set(ranks[frozen])
     if kill_rank is not None:

@@ -70,7 +70,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"api", "processes", "_lightning_hook", "_lazy"}),
     ("vocabulary", {"env", "events", "planner", "(root)"}),
     ("infrastructure", {"store", "detection", "coordinator.api", "worker", "logging", "faults"}),
-    ("contracts", {"agent.api", "rendezvous.api", "meeting", "cli_options", "slurm.api"}),
+    ("contracts", {"agent.api", "agent.warm.api", "rendezvous.api", "meeting", "cli_options", "slurm.api"}),
     ("services", {"rendezvous", "plugins", "strategy.snapshots", "slurm"}),
     ("engines", {"agent", "coordinator", "strategy.engine"}),
     ("runners", {"node", "coordinator.service", "sim", "launcher", "strategy.lightning"}),

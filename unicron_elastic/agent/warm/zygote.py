@@ -93,34 +93,47 @@ def fork_spare(spare_fd: int, control: socket.socket, prepare_cuda: bool) -> int
 
 def serve(control: socket.socket) -> None:
     """Fork a spare for each request until the agent's end closes."""
-    while True:
-        received = wire.receive(control)
-        if received is None:
-            return
+    while (received := _receive(control)) is not None:
         message, fds = received
         if message.get("op") != "fork" or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            wire.send(control, {"error": f"unknown request {message!r}"})
-            continue
-        try:
-            pid = fork_spare(fds[0], control, bool(message.get("prepare_cuda")))
-        except OSError as exc:
-            wire.send(control, {"error": f"fork failed: {exc}"})
-            continue
-        wire.send(control, {"pid": pid})
+            reply: dict[str, Any] = {"error": f"unknown request {message!r}"}
+        else:
+            try:
+                reply = {"pid": fork_spare(fds[0], control, bool(message.get("prepare_cuda")))}
+            except OSError as exc:
+                reply = {"error": f"fork failed: {exc}"}
+        if not _reply(control, reply):
+            return
+
+
+def _receive(control: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """The agent's next request; None once its end is closed (it ended, or died: a reset is the same)."""
+    try:
+        return wire.receive(control)
+    except OSError:
+        return None
+
+
+def _reply(control: socket.socket, message: dict[str, Any]) -> bool:
+    """Answer the agent; False if it is gone (a spare forked for it sees its own socket closed and ends)."""
+    try:
+        wire.send(control, message)
+    except OSError:
+        return False
+    return True
 
 
 def main(argv: list[str]) -> int:
     """Preload, report, serve; the exit code is 0 when the agent closed its end."""
     control = socket.socket(fileno=int(argv[1]))
     os.setsid()  # a Ctrl-C to the agent's terminal group does not reach it (torch's workers: the same)
-    received = wire.receive(control)
+    received = _receive(control)
     if received is None:
         return 0
     report = preload(list(received[0].get("preload", [])))
-    wire.send(control, report)
-    if report["ready"]:
+    if _reply(control, report) and report["ready"]:
         serve(control)
     return 0
 
