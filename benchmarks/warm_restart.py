@@ -7,7 +7,7 @@ the warm side with the pool (``--preload auto``, one spare), the cold side with 
 worker a plain subprocess, as torchrun starts it).
 
 * **Kill -> first step**: ``examples/elastic_dp_worker.py`` (float64 sums, a step every 0.1 s) on
-  ``--nproc`` ranks; rank 1 is SIGKILLed at step 5 (a fault); the figure is from the kill (its time in
+  ``--nproc`` ranks; rank 1 is SIGKILLed at step 5, right after its optimizer step (a fault); the figure is from the kill (its time in
   the fault log) to the end of the restarted process' first completed step (its report's
   ``finished_at``). Each run also checks that rank 0 was never restarted and that every rank's
   parameters equal a failure-free run's to the bit.
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from _targets import Verdicts, at_most  # (benchmarks/ is on the path: this script's folder)
+from unicron_elastic.faults import fail_at, faults_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = os.path.dirname(sys.executable)
@@ -58,8 +59,8 @@ def kill_to_first_step(side: str, nproc: int, out: Path, reference: Path | None)
         AssertionError: The run failed, rank 0 restarted, or the parameters differ from the failure-free run's.
     """
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    faults = [] if reference is None else [{"rank": 1, "step": KILLED_AT, "kind": "kill"}]
-    env.update(UNICRON_FAULTS=json.dumps(faults), UNICRON_FAULT_LOG=str(out / "faults.log"))
+    faults = [] if reference is None else [fail_at(rank=1, step=KILLED_AT, kind="kill", at="after_optimizer_step")]
+    env.update(faults_env(faults, str(out / "faults.log")))
     result = _launch(side, nproc, WORKER, ["--steps", str(STEPS), "--step-time", str(STEP_TIME), "--out", str(out),
                                            "--grad-dtype", "float64"], env)
     assert result.returncode == 0, result.stderr[-3000:]

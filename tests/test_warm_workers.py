@@ -91,13 +91,13 @@ def test_auto_preloads_the_installed_packages_the_script_imports(tmp_path: Path)
     (tmp_path / "mylocal.py").write_text("")
     (tmp_path / "train.py").write_text(
         "from __future__ import annotations\nimport json, os.path\nimport mylocal\nfrom . import sibling\n"
-        "from hypothesis import given\nimport structlog.testing as st\ntry:\n    import yaml\nexcept ImportError:\n"
+        "from hypothesis import given\nimport structlog.testing as st\nimport torch\ntry:\n    import yaml\nexcept ImportError:\n"
         "    pass\nif True:\n    import pytest\ndef f():\n    import rich\n")
     assert module_imports((tmp_path / "train.py").read_text()) == [
-        "__future__", "json", "os.path", "mylocal", "hypothesis", "structlog.testing", "yaml", "pytest"]
+        "__future__", "json", "os.path", "mylocal", "hypothesis", "structlog.testing", "torch", "yaml", "pytest"]
     chosen = auto_preload(PythonCommand("train.py", None, (), True), str(tmp_path))
     yaml = ("yaml",) if importlib.util.find_spec("yaml") else ()
-    assert chosen == ("hypothesis", "structlog.testing", *yaml, "pytest")
+    assert chosen == ("hypothesis", "structlog.testing", "torch", "torch._dynamo", *yaml, "pytest")
     assert auto_preload(PythonCommand("missing.py", None, (), True), str(tmp_path)) == ()
 
 
