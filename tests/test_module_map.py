@@ -69,8 +69,8 @@ def import_graph() -> dict[str, set[str]]:
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"api", "processes", "_lightning_hook", "_lazy"}),
     ("vocabulary", {"env", "events", "planner", "(root)"}),
-    ("infrastructure", {"store", "detection", "coordinator.api", "worker", "logging", "faults"}),
-    ("contracts", {"agent.api", "agent.warm.api", "rendezvous.api", "meeting", "cli_options", "slurm.api"}),
+    ("infrastructure", {"store", "detection", "coordinator.api", "worker", "logging", "faults", "agent.warm.api"}),
+    ("contracts", {"agent.api", "rendezvous.api", "meeting", "cli_options", "slurm.api"}),
     ("services", {"rendezvous", "plugins", "strategy.snapshots", "slurm"}),
     ("engines", {"agent", "coordinator", "strategy.engine"}),
     ("runners", {"node", "coordinator.service", "sim", "launcher", "strategy.lightning"}),

@@ -298,3 +298,31 @@ def _alive_anywhere(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.compat
+def test_torchs_process_context_starts_its_workers_from_the_pool(tmp_path: Path) -> None:
+    # The seam (_torch_compat.use_warm_pool): torch's SubprocessContext builds each handler through the module
+    # attribute the pool replaces; its worker is then a WarmProcess, and torch reads its result as a Popen's.
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+    from unicron_elastic.agent import _torch_compat
+    from unicron_elastic.agent.warm.process import WarmProcess
+
+    pool = WarmPool(WarmConfig(preload=("json",)), [PY, "-u", PROBE, "0"])  # (here: its environment is the test's)
+    pool.start()
+    _torch_compat.use_warm_pool(pool)
+    try:
+        context = start_processes(
+            name="warm", entrypoint=PY, args={0: ("-u", PROBE, "0"), 1: ("-u", PROBE, "3")},
+            envs={0: {"RANK": "0"}, 1: {"RANK": "1"}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path), redirects=Std.ALL))
+        assert all(isinstance(h.proc, WarmProcess) for h in context.subprocess_handlers.values())
+        result = wait_for(lambda: context.wait(0), 60, why="the workers did not end")
+        assert result.failures[1].exitcode == 3 and 0 not in result.failures
+        context.close()
+    finally:
+        _torch_compat.use_warm_pool(None)
+        pool.close()
+    stdout = next(tmp_path.rglob("0/stdout.log")).read_text().splitlines()
+    assert json.loads(stdout[0])["env"]["RANK"] == "0" and stdout[1] == "atexit ran"

@@ -7,6 +7,7 @@ from subprocess import Popen
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+from typing_extensions import override
 
 from unicron_elastic.agent.warm.pool import WarmPool
 
@@ -27,6 +28,7 @@ class WarmSubprocessHandler(SubprocessHandler):
         self._pool = pool
         super().__init__(*args, **kwargs)
 
+    @override
     def _popen(self, args: tuple, env: dict[str, str]) -> Popen:
         stdout = self._stdout.fileno() if self._stdout else sys.stdout.fileno()
         stderr = self._stderr.fileno() if self._stderr else sys.stderr.fileno()
