@@ -10,7 +10,8 @@ worker a plain subprocess, as torchrun starts it).
   ``examples/elastic_dp_worker.py`` (the engine; rank 1 SIGKILLed at step 5, right after its
   optimizer step) and ``examples/lightning_gpt.py`` (Lightning's Trainer with ``unicron_megatron``;
   rank 1 SIGKILLed at step 5, before its first bucket's all-reduce; the survivors wait for a joiner
-  before step 35, so that a slow restart still rejoins). The figure is from the kill (its time in
+  before step 35, so that a slow restart still rejoins), and the same with ``--megatron`` (its GPT built
+  from megatron-core's parallel layers). The figure is from the kill (its time in
   the fault log) to the end of the restarted process' first completed step. Each run also checks
   that rank 0 was never restarted and that every rank's parameters equal a failure-free run's to the bit.
 * **Start N workers**: ``examples/allreduce.py`` on ``--start-nproc`` ranks, the launcher's wall time.
@@ -63,6 +64,10 @@ EXAMPLES = {
                   ["--steps", "40", "--step-time", str(STEP_TIME), "--record-times", "--snapshot-every", "1",
                    "--hold-for-joiner", "35"],
                   dict(bucket=0), _lightning_steps),
+    "megatron": (ROOT / "examples" / "lightning_gpt.py",
+                 ["--megatron", "--steps", "40", "--step-time", str(STEP_TIME), "--record-times", "--snapshot-every",
+                  "1", "--hold-for-joiner", "35"],
+                 dict(bucket=0), _lightning_steps),
 }
 
 
@@ -119,7 +124,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--start-nproc", type=int, default=4)
-    parser.add_argument("--examples", default="engine,lightning", help="of: " + ", ".join(EXAMPLES))
+    parser.add_argument("--examples", default=",".join(EXAMPLES), help="of: " + ", ".join(EXAMPLES))
     args = parser.parse_args()
     verdicts = Verdicts()
     kill = {(example, side): [] for example in EXAMPLES for side in SIDES}

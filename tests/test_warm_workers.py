@@ -326,3 +326,22 @@ def test_torchs_process_context_starts_its_workers_from_the_pool(tmp_path: Path)
         pool.close()
     stdout = next(tmp_path.rglob("0/stdout.log")).read_text().splitlines()
     assert json.loads(stdout[0])["env"]["RANK"] == "0" and stdout[1] == "atexit ran"
+
+
+def test_what_a_worker_imported_after_it_started_is_preloaded_next_time(tmp_path: Path, monkeypatch) -> None:
+    # --preload auto: a forked worker that ends records the modules it imported beyond its zygote's (here
+    # `decimal`, imported inside main); the next pool for the same script preloads them.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    script = tmp_path / "late.py"
+    script.write_text("import json\nif __name__ == '__main__':\n    import decimal\n    print(decimal.Decimal(1))\n")
+    for _ in range(2):
+        warm = WarmPool(WarmConfig(), [PY, "-u", str(script)])
+        warm.start()
+        try:
+            proc = warm.spawn([PY, "-u", str(script)], warm.environment, 1, 2)
+            assert proc is not None and proc.wait(30) == 0
+            preloaded = warm.preloaded
+        finally:
+            warm.close()
+    assert "decimal" in preloaded and "__main__" not in preloaded
+    assert [p.suffix for p in (tmp_path / "cache" / "unicron" / "warm").iterdir()] == [".json"]

@@ -20,10 +20,11 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
-from unicron_elastic.agent.warm import wire
+from unicron_elastic.agent.warm import learned, wire
 from unicron_elastic.agent.warm.api import AUTO, WarmConfig, WarmPoolError
 from unicron_elastic.agent.warm.command import (
     ROOM_HEADER,
@@ -84,6 +85,8 @@ class WarmPool:
         self._started_at = 0.0
         self._said: set[str] = set()
         self._room = (0, 0)
+        self._named: set[str] = set()
+        self._learn: Path | None = None  # (auto: where workers record what they imported)
         self.preloaded: tuple[str, ...] = ()
 
     @property
@@ -132,12 +135,17 @@ class WarmPool:
         self._control, self._state, self.preloaded = ours, PoolState.STARTING, names
 
     def _preload_names(self, command: PythonCommand | str) -> tuple[str, ...]:
-        """``--preload``'s modules, ``auto`` replaced by what :func:`auto_preload` finds."""
+        """``--preload``'s modules, ``auto`` replaced by what :func:`auto_preload` finds and what workers of this
+        script imported after they started (:mod:`~unicron_elastic.agent.warm.learned`)."""
         names: list[str] = []
         for name in self._config.preload:
-            if name == AUTO:
-                names += auto_preload(command, os.getcwd()) if isinstance(command, PythonCommand) else []
-            else:
+            if name == AUTO and isinstance(command, PythonCommand):
+                found = auto_preload(command, os.getcwd())
+                self._named.update(found)
+                self._learn = learned.cache_path(command.script, command.module, os.getcwd())
+                names += [*found, *learned.read(self._learn)]
+            elif name != AUTO:
+                self._named.add(name)
                 names.append(name)
         return tuple(dict.fromkeys(names))
 
@@ -173,7 +181,8 @@ class WarmPool:
         """Give a spare (or a fresh fork) the worker's command, then fork spares up to ``spares``."""
         fits = self._env.get("CUDA_VISIBLE_DEVICES") == env.get("CUDA_VISIBLE_DEVICES")
         message = {"cwd": os.getcwd(), "env": dict(env), "script": command.script, "module": command.module,
-                   "args": list(command.args), "unbuffered": command.unbuffered, "orig_argv": list(args)}
+                   "args": list(command.args), "unbuffered": command.unbuffered, "orig_argv": list(args),
+                   "learn": str(self._learn) if self._learn is not None else None}
         while True:
             spare = self._take_spare(fits)
             try:
@@ -233,10 +242,14 @@ class WarmPool:
             return self._off(f"the zygote exited while importing (exit code {self._zygote_code()})")
         report = reply[0]
         if not report.get("ready"):
+            if self._learn is not None:  # (a learned module may be the unsafe one: the next zygote learns afresh)
+                self._learn.unlink(missing_ok=True)
             return self._off(f"a fork of the preloaded interpreter is not safe: {report.get('reason')}")
         self._state = PoolState.READY
-        log.info("warm_workers_ready", preloaded=list(report.get("imported", [])),
-                 skipped=report.get("skipped") or {}, spares=self._config.spares,
+        imported, skipped = list(report.get("imported", [])), dict(report.get("skipped") or {})
+        log.info("warm_workers_ready", preloaded=len(imported), named=[n for n in imported if n in self._named],
+                 skipped=len(skipped), skipped_named={n: e for n, e in skipped.items() if n in self._named},
+                 spares=self._config.spares,
                  import_s=round(time.monotonic() - self._started_at, 2))
         try:
             self._refill()

@@ -25,9 +25,11 @@ import traceback
 import types
 from types import TracebackType
 import zipfile
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
-from unicron_elastic.agent.warm import wire
+from unicron_elastic.agent.warm import learned, wire
 from unicron_elastic.agent.warm.command import ROOM_HEADER, PythonCommand, argv_block, env_block, proc_image
 
 #: Signals a fresh CPython ignores at start-up (all others: the default, SIGINT: KeyboardInterrupt).
@@ -46,11 +48,14 @@ def serve(sock: socket.socket, prepare_cuda: bool) -> NoReturn:
     if received is None:
         os._exit(0)
     message, fds = received
+    preloaded = set(sys.modules)
     try:
         command = _setup(message, fds)
     finally:
         sock.close()
-    run(command)
+    learn = message.get("learn")
+    run(command, (lambda: learned.record(Path(learn), sorted(set(sys.modules) - preloaded),
+                                         command.sys_path0(message["cwd"]))) if learn else None)
 
 
 def _initialise_cuda() -> None:
@@ -125,8 +130,8 @@ def _fresh_stdio(unbuffered: bool) -> None:
     sys.stderr = sys.__stderr__ = stream(2, "backslashreplace", not unbuffered)  # (3.9+: stderr line-buffered)
 
 
-def run(command: PythonCommand) -> NoReturn:
-    """Run the command as ``__main__``, then end as the interpreter ends."""
+def run(command: PythonCommand, on_end: Callable[[], None] | None = None) -> NoReturn:
+    """Run the command as ``__main__``, then end as the interpreter ends (``on_end`` first, if it ended by itself)."""
     interrupted = False
     try:
         if command.script is not None:
@@ -143,6 +148,11 @@ def run(command: PythonCommand) -> NoReturn:
         exc = exc.with_traceback(_user_frames(exc))  # (the hook prints the exception's own traceback)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         code = 1
+    if on_end is not None:
+        try:
+            on_end()
+        except Exception:  # noqa: BLE001 - learning what to preload must never change how the worker ends
+            pass
     _finalise()
     if interrupted:  # (CPython: killed by SIGINT, so that the parent sees the interrupt)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
