@@ -293,6 +293,7 @@ def launch(
             start_method=config.start_method,
             log_line_prefix_template=config.log_line_prefix_template,
             shutdown_timeout=shutdown_timeout,
+            warm_pool=pool,
         )
     except BaseException:
         _torch_compat.use_warm_pool(None)

@@ -62,6 +62,7 @@ from unicron_elastic.agent.signals import (
     signal_for_workers,
     stop_signals_deferred,
 )
+from unicron_elastic.agent.warm.pool import WarmPool
 from unicron_elastic.api import ConfigError, StoreError
 from unicron_elastic.detection.hang import Finding
 from unicron_elastic.env import (
@@ -137,6 +138,7 @@ class UnicronAgent(LocalElasticAgent):
 
     Args:
         config: The agent settings (default: ``AgentConfig()``).
+        warm_pool: The node's warm pool (its workers forked from a zygote), waited for before workers start.
         shutdown_timeout: Seconds the workers get after the stop signal, on every stop of the workers (a
             restart's included) and whatever the torch release.
 
@@ -152,7 +154,8 @@ class UnicronAgent(LocalElasticAgent):
     """
 
     def __init__(self, *args: Any, config: AgentConfig | None = None,
-                 shutdown_timeout: int = _torch_compat.DEFAULT_SHUTDOWN_TIMEOUT_S, **kwargs: Any) -> None:
+                 shutdown_timeout: int = _torch_compat.DEFAULT_SHUTDOWN_TIMEOUT_S, warm_pool: WarmPool | None = None,
+                 **kwargs: Any) -> None:
         if _torch_compat.agent_takes_shutdown_timeout():
             kwargs["shutdown_timeout"] = shutdown_timeout
         super().__init__(*args, **kwargs)
@@ -160,6 +163,7 @@ class UnicronAgent(LocalElasticAgent):
         self.config = config or AgentConfig()
         self.node = self.config.node
         self.rendezvous_count = 0
+        self._warm_pool = warm_pool
         handler = self._worker_group.spec.rdzv_handler
         self._lock = threading.RLock()
         self._lifecycle = Lifecycle()
@@ -363,6 +367,8 @@ class UnicronAgent(LocalElasticAgent):
             torch's ids of the workers by local rank.
         """
         set_group_start(self.node, self.rendezvous_count)
+        if self._warm_pool is not None:  # (the zygote's imports: a stop signal may still cut this wait short)
+            self._warm_pool.await_ready()
         # A stop signal that arrives now is raised once torch recorded every worker, so that it stops them all.
         with stop_signals_deferred():
             ids = super()._start_workers(worker_group)

@@ -149,6 +149,16 @@ class WarmPool:
                 names.append(name)
         return tuple(dict.fromkeys(names))
 
+    def await_ready(self) -> None:
+        """Wait for the zygote's imports (a no-op once they are done or the pool is off).
+
+        The agent calls it before torch starts the workers, where a stop signal still interrupts the wait
+        (torch's start defers it).
+        """
+        with self._lock:
+            if self._state is PoolState.STARTING:
+                self._await_ready()
+
     def spawn(self, args: Sequence[str], env: Mapping[str, str], stdout: int, stderr: int) -> WarmProcess | None:
         """Start the worker torch would start with ``Popen(args, env=env)``, its stdout and stderr on the fds given.
 
@@ -192,7 +202,10 @@ class WarmPool:
                 continue
             spare.sock.close()
             break
-        self._refill()
+        try:
+            self._refill()
+        except (OSError, WarmPoolError) as exc:  # (this worker runs: only the next ones are plain subprocesses)
+            self._off(f"the zygote stopped answering: {exc}")
         return WarmProcess(spare.pid, args)
 
     def _take_spare(self, fits: bool) -> _Spare:
