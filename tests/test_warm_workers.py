@@ -91,8 +91,9 @@ def test_auto_preloads_the_installed_packages_the_script_imports(tmp_path: Path)
     (tmp_path / "mylocal.py").write_text("")
     (tmp_path / "train.py").write_text(
         "from __future__ import annotations\nimport json, os.path\nimport mylocal\nfrom . import sibling\n"
-        "from hypothesis import given\nimport structlog.testing as st\nimport torch\ntry:\n    import yaml\nexcept ImportError:\n"
-        "    pass\nif True:\n    import pytest\ndef f():\n    import rich\n")
+        "from hypothesis import given\nimport structlog.testing as st\nimport torch\n"
+        "try:\n    import yaml\nexcept ImportError:\n    pass\nif True:\n    import pytest\n"
+        "def f():\n    import rich\n")
     assert module_imports((tmp_path / "train.py").read_text()) == [
         "__future__", "json", "os.path", "mylocal", "hypothesis", "structlog.testing", "torch", "yaml", "pytest"]
     chosen = auto_preload(PythonCommand("train.py", None, (), True), str(tmp_path))

@@ -1,4 +1,4 @@
-"""``WarmPool``: the agent's side of the zygote, which forks the workers from an interpreter that imported their modules.
+"""``WarmPool``: the agent's side of the zygote, which forks workers from an interpreter that imported their modules.
 
 The pool starts the zygote when the agent starts (its imports overlap the rendezvous), keeps
 ``spares`` workers forked ahead of need, and hands one its worker's command when torch starts a

@@ -51,6 +51,10 @@ def serve(sock: socket.socket, prepare_cuda: bool) -> NoReturn:
     preloaded = set(sys.modules)
     try:
         command = _setup(message, fds)
+    except BaseException:  # noqa: BLE001 - the worker did not start: said on its stderr, exit 1 (a failed start)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         sock.close()
     learn = message.get("learn")
@@ -93,14 +97,17 @@ def _retitle(argv: list[str], env: dict[str, str]) -> None:
     ``/proc/PID/stat`` (fields 48 to 51); the pool made them large enough. The command line's rest
     is NULs; the environment's rest is one ``UNICRON_ZYGOTE_ROOM`` of spaces.
     """
-    with open("/proc/self/stat", "rb") as file:
-        fields = file.read().rsplit(b")", 1)[1].split()
-    arg_start, arg_end, env_start, env_end = (int(f) for f in fields[45:49])  # (fields 48-51; field 3 is [0])
-    with open("/proc/self/mem", "r+b", buffering=0) as mem:
-        for start, image in ((arg_start, proc_image(argv_block(argv), arg_end - arg_start)),
-                             (env_start, proc_image(env_block(env), env_end - env_start, ROOM_HEADER))):
-            mem.seek(start)
-            mem.write(image)
+    try:
+        with open("/proc/self/stat", "rb") as file:
+            fields = file.read().rsplit(b")", 1)[1].split()
+        arg_start, arg_end, env_start, env_end = (int(f) for f in fields[45:49])  # (fields 48-51; field 3 is [0])
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            for start, image in ((arg_start, proc_image(argv_block(argv), arg_end - arg_start)),
+                                 (env_start, proc_image(env_block(env), env_end - env_start, ROOM_HEADER))):
+                mem.seek(start)
+                mem.write(image)
+    except (OSError, ValueError) as exc:  # (a kernel that refuses: the worker runs, ps shows the zygote's line)
+        print(f"unicron warm worker: /proc shows the zygote's command line and environment ({exc})", file=sys.stderr)
 
 
 def _fresh_signals() -> None:

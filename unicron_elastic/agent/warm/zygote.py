@@ -77,7 +77,10 @@ def fork_spare(spare_fd: int, control: socket.socket, prepare_cuda: bool) -> int
             if child == 0:
                 os.close(write_end)
                 control.close()
-                spare.serve(socket.socket(fileno=spare_fd), prepare_cuda)  # never returns
+                try:
+                    spare.serve(socket.socket(fileno=spare_fd), prepare_cuda)  # never returns
+                finally:
+                    os._exit(1)  # (never back into the zygote's loop)
             os.write(write_end, struct.pack("!i", child))
         finally:
             os._exit(0)
