@@ -341,6 +341,25 @@ def test_a_stale_checkpoint_writer_never_marks_an_older_step_latest(tmp_path: Pa
     assert new.latest_step() == 7 and same(new.load(), {"model": {"w": torch.ones(2)}, "step": 7})
 
 
+def test_a_writer_frozen_between_its_check_and_its_mark_gives_the_mark_back(tmp_path: Path, monkeypatch,
+                                                                            capture_log) -> None:
+    """Its check passed before the freeze (step 4 was the newest); resumed after step 7 was saved, it marks step 5,
+    finds the newer checkpoint and marks that one again: ``latest`` ends on step 7, and it says so."""
+    from unicron_elastic.strategy.snapshots import tiers
+
+    logs = capture_log(tiers)
+    new, stale = DiskCheckpoints(tmp_path, every=1, keep=3), DiskCheckpoints(tmp_path, every=1, keep=3)
+    new.save(7, {"model": {"w": torch.ones(2)}, "step": 7})
+    new.wait()
+    monkeypatch.setattr(stale, "latest_step", lambda: 4)
+    stale.save(5, {"model": {"w": torch.zeros(2)}, "step": 5})
+    stale.wait()
+    assert new.latest_step() == 7 and same(new.load(), {"model": {"w": torch.ones(2)}, "step": 7})
+    said = [(e["event"], e["step"]) for e in logs.entries if e["event"].startswith("checkpoint_")]
+    assert said == [("checkpoint_saved", 7), ("checkpoint_stale_not_marked", 5)]
+    assert not list(tmp_path.glob("latest*.tmp"))
+
+
 def _engines(store: dist.Store, **kwargs: Any) -> ElasticDataParallel:
     torch.manual_seed(kwargs.pop("seed", 0))
     model = torch.nn.Linear(4, 2)

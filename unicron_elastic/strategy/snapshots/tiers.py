@@ -314,9 +314,12 @@ class DiskCheckpoints:
         if newest is not None and newest > step:  # a writer resumed after a freeze: the step fences it
             log.warning("checkpoint_stale_not_marked", step=step, latest=newest, path=str(path))
             return
-        tmp = self.directory / "latest.tmp"
-        tmp.write_text(json.dumps({"step": step, "path": path.name}))
-        os.replace(tmp, self.directory / "latest")
+        self._mark(step, path)
+        newer = self._newer_files(step)
+        if newer:  # frozen between the check and the mark, resumed after newer ones were saved: mark back
+            self._mark(max(newer), newer[max(newer)])
+            log.warning("checkpoint_stale_not_marked", step=step, latest=max(newer), path=str(path))
+            return
         log.info("checkpoint_saved", step=step, path=str(path))
         for old in sorted(self.directory.glob("step-*"))[: -self.keep]:
             if old.is_dir():  # written by torch.distributed.checkpoint (an earlier unicron)
@@ -340,6 +343,21 @@ class DiskCheckpoints:
             return newest_common_step({shard: self._shard_files(shard) for shard in self.shards}, self.shards)
         latest = self._latest()
         return None if latest is None else latest[0]
+
+    def _mark(self, step: int, path: Path) -> None:
+        """Point ``latest`` at ``path`` (atomically; each process through a file of its own)."""
+        tmp = self.directory / f"latest.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"step": step, "path": path.name}))
+        os.replace(tmp, self.directory / "latest")
+
+    def _newer_files(self, step: int) -> dict[int, Path]:
+        """``step -> path`` of the complete (unsharded) checkpoints of steps after ``step``."""
+        found = {}
+        for path in self.directory.glob("step-*.state"):
+            match = re.fullmatch(r"step-(\d{8,})\.state", path.name)
+            if match and int(match.group(1)) > step:
+                found[int(match.group(1))] = path
+        return found
 
     def _shard_files(self, shard: str) -> dict[int, Path]:
         """``step -> path`` of the complete checkpoints of one shard."""
