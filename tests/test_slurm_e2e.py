@@ -333,7 +333,9 @@ def test_a_node_drained_while_its_worker_restarts_leaves_with_exit_0(
     from unicron_elastic.testing import fail_at, faults_env
 
     out, cluster = tmp_path / "out", "slurm-drain-restart"
-    job = submit(slurm, out, *TRAIN, run_flags=f"--slurm-poll=0.5 --rdzv-conf=cluster={cluster}",
+    # Plain subprocesses: the drain must land while the worker restarts, which takes seconds cold; a warm
+    # worker is back in 0.03 s and rejoins before the drain is seen.
+    job = submit(slurm, out, *TRAIN, run_flags=f"--slurm-poll=0.5 --rdzv-conf=cluster={cluster} --no-preload",
                  UNICRON_ETCD=etcd.endpoint, **faults_env([fail_at(rank=2, step=4, bucket=0)],
                                                           str(out / "faults.log")))
     wait_for(lambda: (out / "faults.log").exists() and (out / "faults.log").read_text().strip(), 300,

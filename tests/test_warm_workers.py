@@ -253,7 +253,8 @@ def test_an_agent_killed_alone_takes_its_zygote_and_spares_with_it(tmp_path: Pat
     # workers, in sessions of their own, run on as torchrun's do (kill_node takes the whole tree).
     env = dict(os.environ, TMPDIR=str(tmp_path))
     hold = tmp_path / "hold"
-    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", "--spares=2", "--log-format=json",
+    cmd = [os.path.join(BIN, "unicron-run"), "--standalone", "--nproc-per-node=2", "--preload=auto", "--spares=2",
+           "--log-format=json",
            PY_SLEEPER, str(hold)]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:

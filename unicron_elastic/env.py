@@ -64,7 +64,7 @@ ETCD_LAYOUT = Variable("UNICRON_ETCD_LAYOUT", "JSON list of the members' `name`,
 LOOPBACK_SLURM_NODE = Variable("UNICRON_LOOPBACK_SLURM_NODE", "`<slurm.conf>:<mark>`",
                                "`slurm/loopback.py` (a loopback slurmd's environment)",
                                "`slurm/loopback.py` (from `/proc/<pid>/environ`)")
-PRELOAD = Variable("UNICRON_PRELOAD", "`MODULE[,MODULE...]`, `auto` or `none` (default `auto`)", "the user, tests",
+PRELOAD = Variable("UNICRON_PRELOAD", "`MODULE[,MODULE...]`, `auto` or `none` (default `none`)", "the user, tests",
                    "`launcher.py` (`--preload`'s default)")
 SPARES = Variable("UNICRON_SPARES", "int >= 0 (default 1)", "the user", "`launcher.py` (`--spares`' default)")
 ZYGOTE_ROOM = Variable("UNICRON_ZYGOTE_ROOM", "spaces", "the warm pool (for its zygote)",

@@ -52,7 +52,7 @@ from unicron_elastic.agent.signals import (
     stop_signals_deferred,
 )
 from unicron_elastic import env
-from unicron_elastic.agent.warm.api import AUTO, DEFAULT_SPARES, OFF, WarmConfig
+from unicron_elastic.agent.warm.api import DEFAULT_SPARES, OFF, WarmConfig
 from unicron_elastic.agent.warm.pool import WarmPool
 from unicron_elastic.api import ConfigError, EtcdBinaryNotFoundError, EtcdStartError
 from unicron_elastic.detection.hang import HangThresholds
@@ -116,7 +116,7 @@ def get_parser() -> argparse.ArgumentParser:
     warm.add_argument("--preload", default=None,
                       help="modules a zygote process imports once, from which every worker is forked "
                            "(MODULE[,MODULE...]; 'auto': the installed packages the script imports at "
-                           f"its top level; 'none': off; default: ${PRELOAD.name}, else '{AUTO}')")
+                           f"its top level; 'none': off; default: ${PRELOAD.name}, else '{OFF}')")
     warm.add_argument("--no-preload", dest="preload", action="store_const", const=OFF,
                       help="start every worker as a plain subprocess, as torchrun does")
     warm.add_argument("--spares", type=int, default=None,
@@ -156,7 +156,7 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
         straggler=StragglerThresholds(factor=args.straggler_factor, window=args.straggler_window),
         ladder=LadderPolicy(args.max_reattempts, args.max_worker_restarts),
         node_ttl=args.node_ttl,
-        warm=WarmConfig.from_flag(args.preload if args.preload is not None else env.preload(AUTO),
+        warm=WarmConfig.from_flag(args.preload if args.preload is not None else env.preload(OFF),
                                   spares=args.spares if args.spares is not None else env.spares(DEFAULT_SPARES)),
         **({"node": args.node_name} if args.node_name else {}),
     )
@@ -341,7 +341,7 @@ def _warm_pool(agent: AgentConfig | None, entrypoint: Any, args: list[str]) -> W
 
     A callable entrypoint (workers started by multiprocessing, not as subprocesses) gets none.
     """
-    config = agent.warm if agent is not None else WarmConfig()
+    config = agent.warm if agent is not None else WarmConfig(preload=())
     if not isinstance(entrypoint, str):
         config = WarmConfig(preload=())
     pool = WarmPool(config, [entrypoint, *args] if isinstance(entrypoint, str) else [])

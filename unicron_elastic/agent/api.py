@@ -136,7 +136,7 @@ class AgentConfig:
     ladder: LadderPolicy = field(default_factory=LadderPolicy)
     node_ttl: int = 2
     node: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    warm: WarmConfig = field(default_factory=WarmConfig)
+    warm: WarmConfig = field(default_factory=lambda: WarmConfig(preload=()))  # (opt-in: --preload auto)
 
     def __post_init__(self) -> None:
         """Refuse settings that would switch detection off silently.
